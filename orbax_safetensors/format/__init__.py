@@ -1,0 +1,21 @@
+"""Layer 1: the safetensors file format and nothing else (no JAX, no I/O)."""
+
+from orbax_safetensors.format.dtypes import DTYPES, DType, dtype_for_numpy, from_bytes, to_bytes
+from orbax_safetensors.format.header import (
+    MAX_HEADER_SIZE,
+    METADATA_KEY,
+    PREFIX_SIZE,
+    Header,
+    TensorInfo,
+    header_size,
+    parse_file_bytes,
+    parse_header,
+    reject_duplicate_keys,
+    serialize_header,
+)
+
+__all__ = [
+    "DTYPES", "DType", "dtype_for_numpy", "from_bytes", "to_bytes",
+    "MAX_HEADER_SIZE", "METADATA_KEY", "PREFIX_SIZE", "Header", "TensorInfo",
+    "header_size", "parse_file_bytes", "parse_header", "reject_duplicate_keys", "serialize_header",
+]

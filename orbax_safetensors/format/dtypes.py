@@ -1,0 +1,122 @@
+"""The dtype table of the safetensors spec, mapped onto numpy via ``ml_dtypes``.
+
+Every dtype the current spec defines is here, including the sub-byte ones.
+In memory, ``ml_dtypes`` keeps one F4/F6 value per byte; on disk the spec packs
+them densely. We pack them as a little-endian bit stream (value ``k`` occupies
+bits ``[k*b, (k+1)*b)`` counting from the least significant bit of byte 0), which
+for F4 is the "low nibble first" order torch's ``float4_e2m1fn_x2`` uses. A
+tensor of a sub-byte dtype must hold a whole number of bytes, exactly as the
+Rust crate demands; anything else is a misaligned slice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import ml_dtypes
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class DType:
+    """One safetensors dtype: its header code, its width and its numpy type."""
+
+    code: str
+    bits: int
+    numpy: np.dtype
+
+    @property
+    def is_packed(self) -> bool:
+        """Whether several values share a byte on disk (F4, F6_*)."""
+        return self.bits < 8
+
+    def nbytes(self, shape: Sequence[int]) -> int:
+        """On-disk size of a tensor of ``shape``; ValueError if not whole bytes."""
+        nbits = math.prod(shape) * self.bits
+        if nbits % 8:
+            raise ValueError(
+                f"{math.prod(shape)} values of {self.code} ({self.bits} bits each) "
+                "do not fill a whole number of bytes"
+            )
+        return nbits // 8
+
+
+_TABLE = (
+    DType("BOOL", 8, np.dtype(np.bool_)),
+    DType("U8", 8, np.dtype(np.uint8)),
+    DType("I8", 8, np.dtype(np.int8)),
+    DType("I16", 16, np.dtype(np.int16)),
+    DType("U16", 16, np.dtype(np.uint16)),
+    DType("I32", 32, np.dtype(np.int32)),
+    DType("U32", 32, np.dtype(np.uint32)),
+    DType("I64", 64, np.dtype(np.int64)),
+    DType("U64", 64, np.dtype(np.uint64)),
+    DType("F16", 16, np.dtype(np.float16)),
+    DType("BF16", 16, np.dtype(ml_dtypes.bfloat16)),
+    DType("F32", 32, np.dtype(np.float32)),
+    DType("F64", 64, np.dtype(np.float64)),
+    DType("C64", 64, np.dtype(np.complex64)),
+    DType("F8_E4M3", 8, np.dtype(ml_dtypes.float8_e4m3fn)),
+    DType("F8_E5M2", 8, np.dtype(ml_dtypes.float8_e5m2)),
+    DType("F8_E4M3FNUZ", 8, np.dtype(ml_dtypes.float8_e4m3fnuz)),
+    DType("F8_E5M2FNUZ", 8, np.dtype(ml_dtypes.float8_e5m2fnuz)),
+    DType("F8_E8M0", 8, np.dtype(ml_dtypes.float8_e8m0fnu)),
+    DType("F4", 4, np.dtype(ml_dtypes.float4_e2m1fn)),
+    DType("F6_E2M3", 6, np.dtype(ml_dtypes.float6_e2m3fn)),
+    DType("F6_E3M2", 6, np.dtype(ml_dtypes.float6_e3m2fn)),
+)
+
+DTYPES: dict[str, DType] = {d.code: d for d in _TABLE}
+_BY_NUMPY: dict[np.dtype, DType] = {d.numpy: d for d in _TABLE}
+
+
+def dtype_for_numpy(dtype: np.dtype | type) -> DType:
+    """The safetensors dtype that stores ``dtype``; ValueError if none does."""
+    np_dtype = np.dtype(dtype)
+    found = _BY_NUMPY.get(np_dtype.newbyteorder("=")) or _BY_NUMPY.get(np_dtype)
+    if found is None:
+        raise ValueError(
+            f"dtype {np_dtype} has no safetensors equivalent; supported: "
+            + ", ".join(str(d.numpy) for d in _TABLE)
+        )
+    return found
+
+
+def to_bytes(array: np.ndarray) -> memoryview:
+    """The on-disk bytes of ``array``: little-endian, C order, packed if sub-byte.
+
+    Byte-aligned arrays that are already little-endian and contiguous are
+    returned as a view, without a copy.
+    """
+    dtype = dtype_for_numpy(array.dtype)
+    array = np.ascontiguousarray(array, dtype=dtype.numpy.newbyteorder("<"))
+    if dtype.is_packed:
+        return memoryview(_pack(array, dtype))
+    return memoryview(array.reshape(-1).view(np.uint8))
+
+
+def from_bytes(buffer, dtype: DType, shape: Sequence[int]) -> np.ndarray:
+    """An array of ``shape`` viewing (or, if packed, unpacking) ``buffer``."""
+    raw = np.frombuffer(buffer, dtype=np.uint8)
+    if raw.size != dtype.nbytes(shape):
+        raise ValueError(
+            f"{raw.size} bytes cannot hold {dtype.code} of shape {tuple(shape)}"
+        )
+    if dtype.is_packed:
+        return _unpack(raw, dtype, math.prod(shape)).reshape(shape)
+    return raw.view(dtype.numpy.newbyteorder("<")).astype(dtype.numpy, copy=False).reshape(shape)
+
+
+def _pack(array: np.ndarray, dtype: DType) -> np.ndarray:
+    dtype.nbytes(array.shape)  # rejects a partial byte before any work
+    codes = array.reshape(-1).view(np.uint8)
+    bits = np.unpackbits(codes[:, None], axis=1, bitorder="little")[:, : dtype.bits]
+    return np.packbits(bits.reshape(-1), bitorder="little")
+
+
+def _unpack(raw: np.ndarray, dtype: DType, count: int) -> np.ndarray:
+    bits = np.unpackbits(raw, bitorder="little").reshape(count, dtype.bits)
+    codes = np.packbits(bits, axis=1, bitorder="little").reshape(count)
+    return codes.view(dtype.numpy)

@@ -1,0 +1,239 @@
+"""The safetensors header: parse, validate, serialize. Bytes in, bytes out.
+
+A file is ``u64 little-endian N``, then ``N`` bytes of UTF-8 JSON (padded with
+spaces to a multiple of 8 so the data that follows is aligned), then the data
+buffer. The JSON maps tensor names to ``{"dtype", "shape", "data_offsets"}``
+and may hold ``"__metadata__"``, a str→str map.
+
+Validation mirrors the Rust crate so that a file we accept is a file every
+other reader accepts, and one it rejects we reject too: header over 100 MB,
+header longer than the file, bad UTF-8 or JSON, a first byte other than
+``{``, unknown dtype, offsets that overlap or leave gaps, a data buffer that
+does not end exactly at the end of the file, and byte lengths that differ from
+shape × dtype width. We also reject duplicate JSON keys, which serde silently
+resolves (last one wins) and which would let two readers disagree about a
+file's contents.
+
+Nothing here allocates in proportion to what a header *claims*: sizes are
+checked as Python integers against the real file size before anyone reads a
+tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import struct
+from collections.abc import Iterable, Mapping, Sequence
+
+from orbax_safetensors.errors import SafetensorsError
+from orbax_safetensors.format.dtypes import DTYPES, DType
+
+MAX_HEADER_SIZE = 100_000_000
+PREFIX_SIZE = 8
+METADATA_KEY = "__metadata__"
+_ALIGNMENT = 8
+_MAX_NBITS = 2**64  # the crate computes sizes in usize and rejects overflow
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives: offsets are relative to the start of the data buffer."""
+
+    name: str
+    dtype: DType
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclasses.dataclass(frozen=True)
+class Header:
+    """A validated header. ``tensors`` is in data-offset order."""
+
+    tensors: dict[str, TensorInfo]
+    metadata: dict[str, str] | None
+    header_size: int
+
+    @property
+    def data_start(self) -> int:
+        """Absolute file offset of the data buffer."""
+        return PREFIX_SIZE + self.header_size
+
+    @property
+    def file_size(self) -> int:
+        last = max((t.end for t in self.tensors.values()), default=0)
+        return self.data_start + last
+
+
+def header_size(prefix: bytes, file_size: int, *, file: str) -> int:
+    """Validates the 8-byte prefix and returns N, the JSON header's length."""
+    if len(prefix) < PREFIX_SIZE or file_size < PREFIX_SIZE:
+        raise SafetensorsError(
+            f"file is {file_size} bytes, too small for the 8-byte header length",
+            file=file,
+        )
+    (n,) = struct.unpack("<Q", prefix[:PREFIX_SIZE])
+    if n > MAX_HEADER_SIZE:
+        raise SafetensorsError(
+            f"header claims {n} bytes, over the {MAX_HEADER_SIZE}-byte limit", file=file
+        )
+    if PREFIX_SIZE + n > file_size:
+        raise SafetensorsError(
+            f"header claims {n} bytes but the file has only {file_size}", file=file
+        )
+    return n
+
+
+def parse_header(raw: bytes, file_size: int, *, file: str) -> Header:
+    """Parses and validates the N header bytes of a file of ``file_size`` bytes."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SafetensorsError(f"header is not valid UTF-8 ({e})", file=file) from None
+    if not text.startswith("{"):
+        raise SafetensorsError("header does not start with '{'", file=file)
+    try:
+        document = json.loads(
+            text, object_pairs_hook=reject_duplicate_keys, parse_constant=_reject_constant
+        )
+    except (ValueError, RecursionError) as e:
+        raise SafetensorsError(f"header is not valid JSON ({e})", file=file) from None
+    if not isinstance(document, dict):
+        raise SafetensorsError("header is not a JSON object", file=file)
+
+    metadata = _parse_metadata(document.pop(METADATA_KEY, None), file)
+    tensors = sorted(
+        (_parse_entry(name, entry, file) for name, entry in document.items()),
+        key=lambda t: (t.begin, t.end),
+    )
+    expected_begin = 0
+    for info in tensors:
+        if info.begin != expected_begin or info.end < info.begin:
+            problem = "overlaps the previous tensor" if info.begin < expected_begin else (
+                "leaves a gap after the previous tensor" if info.begin > expected_begin
+                else "ends before it begins")
+            raise SafetensorsError(
+                f"data_offsets [{info.begin}, {info.end}] {problem}",
+                file=file, tensor=info.name,
+            )
+        expected_begin = info.end
+    data_size = file_size - PREFIX_SIZE - len(raw)
+    if expected_begin != data_size:
+        raise SafetensorsError(
+            f"tensors cover {expected_begin} data bytes but the file holds {data_size}",
+            file=file,
+        )
+    return Header({t.name: t for t in tensors}, metadata, len(raw))
+
+
+def parse_file_bytes(data: bytes, *, file: str = "<bytes>") -> Header:
+    """Parses the header of a whole file held in memory."""
+    n = header_size(data[:PREFIX_SIZE], len(data), file=file)
+    return parse_header(data[PREFIX_SIZE:PREFIX_SIZE + n], len(data), file=file)
+
+
+def serialize_header(
+    tensors: Iterable[tuple[str, DType, Sequence[int]]],
+    metadata: Mapping[str, str] | None = None,
+) -> tuple[bytes, dict[str, TensorInfo]]:
+    """Lays tensors out back to back in the given order.
+
+    Returns the bytes that precede the data buffer (length prefix and padded
+    JSON) and each tensor's resulting ``TensorInfo``.
+    """
+    document: dict[str, object] = {}
+    if metadata is not None:
+        document[METADATA_KEY] = dict(_parse_metadata(dict(metadata), "<metadata>"))
+    infos: dict[str, TensorInfo] = {}
+    offset = 0
+    for name, dtype, shape in tensors:
+        if name in infos or name == METADATA_KEY:
+            raise SafetensorsError("name used twice or reserved", tensor=name)
+        shape = tuple(int(d) for d in shape)
+        try:
+            size = dtype.nbytes(shape)
+        except ValueError as e:
+            raise SafetensorsError(str(e), tensor=name) from None
+        infos[name] = TensorInfo(name, dtype, shape, offset, offset + size)
+        document[name] = {
+            "dtype": dtype.code, "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    body = json.dumps(document, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    body += b" " * (-len(body) % _ALIGNMENT)
+    return struct.pack("<Q", len(body)) + body, infos
+
+
+def reject_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    """``json.loads`` object hook: a key given twice is an error, not "last wins"."""
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        seen: set[str] = set()
+        duplicate = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"duplicate key {duplicate!r}")
+    return result
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _check_text(value: str, what: str, file: str) -> None:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise SafetensorsError(f"{what} holds an unpaired surrogate", file=file) from None
+
+
+def _parse_metadata(value: object, file: str) -> dict[str, str] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise SafetensorsError("__metadata__ is not a JSON object", file=file)
+    for key, item in value.items():
+        if not isinstance(item, str) or not isinstance(key, str):
+            raise SafetensorsError(
+                f"__metadata__[{key!r}] is {type(item).__name__}, metadata values must be strings",
+                file=file,
+            )
+        _check_text(key, "__metadata__ key", file)
+        _check_text(item, "__metadata__ value", file)
+    return value
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _parse_entry(name: str, entry: object, file: str) -> TensorInfo:
+    _check_text(name, "a tensor name", file)
+    if not isinstance(entry, dict):
+        raise SafetensorsError("entry is not a JSON object", file=file, tensor=name)
+    dtype = DTYPES.get(entry.get("dtype")) if isinstance(entry.get("dtype"), str) else None
+    if dtype is None:
+        raise SafetensorsError(f"unknown dtype {entry.get('dtype')!r}", file=file, tensor=name)
+    shape = entry.get("shape")
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise SafetensorsError(f"shape {shape!r} is not a list of sizes", file=file, tensor=name)
+    offsets = entry.get("data_offsets")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))):
+        raise SafetensorsError(
+            f"data_offsets {offsets!r} is not a [begin, end] pair", file=file, tensor=name)
+    nbits = math.prod(shape) * dtype.bits
+    if nbits >= _MAX_NBITS:
+        raise SafetensorsError(f"shape {shape} overflows", file=file, tensor=name)
+    if nbits % 8:
+        raise SafetensorsError(
+            f"{dtype.code} of shape {shape} is not a whole number of bytes",
+            file=file, tensor=name)
+    begin, end = offsets
+    if end >= begin and end - begin != nbits // 8:
+        raise SafetensorsError(
+            f"data_offsets span {end - begin} bytes, but {dtype.code} of shape {shape} "
+            f"needs {nbits // 8}", file=file, tensor=name)
+    return TensorInfo(name, dtype, tuple(shape), begin, end)

@@ -1,0 +1,57 @@
+"""Packing tensors into shard files under ``max_shard_size``.
+
+The rule is the one ``huggingface_hub.split_torch_state_dict_into_shards``
+applies, so the same model shards the same way whichever library saves it:
+walk tensors in order, start a new file when the next tensor would push the
+current one over the limit, and give a tensor bigger than the limit a file of
+its own. Sizes count tensor bytes only, not headers.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+_UNITS = {
+    "": 1, "B": 1,
+    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_size(size: int | str) -> int:
+    """``5_000_000``, ``"5GB"`` (10^9) or ``"5GiB"`` (2^30) → bytes."""
+    if isinstance(size, bool):
+        raise ValueError(f"invalid size {size!r}")
+    if isinstance(size, int):
+        value = size
+    else:
+        match = _SIZE.match(str(size))
+        if not match or match.group(2).upper() not in _UNITS:
+            raise ValueError(
+                f"invalid size {size!r}: use an int or a string like '5GB', '500MB', '2GiB'")
+        value = int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+    if value <= 0:
+        raise ValueError(f"size must be positive, got {size!r}")
+    return value
+
+
+def pack_shards(sizes: Sequence[tuple[str, int]], max_shard_size: int | str) -> list[list[str]]:
+    """Groups ``(name, nbytes)`` in order into files of at most ``max_shard_size``."""
+    limit = parse_size(max_shard_size)
+    shards: list[list[str]] = []
+    current: list[str] = []
+    current_size = 0
+    for name, nbytes in sizes:
+        if nbytes > limit:
+            shards.append([name])
+            continue
+        if current and current_size + nbytes > limit:
+            shards.append(current)
+            current, current_size = [], 0
+        current.append(name)
+        current_size += nbytes
+    if current or not shards:
+        shards.append(current)
+    return shards

@@ -1,0 +1,84 @@
+"""The ``orbax-safetensors`` command.
+
+Human-readable tables on a terminal, ``--json`` for scripts; failures print one
+line on stderr and exit non-zero, never a traceback for a bad checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from orbax_safetensors.engine import metadata as read_metadata
+from orbax_safetensors.errors import SafetensorsError
+from orbax_safetensors.format import dtype_for_numpy
+
+_EXAMPLES = """examples:
+  orbax-safetensors inspect ./llama-checkpoint
+  orbax-safetensors inspect gs://bucket/run/step_100/params --json
+"""
+
+
+def _human_bytes(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    info = read_metadata(args.path)
+    rows = []
+    for name, spec in info.tensors.items():
+        nbytes = dtype_for_numpy(spec.dtype).nbytes(spec.shape)
+        rows.append({
+            "name": name, "dtype": str(spec.dtype), "shape": list(spec.shape),
+            "bytes": nbytes, "file": info.files[name]})
+    if args.json:
+        json.dump({"tensors": rows, "metadata": info.metadata}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    width = max((len(r["name"]) for r in rows), default=4)
+    print(f"{'name':<{width}}  {'dtype':<16} {'shape':<20} {'size':>10}  file")
+    for r in rows:
+        shape = "(" + ", ".join(map(str, r["shape"])) + ")"
+        print(f"{r['name']:<{width}}  {r['dtype']:<16} {shape:<20} "
+              f"{_human_bytes(r['bytes']):>10}  {r['file']}")
+    files = sorted(set(info.files.values()))
+    total = sum(r["bytes"] for r in rows)
+    print(f"\n{len(rows)} tensors, {_human_bytes(total)} in {len(files)} file(s)")
+    for key, value in sorted(info.metadata.items()):
+        print(f"metadata {key} = {value}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="orbax-safetensors",
+        description="Inspect and manage safetensors checkpoints (local paths or fsspec URLs).",
+        epilog=_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    inspect = commands.add_parser(
+        "inspect", help="list tensors, shapes, dtypes, sizes, files and metadata")
+    inspect.add_argument("path", help="a .safetensors file or a checkpoint directory")
+    inspect.add_argument("--json", action="store_true", help="machine-readable output")
+    inspect.set_defaults(run=_inspect)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (SafetensorsError, FileNotFoundError, OSError) as e:
+        print(f"orbax-safetensors {args.command}: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

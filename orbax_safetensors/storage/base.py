@@ -1,0 +1,61 @@
+"""The byte I/O interface every backend implements.
+
+Everything above this layer speaks in (path, offset, length) and caller-owned
+buffers, so the engine never knows whether bytes come from a local disk, a
+bucket or memory, and a backend can pick the fastest way to fill a buffer
+(``preadv`` straight into it locally; ranged GETs on object stores).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable
+
+
+class Storage(abc.ABC):
+    """Byte-level access to one filesystem. Paths are in the backend's own form."""
+
+    @abc.abstractmethod
+    def join(self, directory: str, name: str) -> str:
+        """The path of ``name`` inside ``directory``."""
+
+    @abc.abstractmethod
+    def split(self, path: str) -> tuple[str, str]:
+        """``(directory, name)`` of a file path."""
+
+    @abc.abstractmethod
+    def size(self, path: str) -> int:
+        """Length of the file in bytes; FileNotFoundError if absent."""
+
+    @abc.abstractmethod
+    def read(self, path: str, offset: int, length: int) -> bytes:
+        """Up to ``length`` bytes from ``offset`` (fewer only at end of file)."""
+
+    @abc.abstractmethod
+    def read_into(self, path: str, offset: int, buffer: memoryview) -> None:
+        """Fills all of ``buffer`` from ``offset``; raises if the file is too short."""
+
+    @abc.abstractmethod
+    def write(self, path: str, chunks: Iterable[memoryview | bytes]) -> None:
+        """Writes a whole new file from ``chunks``, streaming, durable on return."""
+
+    @abc.abstractmethod
+    def exists(self, path: str) -> bool: ...
+
+    @abc.abstractmethod
+    def isdir(self, path: str) -> bool: ...
+
+    @abc.abstractmethod
+    def listdir(self, path: str) -> list[str]:
+        """Names (not paths) of the entries of a directory."""
+
+    @abc.abstractmethod
+    def makedirs(self, path: str) -> None: ...
+
+    @abc.abstractmethod
+    def rename(self, source: str, destination: str) -> None:
+        """Moves a file, replacing ``destination``; atomic where the backend allows."""
+
+    @abc.abstractmethod
+    def remove(self, path: str) -> None:
+        """Deletes a file; a missing file is not an error."""

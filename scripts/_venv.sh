@@ -1,0 +1,11 @@
+# Sourced by the other scripts: makes (once) and fills the project's virtualenv.
+# VENV overrides its location; the install is incremental, so re-runs are quick.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+VENV="${VENV:-.venv}"
+if [ ! -x "$VENV/bin/python" ]; then
+  python3 -m venv "$VENV"
+  "$VENV/bin/python" -m pip install --quiet --upgrade pip
+fi
+"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[test]"
+PY="$VENV/bin/python"
