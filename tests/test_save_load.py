@@ -201,7 +201,7 @@ def test_sigkill_mid_save_never_leaves_a_wrong_checkpoint(tmp_path, seed):
     except (ost.SafetensorsError, FileNotFoundError):
         pass  # nothing committed: the right answer for an interrupted first save
     else:
-        assert sorted(restored) == [f"t{i}" for i in range(12)]
+        assert sorted(restored) == sorted(f"t{i}" for i in range(12))
         for i in range(12):
             np.testing.assert_array_equal(restored[f"t{i}"][:4], expected[i])
     # A re-run after the crash succeeds and commits.

@@ -138,7 +138,12 @@ def _read_one(checkpoint: Checkpoint, name: str, request: _Request) -> Any:
     stored: StoredTensor = checkpoint.tensors[name]
     buffer = np.empty(stored.nbytes, dtype=np.uint8)
     checkpoint.storage.read_into(stored.file, stored.offset, memoryview(buffer))
-    host = from_bytes(buffer, stored.info.dtype, stored.info.shape)
+    try:
+        host = from_bytes(buffer, stored.info.dtype, stored.info.shape)
+    except ValueError as e:
+        raise SafetensorsError(
+            f"cannot hold shape {stored.info.shape} in an array: {e}",
+            file=stored.file, tensor=name) from None
     if request.dtype is not None and request.dtype != host.dtype:
         host = host.astype(request.dtype)
     if request.sharding is None:

@@ -145,7 +145,8 @@ def _commit(
     leftovers = {  # temporaries of earlier saves into this directory that crashed
         storage.join(directory, name)
         for name in storage.listdir(directory) if _TEMPORARY.match(name)}
-    for stale in (previous - set(final.values())) | leftovers:
+    kept = set(final.values()) | ({index_path} if plan.index is not None else set())
+    for stale in (previous - kept) | leftovers:
         storage.remove(stale)
 
 

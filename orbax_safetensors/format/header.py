@@ -7,12 +7,13 @@ and may hold ``"__metadata__"``, a str→str map.
 
 Validation mirrors the Rust crate so that a file we accept is a file every
 other reader accepts, and one it rejects we reject too: header over 100 MB,
-header longer than the file, bad UTF-8 or JSON, a first byte other than
-``{``, unknown dtype, offsets that overlap or leave gaps, a data buffer that
+header longer than the file, bad UTF-8 or JSON (by serde_json's rules:
+``-0``, out-of-range numbers, lone surrogates, nesting over 127), unknown dtype, offsets that overlap or leave gaps, a data buffer that
 does not end exactly at the end of the file, and byte lengths that differ from
-shape × dtype width. We also reject duplicate JSON keys, which serde silently
-resolves (last one wins) and which would let two readers disagree about a
-file's contents.
+shape × dtype width. We are stricter in three places, each where two readers could otherwise
+disagree about a file: duplicate JSON keys (serde keeps the last), a header
+not starting with ``{`` (the spec's rule; crate 0.8 tolerates leading
+whitespace) and a tensor entry written as a JSON array (a serde quirk).
 
 Nothing here allocates in proportion to what a header *claims*: sizes are
 checked as Python integers against the real file size before anyone reads a
@@ -35,6 +36,7 @@ PREFIX_SIZE = 8
 METADATA_KEY = "__metadata__"
 _ALIGNMENT = 8
 _MAX_NBITS = 2**64  # the crate computes sizes in usize and rejects overflow
+_MAX_DEPTH = 127  # serde_json refuses a 128th nested array/object
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +102,8 @@ def parse_header(raw: bytes, file_size: int, *, file: str) -> Header:
         raise SafetensorsError("header does not start with '{'", file=file)
     try:
         document = json.loads(
-            text, object_pairs_hook=reject_duplicate_keys, parse_constant=_reject_constant
+            text, object_pairs_hook=reject_duplicate_keys, parse_constant=_reject_constant,
+            parse_int=_serde_int, parse_float=_serde_float,
         )
     except (ValueError, RecursionError) as e:
         raise SafetensorsError(f"header is not valid JSON ({e})", file=file) from None
@@ -112,6 +115,7 @@ def parse_header(raw: bytes, file_size: int, *, file: str) -> Header:
         (_parse_entry(name, entry, file) for name, entry in document.items()),
         key=lambda t: (t.begin, t.end),
     )
+    _check_serde_rules(document, file)  # after the checks with more specific messages
     expected_begin = 0
     for info in tensors:
         if info.begin != expected_begin or info.end < info.begin:
@@ -124,6 +128,11 @@ def parse_header(raw: bytes, file_size: int, *, file: str) -> Header:
             )
         expected_begin = info.end
     data_size = file_size - PREFIX_SIZE - len(raw)
+    beyond = next((t for t in tensors if t.end > data_size), None)
+    if beyond is not None:
+        raise SafetensorsError(
+            f"data_offsets [{beyond.begin}, {beyond.end}] run past the end of the "
+            f"{data_size}-byte data buffer", file=file, tensor=beyond.name)
     if expected_begin != data_size:
         raise SafetensorsError(
             f"tensors cover {expected_begin} data bytes but the file holds {data_size}",
@@ -179,6 +188,43 @@ def reject_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
     return result
 
 
+def _serde_int(text: str) -> int | float:
+    """Integers as serde_json reads them: ``-0`` and beyond-64-bit ones are floats."""
+    if text == "-0":
+        return -0.0
+    value = int(text)
+    if -(2**63) <= value < 2**64:
+        return value
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"number {text[:20]}... out of range") from None
+
+
+def _serde_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"number {text[:20]} out of range")
+    return value
+
+
+def _check_serde_rules(document: object, file: str) -> None:
+    """What serde_json refuses anywhere, even in fields nobody reads."""
+    stack = [(document, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > _MAX_DEPTH:
+            raise SafetensorsError(f"header nests deeper than {_MAX_DEPTH} levels", file=file)
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            if isinstance(key, str):
+                _check_text(key, "a header key", file)
+            if isinstance(item, str):
+                _check_text(item, "a header string", file)
+            elif isinstance(item, (dict, list)):
+                stack.append((item, depth + 1))
+
+
 def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not JSON")
 
@@ -224,7 +270,12 @@ def _parse_entry(name: str, entry: object, file: str) -> TensorInfo:
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))):
         raise SafetensorsError(
             f"data_offsets {offsets!r} is not a [begin, end] pair", file=file, tensor=name)
-    nbits = math.prod(shape) * dtype.bits
+    count = 1
+    for d in shape:  # the crate's try_fold(checked_mul): every partial product must fit
+        count *= d
+        if count >= _MAX_NBITS:
+            raise SafetensorsError(f"shape {shape} overflows", file=file, tensor=name)
+    nbits = count * dtype.bits
     if nbits >= _MAX_NBITS:
         raise SafetensorsError(f"shape {shape} overflows", file=file, tensor=name)
     if nbits % 8:

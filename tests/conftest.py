@@ -1,0 +1,29 @@
+"""Shared pytest fixtures.
+
+The test process gets 8 CPU devices (set here, before anything imports jax),
+so single-process tests exercise real multi-device shardings.
+"""
+
+import functools
+import os
+import re
+
+os.environ["XLA_FLAGS"] = " ".join(
+    [re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", "")),
+     "--xla_force_host_platform_device_count=8"]).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest
+
+from tests.multiprocess import run_multiprocess
+
+
+@pytest.fixture
+def multiprocess():
+    """Runs a function in several real JAX processes; see tests/multiprocess.py.
+
+    Usage: ``multiprocess("tests.test_foo:child_fn", num_processes=2, args=...)``
+    returns a list of ``ProcessResult`` ordered by process id and raises
+    ``MultiProcessError`` if any process fails or the group times out.
+    """
+    return functools.partial(run_multiprocess)
