@@ -5,9 +5,19 @@
     params = ost.load("ckpt/", target=abstract_params)   # sharded like the target
 """
 
-from orbax_safetensors.engine import CheckpointMetadata, load, metadata, save
+from orbax_safetensors.engine import (
+    CheckpointMetadata,
+    LoadStats,
+    ReadOptions,
+    load,
+    metadata,
+    save,
+)
 from orbax_safetensors.errors import SafetensorsError
 
 __version__ = "0.1.0"
 
-__all__ = ["CheckpointMetadata", "SafetensorsError", "load", "metadata", "save", "__version__"]
+__all__ = [
+    "CheckpointMetadata", "LoadStats", "ReadOptions", "SafetensorsError",
+    "load", "metadata", "save", "__version__",
+]

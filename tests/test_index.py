@@ -172,7 +172,7 @@ def test_files_the_index_does_not_name_are_never_opened(tmp_path, monkeypatch):
         (ckpt / name).write_bytes(content)
 
     touched: set[str] = set()
-    for method in ("size", "read", "read_into"):
+    for method in ("size", "read", "read_scatter"):
         original = getattr(LocalStorage, method)
 
         def spy(self, path, *args, _original=original, **kwargs):

@@ -15,6 +15,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import orbax_safetensors as ost
+from orbax_safetensors.format import dtype_for_numpy
 from orbax_safetensors.index import INDEX_NAME, SINGLE_FILE_NAME
 
 
@@ -214,3 +215,50 @@ def test_loads_hf_directory_with_single_file(tmp_path):
     ost.save(tmp_path / "c", {"a": np.arange(4)})
     assert sorted(os.listdir(tmp_path / "c")) == [SINGLE_FILE_NAME]
     np.testing.assert_array_equal(ost.load(tmp_path / "c")["a"], np.arange(4))
+
+
+_EDGE_TENSORS = {
+    "scalar": (np.array(1.5, np.float32), P()),
+    "empty": (np.zeros((0, 8), np.float32), P(None, "y")),
+    "vector": (np.arange(24, dtype=np.int16), P(("x", "y"))),
+    "five_d": (np.arange(2 * 4 * 3 * 2 * 6, dtype=np.float32).reshape(2, 4, 3, 2, 6), P(None, "x", None, "y")),
+    "odd_rows": (np.arange(12 * 7, dtype=np.float32).reshape(12, 7), P("x")),
+    "odd_cols": (np.arange(5 * 14, dtype=np.int32).reshape(5, 14), P(None, "y")),
+    "f4": (np.arange(16).astype(ml_dtypes.float4_e2m1fn).reshape(4, 4), P("x")),
+}
+
+
+def test_edge_shapes_under_multi_device_shardings(tmp_path):
+    mesh = _mesh()
+    ost.save(tmp_path / "c", {n: v for n, (v, _) in _EDGE_TENSORS.items()})
+    target = {n: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, spec))
+              for n, (v, spec) in _EDGE_TENSORS.items()}
+    stats = ost.LoadStats()
+    restored = ost.load(tmp_path / "c", target=target, stats=stats)
+    for name, (value, _) in _EDGE_TENSORS.items():
+        assert restored[name].sharding == target[name].sharding
+        for shard in restored[name].addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data), value[shard.index], err_msg=name)
+    # One process holds every shard: each tensor is read whole, once, in one request per file.
+    stored = sum(dtype_for_numpy(v.dtype).nbytes(v.shape) for v, _ in _EDGE_TENSORS.values())
+    assert stats.bytes_read == stats.bytes_needed == stored
+
+
+def test_a_sharding_that_does_not_fit_names_the_tensor(tmp_path):
+    ost.save(tmp_path / "c", {"w": np.zeros((10, 3), np.float32)})
+    target = {"w": jax.ShapeDtypeStruct((10, 3), np.float32, sharding=NamedSharding(_mesh(), P("x")))}
+    with pytest.raises(ValueError, match="'w'.*does not fit"):
+        ost.load(tmp_path / "c", target=target)
+
+
+def test_memory_budget_smaller_than_the_checkpoint(tmp_path):
+    tree = {f"t{i}": np.full((256, 64), i, np.float32) for i in range(10)}
+    ost.save(tmp_path / "c", tree, max_shard_size=200_000)
+    sharding = NamedSharding(_mesh(), P("x"))
+    target = {n: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for n, v in tree.items()}
+    stats = ost.LoadStats()
+    restored = ost.load(tmp_path / "c", target=target, stats=stats,
+                        options=ost.ReadOptions(memory_budget=100_000, chunk_bytes=16_384))
+    _assert_tree_equal(restored, tree)
+    assert stats.requests >= 10 * 65536 // 16_384  # every tensor split into chunks
+    assert stats.bytes_read == stats.bytes_needed == 10 * 65536

@@ -1,6 +1,7 @@
 """Layer 5: load and save, running plans against storage and JAX devices."""
 
-from orbax_safetensors.engine.load import CheckpointMetadata, load, metadata
+from orbax_safetensors.engine.load import CheckpointMetadata, ReadOptions, load, metadata
 from orbax_safetensors.engine.save import save
+from orbax_safetensors.engine.shard_reader import LoadStats
 
-__all__ = ["CheckpointMetadata", "load", "metadata", "save"]
+__all__ = ["CheckpointMetadata", "LoadStats", "ReadOptions", "load", "metadata", "save"]

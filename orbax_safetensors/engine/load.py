@@ -7,9 +7,10 @@ sharding. Without a target the result is a flat ``{name: numpy array}``.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
+import logging
 import os
+import time
 from typing import Any
 
 import jax
@@ -17,10 +18,11 @@ import numpy as np
 
 from orbax_safetensors.engine.checkpoint_reader import Checkpoint, StoredTensor, open_checkpoint
 from orbax_safetensors.engine.tree_names import flatten_with_names
+from orbax_safetensors.engine.shard_reader import Job, LoadStats, host_job, run_jobs, sharded_job
 from orbax_safetensors.errors import SafetensorsError
-from orbax_safetensors.format import from_bytes
+from orbax_safetensors.index import parse_size
 
-_READ_THREADS = 16
+_LOG = logging.getLogger("orbax_safetensors")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,36 +59,105 @@ def metadata(path: str | os.PathLike) -> CheckpointMetadata:
     )
 
 
-def load(path: str | os.PathLike, target: Any = None, *, strict: bool = True) -> Any:
+@dataclasses.dataclass(frozen=True)
+class ReadOptions:
+    """Knobs of a load; the defaults suit local disks and buckets alike.
+
+    Attributes:
+      memory_budget: host bytes staged at once (read but not yet on device).
+        One tensor's local shard is staged whole, so a shard bigger than the
+        budget is the budget.
+      chunk_bytes: the largest single read; bigger runs become parallel reads.
+      max_overread: a coalesced read may fetch at most this many times the
+        bytes it delivers (1.0: never read a byte that is not needed).
+      max_gap: the largest unneeded gap read through; ``None`` lets the
+        storage backend choose (16 KiB locally, 1 MiB on object stores).
+      threads: concurrent reads.
+      replicated_read_once: with several processes, read each tensor that
+        several processes need (replicated across hosts) once per cluster,
+        1/N per process, and all-gather it on device. ``None``: on whenever
+        ``jax.process_count() > 1``.
+    """
+
+    memory_budget: int | str = "1GB"
+    chunk_bytes: int | str = "32MB"
+    max_overread: float = 2.0
+    max_gap: int | None = None
+    threads: int = 16
+    replicated_read_once: bool | None = None
+
+
+def load(
+    path: str | os.PathLike,
+    target: Any = None,
+    *,
+    strict: bool = True,
+    options: ReadOptions | None = None,
+    stats: LoadStats | None = None,
+) -> Any:
     """Loads a checkpoint into the structure, dtypes and shardings of ``target``.
+
+    Loading is driven by the target sharding: every process reads only the
+    bytes its own devices hold, from every file, and no process ever holds a
+    tensor it only has a slice of.
 
     Args:
       path: a ``.safetensors`` file or a checkpoint directory (any fsspec URL).
       target: a PyTree whose leaves are ``jax.Array``s or ``jax.ShapeDtypeStruct``s
         (with ``.sharding`` for device arrays), numpy arrays or ``None`` (host
-        arrays of the stored dtype). ``None`` loads every tensor into a flat
-        ``{name: numpy array}``.
+        arrays of the stored dtype; single process only). ``None`` loads every
+        tensor into a flat ``{name: numpy array}``.
       strict: raise if the target and the checkpoint differ in names or shapes
         (the error lists every offending tensor). With ``strict=False`` only
         tensors present in both with equal shapes are loaded; every other
         target leaf is returned unchanged.
+      options: memory budget, read sizes, replicated read-once; see ``ReadOptions``.
+      stats: a ``LoadStats`` to fill with this process's bytes and requests.
     """
+    started = time.perf_counter()
+    options = options or ReadOptions()
+    stats = stats if stats is not None else LoadStats()
     checkpoint = open_checkpoint(path)
     if target is None:
         names = sorted(checkpoint.tensors)
         requests = [_Request(None, None, None)] * len(names)
-        treedef = None
+        leaves, treedef = [], None
     else:
         names, leaves, treedef = flatten_with_names(target, is_leaf=lambda x: x is None)
         requests = [_request_for(name, leaf) for name, leaf in zip(names, leaves)]
     wanted = _match(checkpoint, names, requests, strict)
-    values = _read_all(checkpoint, [(names[i], requests[i]) for i in wanted])
+    if jax.process_count() > 1:
+        hosted = [names[i] for i in wanted if requests[i].sharding is None]
+        if hosted:
+            raise ValueError(
+                "with several processes every target leaf needs a sharding (a jax.Array or a "
+                "jax.ShapeDtypeStruct with .sharding); host-array leaves: " + ", ".join(hosted[:10]))
+    read_once = (options.replicated_read_once if options.replicated_read_once is not None
+                 else jax.process_count() > 1)
+    jobs = [_job(names[i], checkpoint.tensors[names[i]], requests[i], read_once) for i in wanted]
+    values = run_jobs(
+        checkpoint, jobs,
+        memory_budget=parse_size(options.memory_budget),
+        chunk_bytes=parse_size(options.chunk_bytes),
+        max_gap=checkpoint.storage.default_max_gap if options.max_gap is None else options.max_gap,
+        max_overread=options.max_overread,
+        threads=options.threads,
+        stats=stats,
+    )
+    stats.seconds += time.perf_counter() - started
+    _LOG.debug("loaded %s: %s", os.fspath(path), stats)
     if treedef is None:
         return dict(zip(names, values))
     result = list(leaves)
     for i, value in zip(wanted, values):
         result[i] = value
     return jax.tree_util.tree_unflatten(treedef, result)
+
+
+def _job(name: str, stored: StoredTensor, request: _Request, read_once: bool) -> Job:
+    if request.sharding is None:
+        return host_job(name, stored, request.dtype)
+    return sharded_job(name, stored, request.dtype, request.sharding, read_once=read_once)
 
 
 def _request_for(name: str, leaf: Any) -> _Request:
@@ -127,25 +198,3 @@ def _match(checkpoint: Checkpoint, names: list[str], requests: list[_Request], s
         if n in checkpoint.tensors
         and (r.shape is None or r.shape == checkpoint.tensors[n].info.shape)
     ]
-
-
-def _read_all(checkpoint: Checkpoint, items: list[tuple[str, _Request]]) -> list[Any]:
-    with concurrent.futures.ThreadPoolExecutor(_READ_THREADS) as pool:
-        return list(pool.map(lambda item: _read_one(checkpoint, *item), items))
-
-
-def _read_one(checkpoint: Checkpoint, name: str, request: _Request) -> Any:
-    stored: StoredTensor = checkpoint.tensors[name]
-    buffer = np.empty(stored.nbytes, dtype=np.uint8)
-    checkpoint.storage.read_into(stored.file, stored.offset, memoryview(buffer))
-    try:
-        host = from_bytes(buffer, stored.info.dtype, stored.info.shape)
-    except ValueError as e:
-        raise SafetensorsError(
-            f"cannot hold shape {stored.info.shape} in an array: {e}",
-            file=stored.file, tensor=name) from None
-    if request.dtype is not None and request.dtype != host.dtype:
-        host = host.astype(request.dtype)
-    if request.sharding is None:
-        return host
-    return jax.make_array_from_callback(host.shape, request.sharding, lambda index: host[index])

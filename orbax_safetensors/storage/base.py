@@ -9,7 +9,7 @@ bucket or memory, and a backend can pick the fastest way to fill a buffer
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 
 class Storage(abc.ABC):
@@ -32,8 +32,17 @@ class Storage(abc.ABC):
         """Up to ``length`` bytes from ``offset`` (fewer only at end of file)."""
 
     @abc.abstractmethod
-    def read_into(self, path: str, offset: int, buffer: memoryview) -> None:
-        """Fills all of ``buffer`` from ``offset``; raises if the file is too short."""
+    def read_scatter(self, path: str, offset: int, buffers: Sequence[memoryview]) -> None:
+        """Fills ``buffers`` back to back from the file range starting at ``offset``.
+
+        One ranged read, scattered: the caller passes views of its destination
+        arrays (and of a scratch buffer for bytes it does not need), so data
+        lands where it belongs without an intermediate copy where the backend
+        allows. Raises EOFError if the file ends first.
+        """
+
+    default_max_gap: int = 0
+    """Bytes between two needed runs worth reading through rather than splitting the read."""
 
     @abc.abstractmethod
     def write(self, path: str, chunks: Iterable[memoryview | bytes]) -> None:

@@ -9,7 +9,7 @@ marker last, which the engine does for every backend alike.
 from __future__ import annotations
 
 import posixpath
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import fsspec
 
@@ -17,6 +17,8 @@ from orbax_safetensors.storage.base import Storage
 
 
 class FsspecStorage(Storage):
+
+    default_max_gap = 1 << 20  # a request costs milliseconds; a MiB of transfer about as much
 
     def __init__(self, fs: fsspec.AbstractFileSystem):
         self.fs = fs
@@ -33,13 +35,16 @@ class FsspecStorage(Storage):
     def read(self, path: str, offset: int, length: int) -> bytes:
         return self.fs.cat_file(path, start=offset, end=offset + length)
 
-    def read_into(self, path: str, offset: int, buffer: memoryview) -> None:
-        view = memoryview(buffer).cast("B")
-        data = self.read(path, offset, len(view))
-        if len(data) != len(view):
-            raise EOFError(
-                f"{path}: got {len(data)} bytes at offset {offset}, expected {len(view)}")
-        view[:] = data
+    def read_scatter(self, path: str, offset: int, buffers: Sequence[memoryview]) -> None:
+        views = [memoryview(b).cast("B") for b in buffers]
+        wanted = sum(len(v) for v in views)
+        data = memoryview(self.read(path, offset, wanted))
+        if len(data) != wanted:
+            raise EOFError(f"{path}: got {len(data)} bytes at offset {offset}, expected {wanted}")
+        position = 0
+        for view in views:
+            view[:] = data[position:position + len(view)]
+            position += len(view)
 
     def write(self, path: str, chunks: Iterable[memoryview | bytes]) -> None:
         with self.fs.open(path, "wb") as f:

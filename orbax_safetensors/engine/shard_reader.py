@@ -1,0 +1,308 @@
+"""Reading exactly the bytes this process's devices need, and building arrays.
+
+Each wanted tensor becomes a *job*: the boxes to read (planning), one host
+buffer per box, and a ``finish`` that turns the filled buffers into the
+result. Jobs run in file order, in batches admitted under a byte budget:
+while one batch is being read by the thread pool, the previous one is being
+converted and transferred to devices by a single transfer thread, and its
+host buffers are released as soon as its arrays exist. The single transfer
+thread also keeps every process issuing cross-process collectives (the
+replicated read-once path) in the same order.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import functools
+import math
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from orbax_safetensors.engine.checkpoint_reader import Checkpoint, StoredTensor
+from orbax_safetensors.errors import SafetensorsError
+from orbax_safetensors.format import from_bytes
+from orbax_safetensors.planning import (
+    GAP,
+    Box,
+    ReadOp,
+    Region,
+    Runs,
+    box_shape,
+    box_size,
+    coalesce,
+    normalize_index,
+    plan_regions,
+    read_once_boxes,
+    relative_slices,
+    replication_factor,
+    tensor_runs,
+)
+
+
+@dataclasses.dataclass
+class LoadStats:
+    """What one process's load cost. Pass one to ``ost.load(..., stats=...)``.
+
+    ``bytes_needed`` counts the bytes of the shards this process's devices
+    hold (a replicated tensor counts in full); ``bytes_read`` the bytes it
+    fetched from storage, which exceeds it by coalesced gaps and falls below
+    it for tensors read once per cluster and all-gathered.
+    """
+
+    bytes_needed: int = 0
+    bytes_read: int = 0
+    requests: int = 0
+    files: int = 0
+    tensors: int = 0
+    tensors_read_once: int = 0
+    seconds: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One tensor: what to read (boxes over ``layout``) and how to finish it."""
+
+    stored: StoredTensor
+    layout: tuple[tuple[int, ...], int]  # (shape, itemsize) the boxes index into
+    boxes: tuple[Box, ...]
+    needed: int  # bytes of the shards this process's devices hold
+    finish: Callable[[list[np.ndarray]], Any]
+    read_once: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(box_size(b) for b in self.boxes) * self.layout[1]
+
+
+def host_job(name: str, stored: StoredTensor, dtype: np.dtype | None) -> Job:
+    """The whole tensor as a numpy array (of ``dtype``, if given)."""
+    info = stored.info
+
+    def finish(buffers: list[np.ndarray]) -> np.ndarray:
+        host = _view(buffers[0], stored, name, info.shape)
+        return host if dtype is None or dtype == host.dtype else host.astype(dtype)
+
+    return Job(stored, ((info.nbytes,), 1), (((0, info.nbytes),),), info.nbytes, finish)
+
+
+def sharded_job(
+    name: str, stored: StoredTensor, dtype: np.dtype, sharding: jax.sharding.Sharding,
+    *, read_once: bool,
+) -> Job:
+    """This process's shards of a tensor, assembled into a global ``jax.Array``."""
+    info = stored.info
+    try:
+        index_map = sharding.devices_indices_map(info.shape)
+    except Exception as e:  # jax raises several types for shardings that do not fit
+        raise ValueError(f"tensor {name!r} of shape {info.shape}: target sharding does not fit: {e}") from None
+    boxes = {device: normalize_index(index, info.shape) for device, index in index_map.items()}
+    me = jax.process_index()
+    local: dict[Box, list[jax.Device]] = collections.defaultdict(list)
+    for device, box in boxes.items():
+        if device.process_index == me:
+            local[box].append(device)
+    needed = sum(box_size(b) for b in local) * info.dtype.bits // 8
+    by_process: dict[int, list[Box]] = collections.defaultdict(list)
+    for device, box in boxes.items():
+        by_process[device.process_index].append(box)
+    if (read_once and info.nbytes > 0 and _bitcastable(info.dtype.numpy)
+            and replication_factor(info.shape, by_process) > 1.0):
+        return _read_once_job(name, stored, dtype, sharding, needed)
+
+    regions = plan_regions(info.shape, list(local), whole_tensor=info.dtype.is_packed)
+    if info.dtype.is_packed:  # read as bytes, unpack, then cut the boxes
+        layout, read_boxes = ((info.nbytes,), 1), (((0, info.nbytes),),)
+    else:
+        layout, read_boxes = (info.shape, info.dtype.bits // 8), tuple(r.box for r in regions)
+
+    def finish(buffers: list[np.ndarray]) -> jax.Array:
+        arrays = []
+        for region, buffer in zip(regions, buffers):  # packed: one whole-tensor region
+            host = _view(buffer, stored, name, box_shape(region.box))
+            for member in region.members:
+                shard = host[relative_slices(member, region.box)]
+                if shard.dtype != dtype:
+                    shard = shard.astype(dtype)
+                # On CPU an aligned, contiguous shard becomes the device buffer itself.
+                arrays.extend(jax.device_put(shard, device, may_alias=True) for device in local[member])
+        return jax.make_array_from_single_device_arrays(info.shape, sharding, arrays, dtype=dtype)
+
+    return Job(stored, layout, read_boxes, needed, finish)
+
+
+def _read_once_job(
+    name: str, stored: StoredTensor, dtype: np.dtype, sharding: jax.sharding.Sharding, needed: int
+) -> Job:
+    """Each process reads 1/N of the bytes; XLA all-gathers them into ``sharding``."""
+    info = stored.info
+    devices = sorted(sharding.device_set, key=lambda d: d.id)
+    chunk = math.ceil(info.nbytes / len(devices))
+    byte_boxes = read_once_boxes(info.nbytes, len(devices))
+    mine = [k for k, d in enumerate(devices) if d.process_index == jax.process_index()]
+    byte_mesh = jax.sharding.Mesh(np.array(devices), ("bytes",))
+    byte_sharding = jax.sharding.NamedSharding(byte_mesh, jax.sharding.PartitionSpec("bytes"))
+
+    def finish(buffers: list[np.ndarray]) -> jax.Array:
+        pieces = []
+        for k, buffer in zip(mine, buffers):
+            padded = np.zeros(chunk, np.uint8)
+            padded[:len(buffer)] = buffer
+            pieces.append(jax.device_put(padded, devices[k]))
+        flat = jax.make_array_from_single_device_arrays(
+            (chunk * len(devices),), byte_sharding, pieces)
+        convert = _bytes_to_array(info.nbytes, info.shape, info.dtype.numpy, np.dtype(dtype), sharding)
+        return convert(flat)
+
+    return Job(stored, ((info.nbytes,), 1), tuple(byte_boxes[k] for k in mine), needed, finish,
+               read_once=True)
+
+
+def _bitcastable(dtype: np.dtype) -> bool:
+    """Dtypes XLA can rebuild from raw bytes on device (not complex, not sub-byte)."""
+    return dtype.kind != "c" and dtype.itemsize >= 1 and dtype.name not in (
+        "float4_e2m1fn", "float6_e2m3fn", "float6_e3m2fn")
+
+
+@functools.lru_cache(maxsize=256)
+def _bytes_to_array(nbytes, shape, stored: np.dtype, target: np.dtype, sharding) -> Callable:
+    """A compiled bytes → typed, reshaped, resharded array (the all-gather happens here)."""
+
+    def convert(flat: jax.Array) -> jax.Array:
+        raw = flat[:nbytes]
+        if stored == np.bool_:
+            typed = raw != 0
+        elif stored.itemsize == 1:
+            typed = jax.lax.bitcast_convert_type(raw, stored)
+        else:
+            typed = jax.lax.bitcast_convert_type(raw.reshape(-1, stored.itemsize), stored)
+        return typed.reshape(shape).astype(target)
+
+    return jax.jit(convert, out_shardings=sharding)
+
+
+def _view(buffer: np.ndarray, stored: StoredTensor, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    try:
+        return from_bytes(buffer, stored.info.dtype, shape)
+    except ValueError as e:
+        raise SafetensorsError(
+            f"cannot hold shape {shape} in an array: {e}", file=stored.file, tensor=name) from None
+
+
+_ALIGNMENT = 64  # what XLA's CPU client needs to adopt a host buffer without a copy
+
+
+def aligned_empty(nbytes: int) -> np.ndarray:
+    """An uninitialised byte buffer whose start is 64-byte aligned."""
+    raw = np.empty(nbytes + _ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % _ALIGNMENT
+    return raw[start:start + nbytes]
+
+
+class _Budget:
+    """Bytes of host buffers alive at once; a request above the total waits for all."""
+
+    def __init__(self, total: int):
+        self.total, self.free = total, total
+        self._cond = threading.Condition()
+
+    def acquire(self, n: int) -> int:
+        n = min(n, self.total)
+        with self._cond:
+            self._cond.wait_for(lambda: self.free >= n)
+            self.free -= n
+        return n
+
+    def release(self, n: int) -> None:
+        with self._cond:
+            self.free += n
+            self._cond.notify_all()
+
+
+def _batches(jobs: Sequence[Job], limit: int) -> list[list[int]]:
+    batches: list[list[int]] = []
+    size = 0
+    for i, job in enumerate(jobs):
+        if not batches or size + job.nbytes > limit:
+            batches.append([])
+            size = 0
+        batches[-1].append(i)
+        size += job.nbytes
+    return batches
+
+
+def run_jobs(
+    checkpoint: Checkpoint,
+    jobs: Sequence[Job],
+    *,
+    memory_budget: int,
+    chunk_bytes: int,
+    max_gap: int,
+    max_overread: float,
+    threads: int,
+    stats: LoadStats,
+) -> list[Any]:
+    """Reads and finishes every job; results in job order."""
+    order = sorted(range(len(jobs)), key=lambda i: (jobs[i].stored.file, jobs[i].stored.offset))
+    budget = _Budget(memory_budget)
+    lock = threading.Lock()
+    results: list[Any] = [None] * len(jobs)
+    stats.tensors += len(jobs)
+    stats.tensors_read_once += sum(j.read_once for j in jobs)
+    stats.bytes_needed += sum(j.needed for j in jobs)
+    stats.files += len({j.stored.file for j in jobs})
+
+    def read(file: str, op: ReadOp, buffers: list[np.ndarray]) -> None:
+        scratch = np.empty(max((p.length for p in op.pieces if p.target == GAP), default=0), np.uint8)
+        views = [memoryview(scratch)[:p.length] if p.target == GAP
+                 else memoryview(buffers[p.target])[p.offset:p.offset + p.length] for p in op.pieces]
+        checkpoint.storage.read_scatter(file, op.offset, views)
+        with lock:
+            stats.bytes_read += op.length
+            stats.requests += 1
+
+    def finish(batch: list[int], buffers: list[list[np.ndarray]], reads, reserved: int) -> None:
+        try:
+            for future in reads:
+                future.result()
+            for i, job_buffers in zip(batch, buffers):
+                results[i] = jobs[i].finish(job_buffers)
+                if isinstance(results[i], jax.Array):
+                    results[i].block_until_ready()  # host buffers may go only once copied
+            buffers.clear()
+        finally:
+            budget.release(reserved)
+
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool, \
+            concurrent.futures.ThreadPoolExecutor(1) as transfer:
+        finishing = []
+        for batch in _batches([jobs[i] for i in order], max(memory_budget // 2, 1)):
+            batch = [order[i] for i in batch]
+            if any(f.done() and f.exception() for f in finishing):
+                break
+            reserved = budget.acquire(sum(jobs[i].nbytes for i in batch))
+            buffers = [[aligned_empty(box_size(b) * jobs[i].layout[1]) for b in jobs[i].boxes]
+                       for i in batch]
+            runs_by_file: dict[str, list[Runs]] = collections.defaultdict(list)
+            flat_buffers: list[np.ndarray] = []
+            for i, job_buffers in zip(batch, buffers):
+                job = jobs[i]
+                for box, buffer in zip(job.boxes, job_buffers):
+                    runs_by_file[job.stored.file].append(tensor_runs(
+                        Region(box, ()), *job.layout, job.stored.offset, len(flat_buffers)))
+                    flat_buffers.append(buffer)
+            reads = [
+                pool.submit(read, file, op, flat_buffers)
+                for file, runs in runs_by_file.items()
+                for op in coalesce(Runs.concatenate(runs), max_gap=max_gap,
+                                   max_overread=max_overread, chunk_bytes=chunk_bytes)
+            ]
+            finishing.append(transfer.submit(finish, batch, buffers, reads, reserved))
+        for future in finishing:
+            future.result()
+    return results

@@ -1,0 +1,157 @@
+"""Pure read planning: boxes → byte runs → regions → coalesced reads (hypothesis)."""
+
+import math
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from orbax_safetensors.planning import (
+    GAP,
+    Runs,
+    box_size,
+    byte_runs,
+    coalesce,
+    normalize_index,
+    plan_regions,
+    read_once_boxes,
+    relative_slices,
+    replication_factor,
+    tensor_runs,
+)
+
+_SETTINGS = settings(max_examples=150, deadline=None, derandomize=True, database=None)
+
+
+@st.composite
+def shapes_and_boxes(draw, max_dims=5):
+    shape = tuple(draw(st.lists(st.integers(1, 6), min_size=0, max_size=max_dims)))
+    box = []
+    for size in shape:
+        start = draw(st.integers(0, size - 1))
+        box.append((start, draw(st.integers(start + 1, size))))
+    return shape, tuple(box)
+
+
+@st.composite
+def tilings(draw):
+    """A shape split into a grid of tiles (as a sharding does), and a subset held locally."""
+    ndim = draw(st.integers(1, 4))
+    splits = [draw(st.integers(1, 3)) for _ in range(ndim)]
+    shape = tuple(s * draw(st.integers(1, 3)) for s in splits)
+    tiles = []
+    for index in np.ndindex(*splits):
+        tiles.append(tuple(
+            (i * size // n, (i + 1) * size // n) for i, size, n in zip(index, shape, splits)))
+    local = draw(st.lists(st.sampled_from(tiles), min_size=1, max_size=len(tiles)))
+    return shape, tiles, local
+
+
+def _tensor_bytes(shape, itemsize):
+    return np.random.default_rng(len(shape)).integers(
+        0, 256, math.prod(shape) * itemsize, dtype=np.uint8)
+
+
+@_SETTINGS
+@given(shapes_and_boxes(), st.sampled_from([1, 2, 4, 8]))
+def test_byte_runs_gather_exactly_the_box(shape_box, itemsize):
+    shape, box = shape_box
+    data = _tensor_bytes(shape, itemsize)
+    offsets, length = byte_runs(box, shape, itemsize)
+    gathered = b"".join(data[o:o + length].tobytes() for o in offsets)
+    expected = data.reshape(shape + (itemsize,))[tuple(slice(a, b) for a, b in box)]
+    assert gathered == np.ascontiguousarray(expected).tobytes()
+    assert list(offsets) == sorted(offsets)
+
+
+def test_leading_dim_box_is_one_run_and_column_box_one_run_per_row():
+    assert len(byte_runs(((2, 4), (0, 8)), (8, 8), 2)[0]) == 1
+    offsets, length = byte_runs(((0, 8), (4, 8)), (8, 8), 2)
+    assert len(offsets) == 8 and length == 8
+
+
+@_SETTINGS
+@given(tilings())
+def test_regions_cover_the_local_tiles_and_merge_when_their_union_is_a_box(tiling):
+    shape, tiles, local = tiling
+    regions = plan_regions(shape, local)
+    members = [m for r in regions for m in r.members]
+    assert sorted(members) == sorted(set(local))  # each distinct tile exactly once
+    for region in regions:
+        for member in region.members:
+            assert all(r0 <= m0 and m1 <= r1 for (m0, m1), (r0, r1) in zip(member, region.box))
+    if len(regions) == 1:
+        assert box_size(regions[0].box) == sum(box_size(t) for t in set(local))
+
+
+def test_a_process_holding_every_column_block_reads_whole_rows_once():
+    tiles = [((0, 8), (c, c + 2)) for c in range(0, 8, 2)]
+    (region,) = plan_regions((8, 8), tiles)
+    assert region.box == ((0, 8), (0, 8))
+    runs = tensor_runs(region, (8, 8), 4, 1000, target=0)
+    (op,) = coalesce(runs, max_gap=0, max_overread=1.0, chunk_bytes=1 << 20)
+    assert (op.offset, op.length) == (1000, 256)
+
+
+@st.composite
+def run_sets(draw):
+    """Disjoint runs in a small file, each delivered to a region of some target buffer."""
+    file_size = draw(st.integers(1, 400))
+    cuts = sorted(set(draw(st.lists(st.integers(0, file_size), max_size=30))) | {0, file_size})
+    segments = [(a, b) for a, b in zip(cuts, cuts[1:])]
+    chosen = [s for s in segments if draw(st.booleans())]
+    targets = [draw(st.integers(0, 2)) for _ in chosen]
+    return file_size, chosen, targets
+
+
+@_SETTINGS
+@given(run_sets(), st.integers(0, 64), st.sampled_from([1.0, 1.5, 2.0, 4.0]), st.integers(1, 100))
+def test_coalesced_reads_deliver_every_needed_byte_within_the_bounds(runs, max_gap, ratio, chunk):
+    file_size, segments, targets = runs
+    file = np.random.default_rng(file_size).integers(0, 256, file_size, dtype=np.uint8)
+    cursor = [0, 0, 0]
+    offsets, lengths, target_offsets = [], [], []
+    for (a, b), t in zip(segments, targets):
+        offsets.append(a)
+        lengths.append(b - a)
+        target_offsets.append(cursor[t])
+        cursor[t] += b - a
+    plan = Runs(*(np.array(x, np.int64) for x in (offsets, lengths, targets, target_offsets)))
+    ops = coalesce(plan, max_gap=max_gap, max_overread=ratio, chunk_bytes=chunk)
+
+    buffers = [np.zeros(n, np.uint8) for n in cursor]
+    for op in ops:
+        assert 0 < op.length <= chunk
+        position = op.offset
+        for piece in op.pieces:
+            if piece.target == GAP:
+                assert piece.length <= max_gap
+            else:
+                buffers[piece.target][piece.offset:piece.offset + piece.length] = \
+                    file[position:position + piece.length]
+            position += piece.length
+        assert position == op.offset + op.length
+    for t in range(3):
+        expected = [file[a:b] for (a, b), tt in zip(segments, targets) if tt == t]
+        np.testing.assert_array_equal(
+            buffers[t], np.concatenate(expected) if expected else np.zeros(0, np.uint8))
+    needed = sum(lengths)
+    assert sum(op.length for op in ops) <= ratio * needed
+    assert sum(op.needed for op in ops) == needed
+
+
+def test_replication_and_read_once_split():
+    shape = (8, 4)
+    rows = {0: [((0, 4), (0, 4))], 1: [((4, 8), (0, 4))]}
+    assert replication_factor(shape, rows) == 1.0
+    everywhere = {p: [((0, 8), (0, 4))] * 4 for p in range(3)}
+    assert replication_factor(shape, everywhere) == 3.0
+    boxes = read_once_boxes(10, 4)
+    assert boxes == [((0, 3),), ((3, 6),), ((6, 9),), ((9, 10),)]
+    assert read_once_boxes(2, 4)[-1] == ((2, 2),)
+
+
+def test_normalize_index_and_relative_slices():
+    assert normalize_index((slice(2, 4), slice(None)), (8, 3)) == ((2, 4), (0, 3))
+    assert normalize_index((), ()) == ()
+    assert relative_slices(((2, 4), (1, 3)), ((2, 6), (0, 3))) == (slice(0, 2), slice(1, 3))
