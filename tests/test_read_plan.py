@@ -13,6 +13,7 @@ from orbax_safetensors.planning import (
     byte_runs,
     coalesce,
     normalize_index,
+    plan_region_reads,
     plan_regions,
     read_once_boxes,
     relative_slices,
@@ -155,3 +156,32 @@ def test_normalize_index_and_relative_slices():
     assert normalize_index((slice(2, 4), slice(None)), (8, 3)) == ((2, 4), (0, 3))
     assert normalize_index((), ()) == ()
     assert relative_slices(((2, 4), (1, 3)), ((2, 6), (0, 3))) == (slice(0, 2), slice(1, 3))
+
+
+@_SETTINGS
+@given(tilings(), st.sampled_from([1, 2, 4]), st.integers(1, 64))
+def test_region_reads_fill_every_shard_exactly_once(tiling, itemsize, block_bytes):
+    shape, _, local = tiling
+    for region in plan_regions(shape, local):
+        reads = plan_region_reads(region, shape, itemsize, block_bytes)
+        covered = np.zeros(shape, int)
+        for read in reads:
+            covered[tuple(slice(a, b) for a, b in read.box)] += 1
+            if read.direct is not None:
+                assert read.direct == read.box and read.box in region.members
+            else:
+                rows = read.box[0][1] - read.box[0][0]
+                assert rows == 1 or box_size(read.box) * itemsize <= block_bytes
+        for member in region.members:  # every byte of every shard arrives exactly once
+            assert (covered[tuple(slice(a, b) for a, b in member)] == 1).all()
+
+
+def test_row_shards_are_read_directly_and_column_shards_through_bounce_blocks():
+    rows = [((r, r + 2), (0, 8)) for r in range(0, 8, 2)]
+    (region,) = plan_regions((8, 8), rows)
+    assert [r.direct for r in plan_region_reads(region, (8, 8), 4, 1 << 20)] == rows
+    columns = [((0, 8), (c, c + 2)) for c in range(0, 8, 2)]
+    (region,) = plan_regions((8, 8), columns)
+    reads = plan_region_reads(region, (8, 8), 4, 64)  # 64 bytes = two full rows per block
+    assert [r.box for r in reads] == [((r, r + 2), (0, 8)) for r in range(0, 8, 2)]
+    assert all(r.direct is None for r in reads)

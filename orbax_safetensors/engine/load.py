@@ -23,6 +23,9 @@ from orbax_safetensors.errors import SafetensorsError
 from orbax_safetensors.index import parse_size
 
 _LOG = logging.getLogger("orbax_safetensors")
+# Strided shards are served through bounce buffers of this size, one per read thread:
+# small enough that they add little to the result, big enough to amortise a request.
+_BOUNCE_BYTES = 4 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,11 +137,14 @@ def load(
                 "jax.ShapeDtypeStruct with .sharding); host-array leaves: " + ", ".join(hosted[:10]))
     read_once = (options.replicated_read_once if options.replicated_read_once is not None
                  else jax.process_count() > 1)
-    jobs = [_job(names[i], checkpoint.tensors[names[i]], requests[i], read_once) for i in wanted]
+    chunk_bytes = parse_size(options.chunk_bytes)
+    bounce_bytes = min(chunk_bytes, _BOUNCE_BYTES)
+    jobs = [_job(names[i], checkpoint.tensors[names[i]], requests[i], read_once, bounce_bytes)
+            for i in wanted]
     values = run_jobs(
         checkpoint, jobs,
         memory_budget=parse_size(options.memory_budget),
-        chunk_bytes=parse_size(options.chunk_bytes),
+        chunk_bytes=chunk_bytes,
         max_gap=checkpoint.storage.default_max_gap if options.max_gap is None else options.max_gap,
         max_overread=options.max_overread,
         threads=options.threads,
@@ -154,10 +160,11 @@ def load(
     return jax.tree_util.tree_unflatten(treedef, result)
 
 
-def _job(name: str, stored: StoredTensor, request: _Request, read_once: bool) -> Job:
+def _job(name: str, stored: StoredTensor, request: _Request, read_once: bool, bounce_bytes: int) -> Job:
     if request.sharding is None:
         return host_job(name, stored, request.dtype)
-    return sharded_job(name, stored, request.dtype, request.sharding, read_once=read_once)
+    return sharded_job(name, stored, request.dtype, request.sharding,
+                       read_once=read_once, bounce_bytes=bounce_bytes)
 
 
 def _request_for(name: str, leaf: Any) -> _Request:

@@ -32,11 +32,14 @@ from orbax_safetensors.planning import (
     Box,
     ReadOp,
     Region,
+    RegionRead,
     Runs,
     box_shape,
     box_size,
     coalesce,
+    intersect,
     normalize_index,
+    plan_region_reads,
     plan_regions,
     read_once_boxes,
     relative_slices,
@@ -66,18 +69,31 @@ class LoadStats:
 
 @dataclasses.dataclass(frozen=True)
 class Job:
-    """One tensor: what to read (boxes over ``layout``) and how to finish it."""
+    """One tensor: the shard buffers to fill, the reads that fill them, and ``finish``.
+
+    ``shards`` are boxes over ``layout`` (the tensor's shape and itemsize, or
+    its bytes for packed dtypes and read-once pieces); each gets one aligned
+    host buffer, which ``finish`` turns into the result.
+    """
 
     stored: StoredTensor
     layout: tuple[tuple[int, ...], int]  # (shape, itemsize) the boxes index into
-    boxes: tuple[Box, ...]
+    shards: tuple[Box, ...]
+    reads: tuple[RegionRead, ...]
     needed: int  # bytes of the shards this process's devices hold
     finish: Callable[[list[np.ndarray]], Any]
     read_once: bool = False
 
     @property
     def nbytes(self) -> int:
-        return sum(box_size(b) for b in self.boxes) * self.layout[1]
+        return sum(box_size(b) for b in self.shards) * self.layout[1]
+
+
+def _byte_job(stored: StoredTensor, boxes: Sequence[Box], needed: int, finish, read_once=False) -> Job:
+    """A job over the tensor's raw bytes, each box read straight into its buffer."""
+    boxes = tuple(boxes)
+    return Job(stored, ((stored.info.nbytes,), 1), boxes, tuple(RegionRead(b, b) for b in boxes),
+               needed, finish, read_once)
 
 
 def host_job(name: str, stored: StoredTensor, dtype: np.dtype | None) -> Job:
@@ -88,12 +104,12 @@ def host_job(name: str, stored: StoredTensor, dtype: np.dtype | None) -> Job:
         host = _view(buffers[0], stored, name, info.shape)
         return host if dtype is None or dtype == host.dtype else host.astype(dtype)
 
-    return Job(stored, ((info.nbytes,), 1), (((0, info.nbytes),),), info.nbytes, finish)
+    return _byte_job(stored, [((0, info.nbytes),)], info.nbytes, finish)
 
 
 def sharded_job(
     name: str, stored: StoredTensor, dtype: np.dtype, sharding: jax.sharding.Sharding,
-    *, read_once: bool,
+    *, read_once: bool, bounce_bytes: int,
 ) -> Job:
     """This process's shards of a tensor, assembled into a global ``jax.Array``."""
     info = stored.info
@@ -115,25 +131,37 @@ def sharded_job(
             and replication_factor(info.shape, by_process) > 1.0):
         return _read_once_job(name, stored, dtype, sharding, needed)
 
-    regions = plan_regions(info.shape, list(local), whole_tensor=info.dtype.is_packed)
-    if info.dtype.is_packed:  # read as bytes, unpack, then cut the boxes
-        layout, read_boxes = ((info.nbytes,), 1), (((0, info.nbytes),),)
-    else:
-        layout, read_boxes = (info.shape, info.dtype.bits // 8), tuple(r.box for r in regions)
+    if info.dtype.is_packed:  # read the bytes, unpack, then cut the shards in memory
+
+        def finish_packed(buffers: list[np.ndarray]) -> jax.Array:
+            host = _view(buffers[0], stored, name, info.shape)
+            return _assemble(info.shape, sharding, dtype, local, lambda box: host[
+                tuple(slice(a, b) for a, b in box)])
+
+        return _byte_job(stored, [((0, info.nbytes),)], needed, finish_packed)
+
+    itemsize = info.dtype.bits // 8
+    shards = tuple(local)
+    reads = tuple(
+        read for region in plan_regions(info.shape, shards)
+        for read in plan_region_reads(region, info.shape, itemsize, bounce_bytes))
 
     def finish(buffers: list[np.ndarray]) -> jax.Array:
-        arrays = []
-        for region, buffer in zip(regions, buffers):  # packed: one whole-tensor region
-            host = _view(buffer, stored, name, box_shape(region.box))
-            for member in region.members:
-                shard = host[relative_slices(member, region.box)]
-                if shard.dtype != dtype:
-                    shard = shard.astype(dtype)
-                # On CPU an aligned, contiguous shard becomes the device buffer itself.
-                arrays.extend(jax.device_put(shard, device, may_alias=True) for device in local[member])
-        return jax.make_array_from_single_device_arrays(info.shape, sharding, arrays, dtype=dtype)
+        views = {box: _view(buf, stored, name, box_shape(box)) for box, buf in zip(shards, buffers)}
+        return _assemble(info.shape, sharding, dtype, local, views.__getitem__)
 
-    return Job(stored, layout, read_boxes, needed, finish)
+    return Job(stored, (info.shape, itemsize), shards, reads, needed, finish)
+
+
+def _assemble(shape, sharding, dtype, local: dict[Box, list[jax.Device]], host_shard) -> jax.Array:
+    """Puts each local shard on its devices and forms the global array."""
+    arrays = []
+    for box, devices in local.items():
+        shard = host_shard(box)
+        if shard.dtype != dtype:
+            shard = shard.astype(dtype)
+        arrays.extend(jax.device_put(shard, device) for device in devices)
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays, dtype=dtype)
 
 
 def _read_once_job(
@@ -159,8 +187,7 @@ def _read_once_job(
         convert = _bytes_to_array(info.nbytes, info.shape, info.dtype.numpy, np.dtype(dtype), sharding)
         return convert(flat)
 
-    return Job(stored, ((info.nbytes,), 1), tuple(byte_boxes[k] for k in mine), needed, finish,
-               read_once=True)
+    return _byte_job(stored, [byte_boxes[k] for k in mine], needed, finish, read_once=True)
 
 
 def _bitcastable(dtype: np.dtype) -> bool:
@@ -194,7 +221,10 @@ def _view(buffer: np.ndarray, stored: StoredTensor, name: str, shape: tuple[int,
             f"cannot hold shape {shape} in an array: {e}", file=stored.file, tensor=name) from None
 
 
-_ALIGNMENT = 64  # what XLA's CPU client needs to adopt a host buffer without a copy
+# XLA's CPU client adopts a 64-byte aligned, contiguous host buffer as the device
+# buffer instead of copying it (and copies rather than writes it when donated), so
+# on CPU a shard read into an aligned buffer costs no second copy and no memory.
+_ALIGNMENT = 64
 
 
 def aligned_empty(nbytes: int) -> np.ndarray:
@@ -257,7 +287,11 @@ def run_jobs(
     stats.bytes_needed += sum(j.needed for j in jobs)
     stats.files += len({j.stored.file for j in jobs})
 
-    def read(file: str, op: ReadOp, buffers: list[np.ndarray]) -> None:
+    def fetch(file: str, runs: Runs, buffers: Sequence[np.ndarray]) -> None:
+        for op in coalesce(runs, max_gap=max_gap, max_overread=max_overread, chunk_bytes=chunk_bytes):
+            read_op(file, op, buffers)
+
+    def read_op(file: str, op: ReadOp, buffers: Sequence[np.ndarray]) -> None:
         scratch = np.empty(max((p.length for p in op.pieces if p.target == GAP), default=0), np.uint8)
         views = [memoryview(scratch)[:p.length] if p.target == GAP
                  else memoryview(buffers[p.target])[p.offset:p.offset + p.length] for p in op.pieces]
@@ -265,6 +299,19 @@ def run_jobs(
         with lock:
             stats.bytes_read += op.length
             stats.requests += 1
+
+    def bounce(job: Job, read: RegionRead, buffers: list[np.ndarray]) -> None:
+        """Reads ``read.box`` into a temporary and copies each shard's part out."""
+        shape, itemsize = job.layout
+        temp = np.empty(box_size(read.box) * itemsize, np.uint8)
+        fetch(job.stored.file, tensor_runs(Region(read.box, ()), shape, itemsize,
+                                           job.stored.offset, 0), [temp])
+        source = temp.reshape(box_shape(read.box) + (itemsize,))
+        for shard, buffer in zip(job.shards, buffers):
+            part = intersect(read.box, shard)
+            if part is not None:
+                buffer.reshape(box_shape(shard) + (itemsize,))[relative_slices(part, shard)] = \
+                    source[relative_slices(part, read.box)]
 
     def finish(batch: list[int], buffers: list[list[np.ndarray]], reads, reserved: int) -> None:
         try:
@@ -286,18 +333,23 @@ def run_jobs(
             if any(f.done() and f.exception() for f in finishing):
                 break
             reserved = budget.acquire(sum(jobs[i].nbytes for i in batch))
-            buffers = [[aligned_empty(box_size(b) * jobs[i].layout[1]) for b in jobs[i].boxes]
+            buffers = [[aligned_empty(box_size(b) * jobs[i].layout[1]) for b in jobs[i].shards]
                        for i in batch]
             runs_by_file: dict[str, list[Runs]] = collections.defaultdict(list)
-            flat_buffers: list[np.ndarray] = []
+            direct_buffers: list[np.ndarray] = []
+            reads = []
             for i, job_buffers in zip(batch, buffers):
                 job = jobs[i]
-                for box, buffer in zip(job.boxes, job_buffers):
+                buffer_of = dict(zip(job.shards, job_buffers))
+                for read in job.reads:
+                    if read.direct is None:
+                        reads.append(pool.submit(bounce, job, read, job_buffers))
+                        continue
                     runs_by_file[job.stored.file].append(tensor_runs(
-                        Region(box, ()), *job.layout, job.stored.offset, len(flat_buffers)))
-                    flat_buffers.append(buffer)
-            reads = [
-                pool.submit(read, file, op, flat_buffers)
+                        Region(read.box, ()), *job.layout, job.stored.offset, len(direct_buffers)))
+                    direct_buffers.append(buffer_of[read.direct])
+            reads += [
+                pool.submit(read_op, file, op, direct_buffers)
                 for file, runs in runs_by_file.items()
                 for op in coalesce(Runs.concatenate(runs), max_gap=max_gap,
                                    max_overread=max_overread, chunk_bytes=chunk_bytes)

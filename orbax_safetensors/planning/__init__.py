@@ -16,8 +16,10 @@ from orbax_safetensors.planning.read_plan import (
     Piece,
     ReadOp,
     Region,
+    RegionRead,
     Runs,
     coalesce,
+    plan_region_reads,
     plan_regions,
     read_once_boxes,
     replication_factor,
@@ -35,7 +37,7 @@ from orbax_safetensors.planning.save_plan import (
 __all__ = [
     "Box", "bounding_box", "box_shape", "box_size", "byte_runs", "full_box", "intersect",
     "normalize_index", "relative_slices",
-    "GAP", "Piece", "ReadOp", "Region", "Runs", "coalesce", "plan_regions", "read_once_boxes",
+    "GAP", "Piece", "ReadOp", "Region", "RegionRead", "Runs", "coalesce", "plan_region_reads", "plan_regions", "read_once_boxes",
     "replication_factor", "tensor_runs",
     "FilePlan", "SavePlan", "TensorSpec", "plan_file", "plan_hf_checkpoint", "plan_single_file",
 ]

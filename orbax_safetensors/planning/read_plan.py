@@ -100,6 +100,38 @@ def plan_regions(shape: Sequence[int], boxes: Sequence[Box], *, whole_tensor: bo
     return [Region(b, (b,)) for b in distinct]
 
 
+@dataclasses.dataclass(frozen=True)
+class RegionRead:
+    """One read of a region: straight into a shard's buffer, or through a bounce buffer.
+
+    ``direct`` names the shard (a member box) whose buffer the bytes land in,
+    in order. Without it, ``box`` is read into a temporary buffer and every
+    shard it intersects copies its part out: the way to serve strided shards
+    (column blocks) from contiguous reads without staging a whole region.
+    """
+
+    box: Box
+    direct: Box | None
+
+
+def plan_region_reads(
+    region: Region, shape: Sequence[int], itemsize: int, block_bytes: int
+) -> list[RegionRead]:
+    """Direct reads when each shard is contiguous in the file, else bounced row blocks.
+
+    A bounced region is cut along its first dimension into blocks of at most
+    ``block_bytes`` (at least one index of that dimension), so the bounce
+    memory per read stays bounded whatever the tensor's size.
+    """
+    if region.members == (region.box,) or all(
+            len(byte_runs(m, shape, itemsize)[0]) <= 1 for m in region.members):
+        return [RegionRead(m, m) for m in region.members]
+    (start, stop), rest = region.box[0], region.box[1:]
+    row_bytes = box_size(((0, 1),) + rest) * itemsize
+    step = max(1, block_bytes // max(row_bytes, 1))
+    return [RegionRead(((r, min(r + step, stop)),) + rest, None) for r in range(start, stop, step)]
+
+
 def replication_factor(shape: Sequence[int], boxes_by_process: Mapping[int, Sequence[Box]]) -> float:
     """How many times over the processes together hold a tensor (1.0: each byte once).
 
