@@ -21,14 +21,16 @@ Contenders:
   (default Orbax context), awaited;
 * ``safe_open``: ``safetensors.safe_open(file, framework="numpy")`` over the index's
   files, ``get_tensor`` per tensor, then ``jax.device_put(array, sharding)``
-  (safetensors >= 0.6 returns bf16 as an ``ml_dtypes.bfloat16`` numpy array).
+  (the installed safetensors, 0.8.0, returns bf16 as an ``ml_dtypes.bfloat16``
+  numpy array, so no ``framework="flax"`` detour is needed).
 
 The timed region is the load call plus ``jax.block_until_ready`` of every result,
 nothing else: imports, backend start-up and building the target happen before, and
 checking the result (shapes, dtypes, shardings, and the first/last rows of a few
-tensors against values saved next to the checkpoint) after. Peak RSS is
-``ru_maxrss`` read right after the timed region; "RSS growth" is that peak minus
-the RSS right before the load. On CPU the "device" buffers live in host memory,
+tensors against values saved next to the checkpoint) after. Peak RSS is the
+worker's ``VmHWM`` (its own high-water mark; ``ru_maxrss`` would inherit the
+parent's peak, see ``peak_rss``) read right after the timed region; "RSS
+growth" is that peak minus the RSS right before the load. On CPU the "device" buffers live in host memory,
 so RSS includes the loaded arrays themselves (8 copies of everything when
 replicated).
 
@@ -43,6 +45,14 @@ Page cache: this is a warm-cache measurement. Before every run the parent reads
 every checkpoint file once (untimed), so each contender finds the whole
 checkpoint in the page cache; the numbers are the loaders' CPU/memory cost, not
 the disk's.
+
+Memory: on a VM whose guest returns freed pages to the host (virtio-balloon free
+page reporting, e.g. Firecracker), the first touch of freshly freed memory is
+several times slower than on bare metal, and how much of it is "cold" depends on
+what ran just before, which makes runs noisy and can favour whoever follows a
+big process. ``--prefault-gb N`` touches and frees N GB in the parent before
+every run (untimed), so every contender starts with that much host-backed free
+memory. Off by default; the header says when it was on.
 
 Results go to stdout and to ``bench/results/load.md`` (``load-quick.md`` with
 ``--quick``, whose checkpoint uses ``max_shard_size="50MB"`` so that it too is a
@@ -199,6 +209,16 @@ def checkpoint_files(checkpoint: Path) -> list[Path]:
     return [checkpoint / f for f in sorted(set(weight_map(checkpoint).values()))]
 
 
+def prefault_memory(gb: float) -> None:
+    """Touches and frees ``gb`` GB of anonymous memory (see the module docstring)."""
+    import numpy as np
+    chunks, left = [], int(gb * 1e9)
+    while left > 0:
+        chunks.append(np.ones(min(left, 256 << 20), np.uint8))
+        left -= len(chunks[-1])
+    del chunks
+
+
 def warm_page_cache(files: list[Path]) -> None:
     """Reads every file once so that it is in the page cache (untimed)."""
     buffer = bytearray(64 << 20)
@@ -219,6 +239,21 @@ def current_rss() -> int:
 
 
 def peak_rss() -> int:
+    """This process's peak RSS: ``VmHWM``, the high-water mark of its own address space.
+
+    Not ``ru_maxrss``: Linux keeps that across ``execve`` as the maximum of the
+    old address space, and ``subprocess`` spawns with ``vfork``, whose old
+    address space is the parent's, so every worker would report at least the
+    parent's peak (the parent that just generated the checkpoint, or touched
+    ``--prefault-gb``).
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KB
 
 
@@ -414,10 +449,13 @@ def render(spec: dict, files: list[Path], results: dict, args, wall: float) -> s
         f"- **warm page cache**: every file read once by the parent right before each run. "
         f"Each run is a fresh Python process (`JAX_PLATFORMS=cpu`, 8 host devices, 1-D mesh); "
         f"contenders alternate; medians of {args.repeats} run(s). Timed: the load call + "
-        f"`block_until_ready`. GB = 1e9 bytes; GB/s = tensor bytes / median seconds.",
-        f"- RSS: peak = `ru_maxrss` of the worker right after the load; growth = peak − RSS "
-        f"just before the load. CPU \"device\" arrays live in host RAM, so both include the "
-        f"loaded arrays (×8 when replicated).",
+        f"`block_until_ready`. GB = 1e9 bytes; GB/s = tensor bytes / median seconds."
+        + (f" Before every run the parent also touched and freed {args.prefault_gb:g} GB of memory "
+           f"(`--prefault-gb`), so that free memory is host-backed on VMs with free page reporting."
+           if args.prefault_gb else ""),
+        "- RSS: peak = the worker's `VmHWM` (its own high-water mark) right after the load; growth = peak − RSS "
+        "just before the load. CPU \"device\" arrays live in host RAM, so both include the "
+        "loaded arrays (×8 when replicated).",
         "",
         "| sharding | contender | seconds (median) | GB/s | peak RSS (GB) | RSS growth (GB) "
         "| ours ÷ this (GB/s) | runs (s) |",
@@ -463,8 +501,8 @@ def render(spec: dict, files: list[Path], results: dict, args, wall: float) -> s
                              f"{int(s.get('num_reads', 0))} coalesced reads, "
                              f"{int(s.get('storage_reads', 0))} storage reads")
     lines += ["", "Contenders: " + "; ".join(f"**{c}**: {CONTENDER_NOTES[c]}" for c in args.contenders)
-              + ". safe_open's numpy backend returns bf16 (`ml_dtypes.bfloat16`) in safetensors "
-              ">= 0.6, so no framework detour is needed."]
+              + ". safe_open's numpy backend returns bf16 as `ml_dtypes.bfloat16` in this "
+              "safetensors, so no `framework=\"flax\"` detour is needed."]
     if notes:
         lines += ["", "Read accounting (median run):", *notes]
     return "\n".join(lines) + "\n"
@@ -478,6 +516,8 @@ def main() -> None:
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
     parser.add_argument("--size-gb", type=float, default=None, help="checkpoint size (1.1)")
     parser.add_argument("--quick", action="store_true", help="~0.1 GB model, 1 repeat: a smoke test")
+    parser.add_argument("--prefault-gb", type=float, default=0.0,
+                        help="touch and free this many GB before every run (VMs with free page reporting)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--home", help=argparse.SUPPRESS)
     parser.add_argument("--contender", help=argparse.SUPPRESS)
@@ -506,6 +546,8 @@ def main() -> None:
     for sharding in args.shardings:
         for repeat in range(args.repeats):
             for contender in args.contenders:
+                if args.prefault_gb:
+                    prefault_memory(args.prefault_gb)
                 warm_page_cache(files)
                 result = run_worker(home, contender, sharding)
                 results[sharding][contender].append(result)

@@ -227,11 +227,17 @@ def _view(buffer: np.ndarray, stored: StoredTensor, name: str, shape: tuple[int,
 _ALIGNMENT = 64
 
 
-def aligned_empty(nbytes: int) -> np.ndarray:
-    """An uninitialised byte buffer whose start is 64-byte aligned."""
-    raw = np.empty(nbytes + _ALIGNMENT, np.uint8)
-    start = -raw.ctypes.data % _ALIGNMENT
-    return raw[start:start + nbytes]
+def aligned_buffers(sizes: Sequence[int]) -> list[np.ndarray]:
+    """Uninitialised byte buffers, each 64-byte aligned, carved from one allocation.
+
+    One allocation per tensor rather than per shard: large allocations get
+    transparent huge pages, and faulting in 4 KiB pages one by one costs more
+    than the copy that fills them.
+    """
+    starts = np.cumsum([0] + [-(-n // _ALIGNMENT) * _ALIGNMENT for n in sizes])
+    raw = np.empty(int(starts[-1]) + _ALIGNMENT, np.uint8)
+    base = -raw.ctypes.data % _ALIGNMENT
+    return [raw[base + int(start):base + int(start) + n] for start, n in zip(starts, sizes)]
 
 
 class _Budget:
@@ -300,10 +306,15 @@ def run_jobs(
             stats.bytes_read += op.length
             stats.requests += 1
 
+    bounce_buffers = threading.local()
+
     def bounce(job: Job, read: RegionRead, buffers: list[np.ndarray]) -> None:
         """Reads ``read.box`` into a temporary and copies each shard's part out."""
         shape, itemsize = job.layout
-        temp = np.empty(box_size(read.box) * itemsize, np.uint8)
+        nbytes = box_size(read.box) * itemsize
+        if getattr(bounce_buffers, "buffer", np.zeros(0, np.uint8)).size < nbytes:
+            bounce_buffers.buffer = np.empty(nbytes, np.uint8)  # reused: faulted in once per thread
+        temp = bounce_buffers.buffer[:nbytes]
         fetch(job.stored.file, tensor_runs(Region(read.box, ()), shape, itemsize,
                                            job.stored.offset, 0), [temp])
         source = temp.reshape(box_shape(read.box) + (itemsize,))
@@ -333,7 +344,7 @@ def run_jobs(
             if any(f.done() and f.exception() for f in finishing):
                 break
             reserved = budget.acquire(sum(jobs[i].nbytes for i in batch))
-            buffers = [[aligned_empty(box_size(b) * jobs[i].layout[1]) for b in jobs[i].shards]
+            buffers = [aligned_buffers([box_size(b) * jobs[i].layout[1] for b in jobs[i].shards])
                        for i in batch]
             runs_by_file: dict[str, list[Runs]] = collections.defaultdict(list)
             direct_buffers: list[np.ndarray] = []
