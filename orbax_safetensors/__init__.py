@@ -9,6 +9,8 @@ from orbax_safetensors.engine import (
     CheckpointMetadata,
     LoadStats,
     ReadOptions,
+    SaveStats,
+    async_save,
     load,
     metadata,
     save,
@@ -18,6 +20,6 @@ from orbax_safetensors.errors import SafetensorsError
 __version__ = "0.1.0"
 
 __all__ = [
-    "CheckpointMetadata", "LoadStats", "ReadOptions", "SafetensorsError",
-    "load", "metadata", "save", "__version__",
+    "CheckpointMetadata", "LoadStats", "ReadOptions", "SafetensorsError", "SaveStats",
+    "async_save", "load", "metadata", "save", "__version__",
 ]

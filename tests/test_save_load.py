@@ -145,15 +145,15 @@ def test_failed_save_leaves_previous_checkpoint_and_no_temporaries(tmp_path, mon
     ost.save(tmp_path / "c", old, max_shard_size=400)
     before = sorted(os.listdir(tmp_path / "c"))
     from orbax_safetensors.storage.local import LocalStorage
-    real_write, calls = LocalStorage.write, []
+    real_write, calls = LocalStorage.write_at, []
 
-    def failing_write(self, path, chunks):
+    def failing_write(self, path, offset, buffers):
         calls.append(path)
         if len(calls) == 2:
             raise OSError("disk full")
-        real_write(self, path, chunks)
+        real_write(self, path, offset, buffers)
 
-    monkeypatch.setattr(LocalStorage, "write", failing_write)
+    monkeypatch.setattr(LocalStorage, "write_at", failing_write)
     with pytest.raises(OSError, match="disk full"):
         ost.save(tmp_path / "c", {"a": np.zeros(100, np.float32), "b": np.zeros(100, np.float32)},
                  max_shard_size=400, overwrite=True)

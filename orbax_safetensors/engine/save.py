@@ -11,8 +11,13 @@ reader reports as an interrupted save rather than mixing old and new shards.
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
+import dataclasses
 import os
 import re
+import threading
+import time
 import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -21,20 +26,60 @@ import jax
 import numpy as np
 
 from orbax_safetensors.engine.checkpoint_reader import is_single_file
+from orbax_safetensors.engine.coordination import (
+    barrier,
+    gather_to_all,
+    next_operation_key,
+    share_from_primary,
+)
 from orbax_safetensors.engine.tree_names import flatten_with_names
 from orbax_safetensors.format import dtype_for_numpy, to_bytes
 from orbax_safetensors.index import INDEX_NAME, SINGLE_FILE_NAME, parse_index
 from orbax_safetensors.planning import (
+    Box,
     FilePlan,
+    Runs,
     SavePlan,
     TensorSpec,
+    byte_runs,
+    coalesce,
+    full_box,
+    normalize_index,
     plan_hf_checkpoint,
     plan_single_file,
 )
 from orbax_safetensors.storage import Storage, storage_for
 
 LAYOUTS = ("hf",)
+_WRITE_CHUNK_BYTES = 64 << 20
+_WRITE_THREADS = 8
 _TEMPORARY = re.compile(r"^\.(.+\.safetensors|.+\.index\.json)\.tmp-[0-9a-f]{12}$")
+
+
+@dataclasses.dataclass
+class SaveStats:
+    """What one process's save cost; the result of ``save`` and of ``async_save(...).result()``.
+
+    ``bytes_written`` counts tensor bytes this process wrote: the shards it
+    holds with ``replica_id == 0``, so across processes every byte is written
+    exactly once. ``blocking_seconds`` is how long ``async_save`` held the
+    caller (the device→host copies); ``seconds`` runs until the commit.
+    """
+
+    bytes_written: int = 0
+    requests: int = 0
+    files: int = 0
+    blocking_seconds: float = 0.0
+    seconds: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+    """A shard this process writes: its box in the tensor and a host copy of its values."""
+
+    name: str
+    box: Box
+    data: np.ndarray
 
 
 def save(
@@ -45,21 +90,51 @@ def save(
     max_shard_size: int | str = "5GB",
     metadata: Mapping[str, str] | None = None,
     overwrite: bool = False,
-) -> None:
-    """Saves the arrays of ``tree`` as safetensors, named by their key paths.
+) -> SaveStats:
+    """Saves the arrays of ``tree`` as safetensors, named by their key paths; blocks until committed.
+
+    Every process calls it with its part of the same global arrays. All
+    processes derive the same plan (files, headers, offsets) on their own;
+    each writes the bytes of the shards it holds with ``replica_id == 0``
+    straight into the shared files, so nothing is gathered onto one process
+    and no byte is written twice.
 
     Args:
       path: ``.../name.safetensors`` writes exactly that one file; any other
         path is a checkpoint directory (``model.safetensors``, or
         ``model-0000i-of-0000N.safetensors`` plus the index when the tensors
-        exceed ``max_shard_size``). Any fsspec URL.
-      tree: a PyTree of ``jax.Array`` or numpy arrays.
+        exceed ``max_shard_size``). Any fsspec URL; several processes need a
+        filesystem they share (local/NFS/GCSFuse paths).
+      tree: a PyTree of ``jax.Array`` (any sharding, across processes) or numpy
+        arrays (written by process 0).
       layout: ``"hf"``, whole tensors in the Hugging Face layout.
       max_shard_size: bytes per file, as an int or a string like ``"5GB"``.
       metadata: str→str stored in every file's ``__metadata__`` (next to
         ``"format": "pt"``, which transformers requires).
       overwrite: replace a checkpoint already at ``path`` instead of refusing.
     """
+    return async_save(path, tree, layout=layout, max_shard_size=max_shard_size,
+                      metadata=metadata, overwrite=overwrite).result()
+
+
+def async_save(
+    path: str | os.PathLike,
+    tree: Any,
+    *,
+    layout: str = "hf",
+    max_shard_size: int | str = "5GB",
+    metadata: Mapping[str, str] | None = None,
+    overwrite: bool = False,
+) -> concurrent.futures.Future[SaveStats]:
+    """Like ``save``, but returns once this process's shards are copied to host memory.
+
+    The caller may then mutate or donate its arrays: the files are written by
+    a background thread from the host copies. The returned future resolves
+    to ``SaveStats`` once the checkpoint is committed on every process, or
+    raises what went wrong (on every process). The interpreter waits for a
+    pending save at exit, so nothing is lost by returning early.
+    """
+    started = time.perf_counter()
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
     names, leaves, _ = flatten_with_names(tree)
@@ -77,15 +152,22 @@ def save(
     if previous and not overwrite:
         raise FileExistsError(
             f"{os.fspath(path)!r} already holds a checkpoint; pass overwrite=True to replace it")
-    _commit(storage, directory, plan, arrays, previous)
+    if jax.process_count() > 1 and not storage.supports_offset_writes:
+        raise ValueError(
+            f"{os.fspath(path)!r}: a save from {jax.process_count()} processes writes into shared "
+            "files at offsets, which this filesystem cannot do; save to a shared POSIX path")
+    pieces = _host_pieces(arrays, {s.name: s for s in specs})
+    key = next_operation_key("save")
+    token = share_from_primary(f"{key}/token", uuid.uuid4().hex[:12])
+    stats = SaveStats(blocking_seconds=time.perf_counter() - started)
+    future: concurrent.futures.Future[SaveStats] = concurrent.futures.Future()
+    job = _SaveJob(storage, directory, plan, previous, pieces, key, token, stats, started)
+    threading.Thread(target=job.run, args=(future,), name="orbax_safetensors-save").start()
+    return future
 
 
 def _checked_array(name: str, leaf: Any) -> jax.Array | np.ndarray:
     if isinstance(leaf, jax.Array):
-        if not leaf.is_fully_addressable:
-            raise ValueError(
-                f"leaf {name!r} spans several processes; this version saves arrays "
-                "held by a single process only")
         return leaf
     if isinstance(leaf, (np.ndarray, np.generic)):
         return np.asarray(leaf)
@@ -107,47 +189,174 @@ def _spec(name: str, array: jax.Array | np.ndarray) -> TensorSpec:
     return spec
 
 
-def _file_chunks(plan: FilePlan, arrays: Mapping[str, Any]) -> Iterator[memoryview | bytes]:
-    """The file's bytes in order, one tensor on the host at a time."""
-    yield plan.header
-    for info in plan.tensors:
-        yield to_bytes(np.asarray(arrays[info.name]))
+def _host_pieces(arrays: Mapping[str, Any], specs: Mapping[str, TensorSpec]) -> list[_Piece]:
+    """Host copies of the shards this process writes (``replica_id == 0``).
+
+    All device→host transfers are started before the first is awaited. The
+    copies are real copies: on CPU a device buffer can be viewed without one,
+    and the caller may donate or overwrite its arrays as soon as we return.
+    """
+    owned = []
+    for name, array in arrays.items():
+        shape = specs[name].shape
+        if isinstance(array, jax.Array):
+            for shard in array.addressable_shards:
+                if shard.replica_id == 0:
+                    shard.data.copy_to_host_async()
+                    owned.append((name, normalize_index(shard.index, shape), shard.data))
+        elif jax.process_index() == 0:
+            owned.append((name, full_box(shape), array))
+    pieces = [_Piece(name, box, np.array(data)) for name, box, data in owned]
+    for piece in pieces:
+        if specs[piece.name].dtype.is_packed and piece.box != full_box(specs[piece.name].shape):
+            raise ValueError(
+                f"leaf {piece.name!r}: {specs[piece.name].dtype.code} packs values below a byte, "
+                "so it can only be saved from an unsharded (replicated) array")
+    return pieces
 
 
-def _commit(
-    storage: Storage,
-    directory: str,
-    plan: SavePlan,
-    arrays: Mapping[str, Any],
-    previous: set[str],
-) -> None:
-    """Writes ``plan`` and makes it the committed checkpoint, replacing ``previous``."""
-    storage.makedirs(directory)
-    final = {f.name: storage.join(directory, f.name) for f in plan.files}
-    index_path = storage.join(directory, INDEX_NAME)
-    token = uuid.uuid4().hex[:12]
-    temporary = {name: storage.join(directory, f".{name}.tmp-{token}") for name in final}
-    try:
-        for file_plan in plan.files:
-            storage.write(temporary[file_plan.name], _file_chunks(file_plan, arrays))
-    except BaseException:
-        for path in temporary.values():
-            storage.remove(path)
-        raise
-    if index_path in previous:
-        storage.remove(index_path)  # uncommit the old checkpoint before its files change
-    for name, path in final.items():
-        storage.rename(temporary[name], path)
-    if plan.index is not None:
-        index_temporary = storage.join(directory, f".{INDEX_NAME}.tmp-{token}")
-        storage.write(index_temporary, [plan.index])
-        storage.rename(index_temporary, index_path)
-    leftovers = {  # temporaries of earlier saves into this directory that crashed
-        storage.join(directory, name)
-        for name in storage.listdir(directory) if _TEMPORARY.match(name)}
-    kept = set(final.values()) | ({index_path} if plan.index is not None else set())
-    for stale in (previous - kept) | leftovers:
-        storage.remove(stale)
+@dataclasses.dataclass
+class _SaveJob:
+    """The background half of a save: write this process's bytes, agree, commit."""
+
+    storage: Storage
+    directory: str
+    plan: SavePlan
+    previous: set[str]
+    pieces: list[_Piece]
+    key: str
+    token: str
+    stats: SaveStats
+    started: float
+
+    def run(self, future: concurrent.futures.Future) -> None:
+        try:
+            if self.storage.supports_offset_writes:
+                self._write_in_place()
+            else:
+                self._write_streaming()
+            self.stats.seconds = time.perf_counter() - self.started
+            future.set_result(self.stats)
+        except BaseException as e:  # the caller sees it through the future
+            future.set_exception(e)
+
+    def _temporary(self, name: str) -> str:
+        return self.storage.join(self.directory, f".{name}.tmp-{self.token}")
+
+    def _write_in_place(self) -> None:
+        """Process 0 creates every file at its final size; each process fills its runs."""
+        primary = jax.process_index() == 0
+        created = ""
+        if primary:
+            try:
+                self.storage.makedirs(self.directory)
+                for file in self.plan.files:
+                    self.storage.create_sized(self._temporary(file.name), file.size, file.header)
+            except Exception as e:
+                created = f"process 0 could not create the files: {e!r}"
+        created = share_from_primary(f"{self.key}/created", created)
+        if created:
+            raise OSError(created)
+        problem = ""
+        try:
+            self._write_pieces()
+        except Exception as e:
+            problem = f"process {jax.process_index()}: {e!r}"
+        problems = [p for p in gather_to_all(f"{self.key}/written", problem) if p]
+        if problems:
+            if primary:
+                for file in self.plan.files:
+                    self.storage.remove(self._temporary(file.name))
+            raise OSError("save failed, nothing was committed: " + "; ".join(problems))
+        if primary:
+            self._commit()
+        barrier(f"{self.key}/committed")
+
+    def _write_pieces(self) -> None:
+        location = {t.name: (f, t) for f in self.plan.files for t in f.tensors}
+        runs_by_file: dict[str, list[Runs]] = collections.defaultdict(list)
+        payloads = [to_bytes(piece.data) for piece in self.pieces]
+        for index, piece in enumerate(self.pieces):
+            file, info = location[piece.name]
+            start = file.data_start + info.begin
+            if info.dtype.is_packed:  # whole tensor, checked in _host_pieces
+                offsets, length = np.zeros(1, np.int64), info.nbytes
+            else:
+                offsets, length = byte_runs(piece.box, info.shape, info.dtype.bits // 8)
+            runs_by_file[file.name].append(Runs(
+                offsets + start, np.full(len(offsets), length, np.int64),
+                np.full(len(offsets), index, np.int64), np.arange(len(offsets)) * length))
+        writes = [
+            (file_name, op)
+            for file_name, runs in runs_by_file.items()
+            for op in coalesce(Runs.concatenate(runs), max_gap=0, max_overread=1.0,
+                               chunk_bytes=_WRITE_CHUNK_BYTES)
+        ]
+
+        def write(file_name: str, op) -> None:
+            self.storage.write_at(self._temporary(file_name), op.offset, [
+                payloads[p.target][p.offset:p.offset + p.length] for p in op.pieces])
+
+        with concurrent.futures.ThreadPoolExecutor(_WRITE_THREADS) as pool:
+            for done in [pool.submit(write, name, op) for name, op in writes]:
+                done.result()
+            list(pool.map(lambda name: self.storage.sync(self._temporary(name)), runs_by_file))
+        self.stats.bytes_written = sum(len(p) for p in payloads)
+        self.stats.requests = len(writes)
+        self.stats.files = len(runs_by_file)
+
+    def _write_streaming(self) -> None:
+        """One process, no writes at offsets (object stores): each file front to back."""
+        by_name = collections.defaultdict(list)
+        for piece in self.pieces:
+            by_name[piece.name].append(piece)
+
+        def chunks(file: FilePlan) -> Iterator[memoryview | bytes]:
+            yield file.header
+            for info in file.tensors:
+                yield to_bytes(_assemble(info, by_name[info.name]))
+
+        self.storage.makedirs(self.directory)
+        try:
+            for file in self.plan.files:
+                self.storage.write(self._temporary(file.name), chunks(file))
+        except BaseException:
+            for file in self.plan.files:
+                self.storage.remove(self._temporary(file.name))
+            raise
+        self.stats.bytes_written = sum(p.data.nbytes for p in self.pieces)
+        self.stats.requests = self.stats.files = len(self.plan.files)
+        self._commit()
+
+    def _commit(self) -> None:
+        """Renames the files into place and writes the index last, replacing ``previous``."""
+        storage, directory = self.storage, self.directory
+        final = {f.name: storage.join(directory, f.name) for f in self.plan.files}
+        index_path = storage.join(directory, INDEX_NAME)
+        if index_path in self.previous:
+            storage.remove(index_path)  # uncommit the old checkpoint before its files change
+        for name, path in final.items():
+            storage.rename(self._temporary(name), path)
+        if self.plan.index is not None:
+            index_temporary = self._temporary(INDEX_NAME)
+            storage.write(index_temporary, [self.plan.index])
+            storage.rename(index_temporary, index_path)
+        leftovers = {  # temporaries of earlier saves into this directory that crashed
+            storage.join(directory, name)
+            for name in storage.listdir(directory) if _TEMPORARY.match(name)}
+        kept = set(final.values()) | ({index_path} if self.plan.index is not None else set())
+        for stale in (self.previous - kept) | leftovers:
+            storage.remove(stale)
+
+
+def _assemble(info, pieces: list[_Piece]) -> np.ndarray:
+    """A whole tensor from the pieces one process holds of it (all of them, here)."""
+    if len(pieces) == 1 and pieces[0].box == full_box(info.shape):
+        return pieces[0].data
+    whole = np.empty(info.shape, pieces[0].data.dtype)
+    for piece in pieces:
+        whole[tuple(slice(a, b) for a, b in piece.box)] = piece.data
+    return whole
 
 
 def _committed_directory_files(storage: Storage, directory: str, plan: SavePlan) -> set[str]:

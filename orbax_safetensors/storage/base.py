@@ -48,6 +48,21 @@ class Storage(abc.ABC):
     def write(self, path: str, chunks: Iterable[memoryview | bytes]) -> None:
         """Writes a whole new file from ``chunks``, streaming, durable on return."""
 
+    supports_offset_writes: bool = False
+    """Whether several processes may fill one file at offsets (``create_sized``, ``write_at``)."""
+
+    def create_sized(self, path: str, size: int, head: bytes) -> None:
+        """Creates ``path`` with ``head`` at offset 0 and its final ``size``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot write at offsets")
+
+    def write_at(self, path: str, offset: int, buffers: Sequence[memoryview]) -> None:
+        """Writes ``buffers`` back to back at ``offset`` of an existing file."""
+        raise NotImplementedError(f"{type(self).__name__} cannot write at offsets")
+
+    def sync(self, path: str) -> None:
+        """Makes every write to ``path`` so far durable."""
+        raise NotImplementedError(f"{type(self).__name__} cannot write at offsets")
+
     @abc.abstractmethod
     def exists(self, path: str) -> bool: ...
 

@@ -66,6 +66,40 @@ class LocalStorage(Storage):
         finally:
             os.close(fd)
 
+    supports_offset_writes = True
+
+    def create_sized(self, path: str, size: int, head: bytes) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.pwrite(fd, head, 0)
+            os.ftruncate(fd, size)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def write_at(self, path: str, offset: int, buffers: Sequence[memoryview]) -> None:
+        views = [memoryview(b).cast("B") for b in buffers]
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            position, start = offset, 0
+            while start < len(views):
+                done = os.pwritev(fd, views[start:start + _IOV_MAX], position)
+                position += done
+                while start < len(views) and done >= len(views[start]):
+                    done -= len(views[start])
+                    start += 1
+                if done:
+                    views[start] = views[start][done:]
+        finally:
+            os.close(fd)
+
+    def sync(self, path: str) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
     def exists(self, path: str) -> bool:
         return os.path.exists(path)
 
