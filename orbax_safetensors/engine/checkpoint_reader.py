@@ -9,13 +9,26 @@ last, and is reported as such rather than half-loaded.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import os
 
 from orbax_safetensors.errors import SafetensorsError
-from orbax_safetensors.format import PREFIX_SIZE, Header, TensorInfo, header_size, parse_header
-from orbax_safetensors.index import INDEX_NAME, SINGLE_FILE_NAME, is_shard_file_name, parse_index
+from orbax_safetensors.format import PREFIX_SIZE, DType, Header, TensorInfo, header_size, parse_header
+from orbax_safetensors.index import (
+    DISTRIBUTED_INDEX_NAME,
+    INDEX_NAME,
+    SINGLE_FILE_NAME,
+    SliceEntry,
+    check_slices,
+    dcp_offsets,
+    is_distributed_file_name,
+    is_shard_file_name,
+    parse_distributed_index,
+    parse_index,
+)
+from orbax_safetensors.index.distributed_index import DCP_SHARDING_INFO, DCP_VERSION
 from orbax_safetensors.storage import Storage, storage_for
 
 _FIRST_READ = 1 << 16  # one request usually covers the whole header
@@ -24,30 +37,57 @@ _HEADER_THREADS = 16
 
 @dataclasses.dataclass(frozen=True)
 class StoredTensor:
-    """A tensor's place in storage: ``file`` and absolute byte ``offset``."""
+    """One stored piece of a tensor: the whole of it (hf) or one slice (distributed).
+
+    ``offset`` is the absolute byte offset of the piece in ``file``; ``origin``
+    is where the piece starts in the global tensor.
+    """
 
     info: TensorInfo
     file: str
     offset: int
+    origin: tuple[int, ...]
+
+    @property
+    def box(self) -> tuple[tuple[int, int], ...]:
+        return tuple((o, o + n) for o, n in zip(self.origin, self.info.shape))
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSource:
+    """A tensor of the checkpoint and the pieces it is stored in."""
+
+    dtype: DType
+    shape: tuple[int, ...]
+    pieces: tuple[StoredTensor, ...]
+
+    @property
+    def whole(self) -> StoredTensor | None:
+        """The single piece holding the entire tensor, if it is stored that way."""
+        if len(self.pieces) == 1 and self.pieces[0].info.shape == self.shape:
+            return self.pieces[0]
+        return None
 
     @property
     def nbytes(self) -> int:
-        return self.info.nbytes
+        return self.dtype.nbytes(self.shape)
 
 
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
     storage: Storage
-    tensors: dict[str, StoredTensor]
+    tensors: dict[str, TensorSource]
     headers: dict[str, Header]  # file path → header, in file order
+    index_metadata: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def metadata(self) -> dict[str, str]:
         """``__metadata__`` of all files merged (they agree in what we write)."""
-        merged: dict[str, str] = {}
+        merged: dict[str, str] = dict(self.index_metadata)
         for header in self.headers.values():
             for key, value in (header.metadata or {}).items():
-                merged.setdefault(key, value)
+                if key not in (DCP_SHARDING_INFO, DCP_VERSION):
+                    merged.setdefault(key, value)
         return merged
 
 
@@ -69,26 +109,88 @@ def read_header(storage: Storage, path: str) -> Header:
     return parse_header(raw, size, file=path)
 
 
+def _read_headers(storage: Storage, files: list[str]) -> dict[str, Header]:
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(_HEADER_THREADS, len(files)))) as pool:
+        return dict(zip(files, pool.map(lambda f: read_header(storage, f), files)))
+
+
 def open_checkpoint(url: str | os.PathLike) -> Checkpoint:
     storage, path = storage_for(url)
     if is_single_file(url):
-        files, weight_map = [path], None
-    else:
-        files, weight_map = _resolve_directory(storage, path, os.fspath(url))
-    with concurrent.futures.ThreadPoolExecutor(min(_HEADER_THREADS, len(files))) as pool:
-        headers = dict(zip(files, pool.map(lambda f: read_header(storage, f), files)))
-    tensors: dict[str, StoredTensor] = {}
+        return _whole_tensors(storage, [path], None)
+    if storage.exists(storage.join(path, DISTRIBUTED_INDEX_NAME)):
+        return _distributed_checkpoint(storage, path)
+    files, weight_map = _resolve_directory(storage, path, os.fspath(url))
+    if weight_map is None and not files:
+        return _dcp_checkpoint(storage, path, os.fspath(url))
+    return _whole_tensors(storage, files, weight_map)
+
+
+def _whole_tensors(storage: Storage, files: list[str], weight_map: dict[str, str] | None) -> Checkpoint:
+    headers = _read_headers(storage, files)
+    tensors: dict[str, TensorSource] = {}
     for file, header in headers.items():
         for name, info in header.tensors.items():
             if weight_map is not None and weight_map.get(name) != file:
                 continue  # the index decides which file's copy is the tensor
-            tensors[name] = StoredTensor(info, file, header.data_start + info.begin)
+            piece = StoredTensor(info, file, header.data_start + info.begin, (0,) * len(info.shape))
+            tensors[name] = TensorSource(info.dtype, info.shape, (piece,))
     if weight_map is not None:
         for name, file in weight_map.items():
             if name not in tensors:
                 raise SafetensorsError(
                     f"the index says this tensor is in {file!r}, which does not hold it",
                     file=file, tensor=name)
+    return Checkpoint(storage, tensors, headers)
+
+
+def _distributed_checkpoint(storage: Storage, path: str) -> Checkpoint:
+    """Our distributed layout: the index says where every slice is."""
+    index_path = storage.join(path, DISTRIBUTED_INDEX_NAME)
+    entries, metadata = parse_distributed_index(
+        storage.read(index_path, 0, storage.size(index_path)), file=index_path)
+    files = sorted({storage.join(path, s.file) for t in entries.values() for s in t.slices})
+    headers = _read_headers(storage, files)
+    tensors = {}
+    for name, entry in entries.items():
+        pieces = []
+        for s in entry.slices:
+            file = storage.join(path, s.file)
+            info = headers[file].tensors.get(name)
+            if info is None or info.shape != s.shape or info.dtype != entry.dtype:
+                raise SafetensorsError(
+                    f"the distributed index places a {entry.dtype.code} slice of shape "
+                    f"{list(s.shape)} here, but the file holds "
+                    f"{'no such tensor' if info is None else f'{info.dtype.code} {list(info.shape)}'}",
+                    file=file, tensor=name)
+            pieces.append(StoredTensor(info, file, headers[file].data_start + info.begin, s.offsets))
+        tensors[name] = TensorSource(entry.dtype, entry.shape, tuple(pieces))
+    return Checkpoint(storage, tensors, headers, metadata)
+
+
+def _dcp_checkpoint(storage: Storage, path: str, url: str) -> Checkpoint:
+    """torch DCP ``save_sharded`` output: slices and offsets from every file's header."""
+    files = sorted(storage.join(path, n) for n in storage.listdir(path) if is_distributed_file_name(n))
+    headers = _read_headers(storage, files)
+    found: dict[str, list[StoredTensor]] = collections.defaultdict(list)
+    for file, header in headers.items():
+        offsets = dcp_offsets(header.metadata, file=file)
+        for name, info in header.tensors.items():
+            origin = offsets.get(name, (0,) * len(info.shape))
+            if len(origin) != len(info.shape):
+                raise SafetensorsError(
+                    f"saved_offsets {list(origin)} do not match the slice's rank", file=file, tensor=name)
+            found[name].append(StoredTensor(info, file, header.data_start + info.begin, origin))
+    tensors = {}
+    for name, pieces in found.items():
+        shape = tuple(max(p.origin[d] + p.info.shape[d] for p in pieces)
+                      for d in range(len(pieces[0].info.shape)))
+        dtypes = {p.info.dtype for p in pieces}
+        if len(dtypes) > 1:
+            raise SafetensorsError(f"slices disagree on the dtype: {sorted(d.code for d in dtypes)}",
+                                   file=url, tensor=name)
+        check_slices(name, shape, [SliceEntry(p.file, p.origin, p.info.shape) for p in pieces], file=url)
+        tensors[name] = TensorSource(pieces[0].info.dtype, shape, tuple(pieces))
     return Checkpoint(storage, tensors, headers)
 
 
@@ -105,10 +207,14 @@ def _resolve_directory(
         return [single], None
     if not storage.isdir(path):
         raise FileNotFoundError(f"no safetensors checkpoint at {url!r}: it does not exist")
-    if any(is_shard_file_name(n) for n in storage.listdir(path)):
+    names = storage.listdir(path)
+    if any(is_shard_file_name(n) for n in names):
         raise SafetensorsError(
             f"holds shard files but no {INDEX_NAME}: an interrupted save? "
             "(the index is written last, so this checkpoint was never committed)",
             file=url)
+    if any(is_distributed_file_name(n) for n in names):
+        return [], None  # torch DCP sharded output (ours always has its index)
     raise SafetensorsError(
-        f"no {INDEX_NAME} and no {SINGLE_FILE_NAME} in this directory", file=url)
+        f"no {INDEX_NAME}, {DISTRIBUTED_INDEX_NAME} or {SINGLE_FILE_NAME} in this directory",
+        file=url)

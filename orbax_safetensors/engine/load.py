@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from orbax_safetensors.engine.checkpoint_reader import Checkpoint, StoredTensor, open_checkpoint
+from orbax_safetensors.engine.checkpoint_reader import Checkpoint, TensorSource, open_checkpoint
 from orbax_safetensors.engine.tree_names import flatten_with_names
 from orbax_safetensors.engine.shard_reader import Job, LoadStats, host_job, run_jobs, sharded_job
 from orbax_safetensors.errors import SafetensorsError
@@ -34,7 +34,7 @@ class CheckpointMetadata:
 
     tensors: dict[str, jax.ShapeDtypeStruct]
     metadata: dict[str, str]
-    files: dict[str, str]  # tensor name → file name inside the checkpoint
+    files: dict[str, tuple[str, ...]]  # tensor name → the file(s) holding it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,12 +51,12 @@ def metadata(path: str | os.PathLike) -> CheckpointMetadata:
     checkpoint = open_checkpoint(path)
     return CheckpointMetadata(
         tensors={
-            name: jax.ShapeDtypeStruct(t.info.shape, t.info.dtype.numpy)
+            name: jax.ShapeDtypeStruct(t.shape, t.dtype.numpy)
             for name, t in sorted(checkpoint.tensors.items())
         },
         metadata=checkpoint.metadata,
         files={
-            name: checkpoint.storage.split(t.file)[1]
+            name: tuple(checkpoint.storage.split(p.file)[1] for p in t.pieces)
             for name, t in sorted(checkpoint.tensors.items())
         },
     )
@@ -160,10 +160,10 @@ def load(
     return jax.tree_util.tree_unflatten(treedef, result)
 
 
-def _job(name: str, stored: StoredTensor, request: _Request, read_once: bool, bounce_bytes: int) -> Job:
+def _job(name: str, source: TensorSource, request: _Request, read_once: bool, bounce_bytes: int) -> Job:
     if request.sharding is None:
-        return host_job(name, stored, request.dtype)
-    return sharded_job(name, stored, request.dtype, request.sharding,
+        return host_job(name, source, request.dtype, bounce_bytes=bounce_bytes)
+    return sharded_job(name, source, request.dtype, request.sharding,
                        read_once=read_once, bounce_bytes=bounce_bytes)
 
 
@@ -184,10 +184,10 @@ def _match(checkpoint: Checkpoint, names: list[str], requests: list[_Request], s
     missing = [n for n in names if n not in checkpoint.tensors]
     unexpected = sorted(set(checkpoint.tensors) - set(names))
     mismatched = [
-        f"{n}: checkpoint {checkpoint.tensors[n].info.shape}, target {r.shape}"
+        f"{n}: checkpoint {checkpoint.tensors[n].shape}, target {r.shape}"
         for n, r in zip(names, requests)
         if n in checkpoint.tensors and r.shape is not None
-        and r.shape != checkpoint.tensors[n].info.shape
+        and r.shape != checkpoint.tensors[n].shape
     ]
     if strict and (missing or unexpected or mismatched):
         problems = []
@@ -203,5 +203,5 @@ def _match(checkpoint: Checkpoint, names: list[str], requests: list[_Request], s
     return [
         i for i, (n, r) in enumerate(zip(names, requests))
         if n in checkpoint.tensors
-        and (r.shape is None or r.shape == checkpoint.tensors[n].info.shape)
+        and (r.shape is None or r.shape == checkpoint.tensors[n].shape)
     ]

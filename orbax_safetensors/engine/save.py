@@ -14,6 +14,8 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import itertools
+import json
 import os
 import re
 import threading
@@ -34,26 +36,41 @@ from orbax_safetensors.engine.coordination import (
 )
 from orbax_safetensors.engine.tree_names import flatten_with_names
 from orbax_safetensors.format import dtype_for_numpy, to_bytes
-from orbax_safetensors.index import INDEX_NAME, SINGLE_FILE_NAME, parse_index
+from orbax_safetensors.index import (
+    DISTRIBUTED_INDEX_NAME,
+    INDEX_NAME,
+    SINGLE_FILE_NAME,
+    DistributedTensor,
+    SliceEntry,
+    is_distributed_file_name,
+    is_shard_file_name,
+    parse_distributed_index,
+    parse_index,
+    serialize_distributed_index,
+)
 from orbax_safetensors.planning import (
     Box,
     FilePlan,
     Runs,
     SavePlan,
+    SliceSpec,
     TensorSpec,
     byte_runs,
     coalesce,
     full_box,
     normalize_index,
+    plan_distributed_files,
     plan_hf_checkpoint,
+    plan_regions,
     plan_single_file,
+    relative_slices,
 )
 from orbax_safetensors.storage import Storage, storage_for
 
-LAYOUTS = ("hf",)
+LAYOUTS = ("hf", "distributed")
 _WRITE_CHUNK_BYTES = 64 << 20
 _WRITE_THREADS = 8
-_TEMPORARY = re.compile(r"^\.(.+\.safetensors|.+\.index\.json)\.tmp-[0-9a-f]{12}$")
+_TEMPORARY = re.compile(r"^\.(.+\.safetensors|.+\.json)\.tmp-[0-9a-f]{12}$")
 
 
 @dataclasses.dataclass
@@ -142,17 +159,19 @@ def async_save(
     specs = [_spec(name, array) for name, array in arrays.items()]
     storage, target = storage_for(path)
     if is_single_file(path):
+        if layout == "distributed":
+            raise ValueError(f"{os.fspath(path)!r}: the distributed layout is a directory of files")
         directory, file_name = storage.split(target)
         plan = plan_single_file(file_name, specs, metadata)
-        previous = {target} if storage.exists(target) else set()
+        committed = previous = {target} if storage.exists(target) else set()
     else:
         directory = target
         plan = plan_hf_checkpoint(specs, max_shard_size=max_shard_size, metadata=metadata)
-        previous = _committed_directory_files(storage, directory, plan)
-    if previous and not overwrite:
+        committed, previous = _directory_files(storage, directory)
+    if committed and not overwrite:
         raise FileExistsError(
             f"{os.fspath(path)!r} already holds a checkpoint; pass overwrite=True to replace it")
-    if jax.process_count() > 1 and not storage.supports_offset_writes:
+    if layout == "hf" and jax.process_count() > 1 and not storage.supports_offset_writes:
         raise ValueError(
             f"{os.fspath(path)!r}: a save from {jax.process_count()} processes writes into shared "
             "files at offsets, which this filesystem cannot do; save to a shared POSIX path")
@@ -161,7 +180,14 @@ def async_save(
     token = share_from_primary(f"{key}/token", uuid.uuid4().hex[:12])
     stats = SaveStats(blocking_seconds=time.perf_counter() - started)
     future: concurrent.futures.Future[SaveStats] = concurrent.futures.Future()
-    job = _SaveJob(storage, directory, plan, previous, pieces, key, token, stats, started)
+    if layout == "distributed":
+        pieces = _merge_pieces(pieces, {s.name: s for s in specs})
+        job: _SaveJob = _DistributedSaveJob(
+            storage, directory, plan, previous, pieces, key, token, stats, started,
+            specs={s.name: s for s in specs}, max_shard_size=max_shard_size,
+            metadata=dict(metadata or {}))
+    else:
+        job = _SaveJob(storage, directory, plan, previous, pieces, key, token, stats, started)
     threading.Thread(target=job.run, args=(future,), name="orbax_safetensors-save").start()
     return future
 
@@ -328,25 +354,128 @@ class _SaveJob:
         self.stats.requests = self.stats.files = len(self.plan.files)
         self._commit()
 
+    def _uncommit(self) -> None:
+        """Removes the old checkpoint's commit markers before any of its files change."""
+        for name in (INDEX_NAME, DISTRIBUTED_INDEX_NAME):
+            index_path = self.storage.join(self.directory, name)
+            if index_path in self.previous:
+                self.storage.remove(index_path)
+
+    def _remove_stale(self, kept: set[str]) -> None:
+        """Deletes the replaced checkpoint's files and temporaries of crashed saves."""
+        storage, directory = self.storage, self.directory
+        leftovers = {
+            storage.join(directory, name)
+            for name in storage.listdir(directory) if _TEMPORARY.match(name)}
+        for stale in (self.previous - kept) | leftovers:
+            storage.remove(stale)
+
     def _commit(self) -> None:
         """Renames the files into place and writes the index last, replacing ``previous``."""
         storage, directory = self.storage, self.directory
         final = {f.name: storage.join(directory, f.name) for f in self.plan.files}
         index_path = storage.join(directory, INDEX_NAME)
-        if index_path in self.previous:
-            storage.remove(index_path)  # uncommit the old checkpoint before its files change
+        self._uncommit()
         for name, path in final.items():
             storage.rename(self._temporary(name), path)
         if self.plan.index is not None:
             index_temporary = self._temporary(INDEX_NAME)
             storage.write(index_temporary, [self.plan.index])
             storage.rename(index_temporary, index_path)
-        leftovers = {  # temporaries of earlier saves into this directory that crashed
-            storage.join(directory, name)
-            for name in storage.listdir(directory) if _TEMPORARY.match(name)}
-        kept = set(final.values()) | ({index_path} if self.plan.index is not None else set())
-        for stale in (self.previous - kept) | leftovers:
-            storage.remove(stale)
+        self._remove_stale(
+            set(final.values()) | ({index_path} if self.plan.index is not None else set()))
+
+
+def _merge_pieces(pieces: list[_Piece], specs: Mapping[str, TensorSpec]) -> list[_Piece]:
+    """One slice per tensor where this process's shards of it form a box.
+
+    The distributed layout stores at most one slice of a tensor per file, so
+    fewer, larger slices mean fewer files; shards that do not form a box stay
+    separate slices (and spread over several files).
+    """
+    by_name: dict[str, list[_Piece]] = collections.defaultdict(list)
+    for piece in pieces:
+        by_name[piece.name].append(piece)
+    merged = []
+    for name, group in by_name.items():
+        regions = plan_regions(specs[name].shape, [p.box for p in group])
+        if len(group) == 1 or len(regions) != 1:
+            merged.extend(group)
+            continue
+        box = regions[0].box
+        data = np.empty(tuple(b - a for a, b in box), group[0].data.dtype)
+        for piece in group:
+            data[relative_slices(piece.box, box)] = piece.data
+        merged.append(_Piece(name, box, data))
+    return merged
+
+
+@dataclasses.dataclass
+class _DistributedSaveJob(_SaveJob):
+    """Each process writes whole files of its own slices; process 0 writes the index last."""
+
+    specs: Mapping[str, TensorSpec] = dataclasses.field(default_factory=dict)
+    max_shard_size: int | str = "5GB"
+    metadata: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def run(self, future: concurrent.futures.Future) -> None:
+        try:
+            self._write_distributed()
+            self.stats.seconds = time.perf_counter() - self.started
+            future.set_result(self.stats)
+        except BaseException as e:
+            future.set_exception(e)
+
+    def _write_distributed(self) -> None:
+        me = jax.process_index()
+        data = {(p.name, p.box): p.data for p in self.pieces}
+        files = plan_distributed_files(
+            me, [SliceSpec(p.name, self.specs[p.name].dtype, p.box) for p in self.pieces],
+            max_shard_size=self.max_shard_size, metadata=self.metadata)
+        problem = ""
+        try:
+            self.storage.makedirs(self.directory)
+            for file, slices in files:
+                order = {s.name: data[(s.name, s.box)] for s in slices}
+                self.storage.write(self._temporary(file.name), itertools.chain(
+                    [file.header], (to_bytes(order[t.name]) for t in file.tensors)))
+        except Exception as e:
+            problem = f"process {me}: {e!r}"
+        report = json.dumps({"problem": problem, "slices": [
+            [s.name, file.name, [a for a, _ in s.box], list(s.shape)]
+            for file, slices in files for s in slices]})
+        reports = [json.loads(r) for r in gather_to_all(f"{self.key}/written", report)]
+        problems = [r["problem"] for r in reports if r["problem"]]
+        if problems:
+            for file, _ in files:
+                self.storage.remove(self._temporary(file.name))
+            raise OSError("save failed, nothing was committed: " + "; ".join(problems))
+        if me == 0:
+            self._uncommit()
+        barrier(f"{self.key}/uncommitted")
+        for file, _ in files:
+            self.storage.rename(self._temporary(file.name),
+                                self.storage.join(self.directory, file.name))
+        barrier(f"{self.key}/renamed")
+        if me == 0:
+            self._write_index([entry for r in reports for entry in r["slices"]])
+        barrier(f"{self.key}/committed")
+        self.stats.bytes_written = sum(p.data.nbytes for p in self.pieces)
+        self.stats.requests = self.stats.files = len(files)
+
+    def _write_index(self, entries: list[list]) -> None:
+        slices: dict[str, list[SliceEntry]] = collections.defaultdict(list)
+        for name, file, offsets, shape in entries:
+            slices[name].append(SliceEntry(file, tuple(offsets), tuple(shape)))
+        tensors = {
+            name: DistributedTensor(spec.dtype, spec.shape, tuple(slices[name]))
+            for name, spec in self.specs.items()}
+        index_path = self.storage.join(self.directory, DISTRIBUTED_INDEX_NAME)
+        index_temporary = self._temporary(DISTRIBUTED_INDEX_NAME)
+        self.storage.write(index_temporary, [serialize_distributed_index(tensors, self.metadata)])
+        self.storage.rename(index_temporary, index_path)
+        self._remove_stale({index_path} | {
+            self.storage.join(self.directory, s.file) for t in tensors.values() for s in t.slices})
 
 
 def _assemble(info, pieces: list[_Piece]) -> np.ndarray:
@@ -359,11 +488,26 @@ def _assemble(info, pieces: list[_Piece]) -> np.ndarray:
     return whole
 
 
-def _committed_directory_files(storage: Storage, directory: str, plan: SavePlan) -> set[str]:
-    """Files of the checkpoint this save would replace (empty if there is none)."""
-    index_path = storage.join(directory, INDEX_NAME)
-    if storage.exists(index_path):
-        index = parse_index(storage.read(index_path, 0, storage.size(index_path)), file=index_path)
-        return {storage.join(directory, name) for name in index.files} | {index_path}
-    names = {f.name for f in plan.files} | {SINGLE_FILE_NAME}
-    return {p for p in (storage.join(directory, n) for n in names) if storage.exists(p)}
+def _directory_files(storage: Storage, directory: str) -> tuple[set[str], set[str]]:
+    """``(committed, present)``: the files of the checkpoint in ``directory``, if one is
+    committed, and every checkpoint file there (committed or left by a crash)."""
+    if not storage.isdir(directory):
+        return set(), set()
+    names = set(storage.listdir(directory))
+    committed: set[str] = set()
+    for index_name, parse in ((INDEX_NAME, parse_index), (DISTRIBUTED_INDEX_NAME, None)):
+        if index_name in names:
+            committed.add(index_name)
+            index_path = storage.join(directory, index_name)
+            raw = storage.read(index_path, 0, storage.size(index_path))
+            if parse is not None:
+                committed |= set(parse(raw, file=index_path).files)
+            else:
+                tensors, _ = parse_distributed_index(raw, file=index_path)
+                committed |= {s.file for t in tensors.values() for s in t.slices}
+    if SINGLE_FILE_NAME in names:
+        committed.add(SINGLE_FILE_NAME)
+    present = committed | {
+        n for n in names if is_shard_file_name(n) or is_distributed_file_name(n)}
+    return ({storage.join(directory, n) for n in committed},
+            {storage.join(directory, n) for n in present})

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from orbax_safetensors.engine.checkpoint_reader import Checkpoint, StoredTensor
+from orbax_safetensors.engine.checkpoint_reader import Checkpoint, StoredTensor, TensorSource
 from orbax_safetensors.errors import SafetensorsError
 from orbax_safetensors.format import from_bytes
 from orbax_safetensors.planning import (
@@ -32,11 +32,11 @@ from orbax_safetensors.planning import (
     Box,
     ReadOp,
     Region,
-    RegionRead,
     Runs,
     box_shape,
     box_size,
     coalesce,
+    full_box,
     intersect,
     normalize_index,
     plan_region_reads,
@@ -44,6 +44,7 @@ from orbax_safetensors.planning import (
     read_once_boxes,
     relative_slices,
     replication_factor,
+    row_blocks,
     tensor_runs,
 )
 
@@ -68,6 +69,20 @@ class LoadStats:
 
 
 @dataclasses.dataclass(frozen=True)
+class PieceRead:
+    """Read ``box`` (global coordinates) from stored piece ``piece``.
+
+    ``direct`` names the shard whose buffer the bytes land in, in order (the
+    box is that shard); without it the box goes through a bounce buffer and
+    every shard it intersects copies its part out.
+    """
+
+    piece: int
+    box: Box
+    direct: Box | None
+
+
+@dataclasses.dataclass(frozen=True)
 class Job:
     """One tensor: the shard buffers to fill, the reads that fill them, and ``finish``.
 
@@ -76,81 +91,131 @@ class Job:
     host buffer, which ``finish`` turns into the result.
     """
 
-    stored: StoredTensor
+    pieces: tuple[StoredTensor, ...]
     layout: tuple[tuple[int, ...], int]  # (shape, itemsize) the boxes index into
     shards: tuple[Box, ...]
-    reads: tuple[RegionRead, ...]
+    reads: tuple[PieceRead, ...]
     needed: int  # bytes of the shards this process's devices hold
     finish: Callable[[list[np.ndarray]], Any]
     read_once: bool = False
+    byte_space: bool = False  # boxes index the bytes of the (single, whole) piece
 
     @property
     def nbytes(self) -> int:
         return sum(box_size(b) for b in self.shards) * self.layout[1]
 
+    def runs(self, read: PieceRead, target: int) -> Runs:
+        """The byte runs of ``read`` in its piece's file, landing in buffer ``target``."""
+        piece = self.pieces[read.piece]
+        if self.byte_space:
+            return tensor_runs(Region(read.box, ()), *self.layout, piece.offset, target)
+        relative = tuple((a - o, b - o) for (a, b), o in zip(read.box, piece.origin))
+        return tensor_runs(Region(relative, ()), piece.info.shape, self.layout[1], piece.offset, target)
 
-def _byte_job(stored: StoredTensor, boxes: Sequence[Box], needed: int, finish, read_once=False) -> Job:
-    """A job over the tensor's raw bytes, each box read straight into its buffer."""
+
+def _byte_job(piece: StoredTensor, boxes: Sequence[Box], needed: int, finish, read_once=False) -> Job:
+    """A job over one whole piece's raw bytes, each box read straight into its buffer."""
     boxes = tuple(boxes)
-    return Job(stored, ((stored.info.nbytes,), 1), boxes, tuple(RegionRead(b, b) for b in boxes),
-               needed, finish, read_once)
+    return Job((piece,), ((piece.info.nbytes,), 1), boxes,
+               tuple(PieceRead(0, b, b) for b in boxes), needed, finish, read_once, byte_space=True)
 
 
-def host_job(name: str, stored: StoredTensor, dtype: np.dtype | None) -> Job:
+def _whole_piece(name: str, source: TensorSource, why: str) -> StoredTensor:
+    if source.whole is None:
+        raise SafetensorsError(
+            f"{why} needs the tensor stored whole, not in {len(source.pieces)} slices", tensor=name)
+    return source.whole
+
+
+def _plan_reads(source: TensorSource, shards: Sequence[Box], bounce_bytes: int) -> tuple[PieceRead, ...]:
+    """Reads that fill ``shards`` from the source's pieces.
+
+    A whole stored tensor goes through region planning (shards that together
+    form a box are read once, contiguously). For slices, each shard is read
+    directly from the slice holding all of it, or assembled through bounce
+    blocks from every slice it intersects.
+    """
+    itemsize = source.dtype.bits // 8
+    if source.whole is not None:
+        return tuple(
+            PieceRead(0, read.box, read.direct)
+            for region in plan_regions(source.shape, shards)
+            for read in plan_region_reads(region, source.shape, itemsize, bounce_bytes))
+    reads = []
+    for shard in shards:
+        for k, piece in enumerate(source.pieces):
+            part = intersect(shard, piece.box)
+            if part is None:
+                continue
+            if part == shard:
+                reads.append(PieceRead(k, shard, shard))
+                continue
+            relative = tuple((a - o, b - o) for (a, b), o in zip(part, piece.origin))
+            for block in row_blocks(relative, itemsize, bounce_bytes):
+                box = tuple((a + o, b + o) for (a, b), o in zip(block, piece.origin))
+                reads.append(PieceRead(k, box, None))
+    return tuple(reads)
+
+
+def host_job(name: str, source: TensorSource, dtype: np.dtype | None, *, bounce_bytes: int) -> Job:
     """The whole tensor as a numpy array (of ``dtype``, if given)."""
-    info = stored.info
 
-    def finish(buffers: list[np.ndarray]) -> np.ndarray:
-        host = _view(buffers[0], stored, name, info.shape)
+    def convert(host: np.ndarray) -> np.ndarray:
         return host if dtype is None or dtype == host.dtype else host.astype(dtype)
 
-    return _byte_job(stored, [((0, info.nbytes),)], info.nbytes, finish)
+    if source.dtype.is_packed:
+        piece = _whole_piece(name, source, f"a {source.dtype.code} tensor")
+        return _byte_job(piece, [((0, piece.info.nbytes),)], piece.info.nbytes,
+                         lambda buffers: convert(_view(buffers[0], piece, name, source.shape)))
+    whole = full_box(source.shape)
+    return Job(source.pieces, (source.shape, source.dtype.bits // 8), (whole,),
+               _plan_reads(source, [whole], bounce_bytes), source.nbytes,
+               lambda buffers: convert(_view(buffers[0], source.pieces[0], name, source.shape)))
 
 
 def sharded_job(
-    name: str, stored: StoredTensor, dtype: np.dtype, sharding: jax.sharding.Sharding,
+    name: str, source: TensorSource, dtype: np.dtype, sharding: jax.sharding.Sharding,
     *, read_once: bool, bounce_bytes: int,
 ) -> Job:
     """This process's shards of a tensor, assembled into a global ``jax.Array``."""
-    info = stored.info
+    shape = source.shape
     try:
-        index_map = sharding.devices_indices_map(info.shape)
+        index_map = sharding.devices_indices_map(shape)
     except Exception as e:  # jax raises several types for shardings that do not fit
-        raise ValueError(f"tensor {name!r} of shape {info.shape}: target sharding does not fit: {e}") from None
-    boxes = {device: normalize_index(index, info.shape) for device, index in index_map.items()}
+        raise ValueError(f"tensor {name!r} of shape {shape}: target sharding does not fit: {e}") from None
+    boxes = {device: normalize_index(index, shape) for device, index in index_map.items()}
     me = jax.process_index()
     local: dict[Box, list[jax.Device]] = collections.defaultdict(list)
     for device, box in boxes.items():
         if device.process_index == me:
             local[box].append(device)
-    needed = sum(box_size(b) for b in local) * info.dtype.bits // 8
+    needed = sum(box_size(b) for b in local) * source.dtype.bits // 8
     by_process: dict[int, list[Box]] = collections.defaultdict(list)
     for device, box in boxes.items():
         by_process[device.process_index].append(box)
-    if (read_once and info.nbytes > 0 and _bitcastable(info.dtype.numpy)
-            and replication_factor(info.shape, by_process) > 1.0):
-        return _read_once_job(name, stored, dtype, sharding, needed)
+    if (read_once and source.whole is not None and source.nbytes > 0
+            and _bitcastable(source.dtype.numpy) and replication_factor(shape, by_process) > 1.0):
+        return _read_once_job(source.whole, dtype, sharding, needed)
 
-    if info.dtype.is_packed:  # read the bytes, unpack, then cut the shards in memory
+    if source.dtype.is_packed:  # read the bytes, unpack, then cut the shards in memory
+        piece = _whole_piece(name, source, f"a {source.dtype.code} tensor")
 
         def finish_packed(buffers: list[np.ndarray]) -> jax.Array:
-            host = _view(buffers[0], stored, name, info.shape)
-            return _assemble(info.shape, sharding, dtype, local, lambda box: host[
+            host = _view(buffers[0], piece, name, shape)
+            return _assemble(shape, sharding, dtype, local, lambda box: host[
                 tuple(slice(a, b) for a, b in box)])
 
-        return _byte_job(stored, [((0, info.nbytes),)], needed, finish_packed)
+        return _byte_job(piece, [((0, piece.info.nbytes),)], needed, finish_packed)
 
-    itemsize = info.dtype.bits // 8
     shards = tuple(local)
-    reads = tuple(
-        read for region in plan_regions(info.shape, shards)
-        for read in plan_region_reads(region, info.shape, itemsize, bounce_bytes))
 
     def finish(buffers: list[np.ndarray]) -> jax.Array:
-        views = {box: _view(buf, stored, name, box_shape(box)) for box, buf in zip(shards, buffers)}
-        return _assemble(info.shape, sharding, dtype, local, views.__getitem__)
+        views = {box: _view(buf, source.pieces[0], name, box_shape(box))
+                 for box, buf in zip(shards, buffers)}
+        return _assemble(shape, sharding, dtype, local, views.__getitem__)
 
-    return Job(stored, (info.shape, itemsize), shards, reads, needed, finish)
+    return Job(source.pieces, (shape, source.dtype.bits // 8), shards,
+               _plan_reads(source, shards, bounce_bytes), needed, finish)
 
 
 def _assemble(shape, sharding, dtype, local: dict[Box, list[jax.Device]], host_shard) -> jax.Array:
@@ -165,7 +230,7 @@ def _assemble(shape, sharding, dtype, local: dict[Box, list[jax.Device]], host_s
 
 
 def _read_once_job(
-    name: str, stored: StoredTensor, dtype: np.dtype, sharding: jax.sharding.Sharding, needed: int
+    stored: StoredTensor, dtype: np.dtype, sharding: jax.sharding.Sharding, needed: int
 ) -> Job:
     """Each process reads 1/N of the bytes; XLA all-gathers them into ``sharding``."""
     info = stored.info
@@ -284,14 +349,14 @@ def run_jobs(
     stats: LoadStats,
 ) -> list[Any]:
     """Reads and finishes every job; results in job order."""
-    order = sorted(range(len(jobs)), key=lambda i: (jobs[i].stored.file, jobs[i].stored.offset))
+    order = sorted(range(len(jobs)), key=lambda i: (jobs[i].pieces[0].file, jobs[i].pieces[0].offset))
     budget = _Budget(memory_budget)
     lock = threading.Lock()
     results: list[Any] = [None] * len(jobs)
     stats.tensors += len(jobs)
     stats.tensors_read_once += sum(j.read_once for j in jobs)
     stats.bytes_needed += sum(j.needed for j in jobs)
-    stats.files += len({j.stored.file for j in jobs})
+    stats.files += len({p.file for j in jobs for r in j.reads for p in [j.pieces[r.piece]]})
 
     def fetch(file: str, runs: Runs, buffers: Sequence[np.ndarray]) -> None:
         for op in coalesce(runs, max_gap=max_gap, max_overread=max_overread, chunk_bytes=chunk_bytes):
@@ -308,15 +373,14 @@ def run_jobs(
 
     bounce_buffers = threading.local()
 
-    def bounce(job: Job, read: RegionRead, buffers: list[np.ndarray]) -> None:
+    def bounce(job: Job, read: PieceRead, buffers: list[np.ndarray]) -> None:
         """Reads ``read.box`` into a temporary and copies each shard's part out."""
         shape, itemsize = job.layout
         nbytes = box_size(read.box) * itemsize
         if getattr(bounce_buffers, "buffer", np.zeros(0, np.uint8)).size < nbytes:
             bounce_buffers.buffer = np.empty(nbytes, np.uint8)  # reused: faulted in once per thread
         temp = bounce_buffers.buffer[:nbytes]
-        fetch(job.stored.file, tensor_runs(Region(read.box, ()), shape, itemsize,
-                                           job.stored.offset, 0), [temp])
+        fetch(job.pieces[read.piece].file, job.runs(read, 0), [temp])
         source = temp.reshape(box_shape(read.box) + (itemsize,))
         for shard, buffer in zip(job.shards, buffers):
             part = intersect(read.box, shard)
@@ -356,8 +420,8 @@ def run_jobs(
                     if read.direct is None:
                         reads.append(pool.submit(bounce, job, read, job_buffers))
                         continue
-                    runs_by_file[job.stored.file].append(tensor_runs(
-                        Region(read.box, ()), *job.layout, job.stored.offset, len(direct_buffers)))
+                    runs_by_file[job.pieces[read.piece].file].append(
+                        job.runs(read, len(direct_buffers)))
                     direct_buffers.append(buffer_of[read.direct])
             reads += [
                 pool.submit(read_op, file, op, direct_buffers)

@@ -10,9 +10,24 @@ from orbax_safetensors.index.hf_index import (
     serialize_index,
     shard_file_name,
 )
+from orbax_safetensors.index.distributed_index import (
+    DISTRIBUTED_INDEX_NAME,
+    DistributedTensor,
+    SliceEntry,
+    check_slices,
+    dcp_metadata,
+    dcp_offsets,
+    distributed_file_name,
+    is_distributed_file_name,
+    parse_distributed_index,
+    serialize_distributed_index,
+)
 from orbax_safetensors.index.packing import pack_shards, parse_size
 
 __all__ = [
     "INDEX_NAME", "SINGLE_FILE_NAME", "HFIndex", "check_file_name", "is_shard_file_name",
     "parse_index", "serialize_index", "shard_file_name", "pack_shards", "parse_size",
+    "DISTRIBUTED_INDEX_NAME", "DistributedTensor", "SliceEntry", "check_slices", "dcp_metadata",
+    "dcp_offsets", "distributed_file_name", "is_distributed_file_name",
+    "parse_distributed_index", "serialize_distributed_index",
 ]

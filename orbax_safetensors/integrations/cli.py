@@ -36,18 +36,18 @@ def _inspect(args: argparse.Namespace) -> int:
         nbytes = dtype_for_numpy(spec.dtype).nbytes(spec.shape)
         rows.append({
             "name": name, "dtype": str(spec.dtype), "shape": list(spec.shape),
-            "bytes": nbytes, "file": info.files[name]})
+            "bytes": nbytes, "files": list(info.files[name])})
     if args.json:
         json.dump({"tensors": rows, "metadata": info.metadata}, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
     width = max((len(r["name"]) for r in rows), default=4)
-    print(f"{'name':<{width}}  {'dtype':<16} {'shape':<20} {'size':>10}  file")
+    print(f"{'name':<{width}}  {'dtype':<16} {'shape':<20} {'size':>10}  file(s)")
     for r in rows:
         shape = "(" + ", ".join(map(str, r["shape"])) + ")"
         print(f"{r['name']:<{width}}  {r['dtype']:<16} {shape:<20} "
-              f"{_human_bytes(r['bytes']):>10}  {r['file']}")
-    files = sorted(set(info.files.values()))
+              f"{_human_bytes(r['bytes']):>10}  {', '.join(r['files'])}")
+    files = {f for names in info.files.values() for f in names}
     total = sum(r["bytes"] for r in rows)
     print(f"\n{len(rows)} tensors, {_human_bytes(total)} in {len(files)} file(s)")
     for key, value in sorted(info.metadata.items()):

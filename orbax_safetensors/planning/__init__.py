@@ -23,12 +23,15 @@ from orbax_safetensors.planning.read_plan import (
     plan_regions,
     read_once_boxes,
     replication_factor,
+    row_blocks,
     tensor_runs,
 )
 from orbax_safetensors.planning.save_plan import (
     FilePlan,
     SavePlan,
+    SliceSpec,
     TensorSpec,
+    plan_distributed_files,
     plan_file,
     plan_hf_checkpoint,
     plan_single_file,
@@ -38,6 +41,6 @@ __all__ = [
     "Box", "bounding_box", "box_shape", "box_size", "byte_runs", "full_box", "intersect",
     "normalize_index", "relative_slices",
     "GAP", "Piece", "ReadOp", "Region", "RegionRead", "Runs", "coalesce", "plan_region_reads", "plan_regions", "read_once_boxes",
-    "replication_factor", "tensor_runs",
-    "FilePlan", "SavePlan", "TensorSpec", "plan_file", "plan_hf_checkpoint", "plan_single_file",
+    "replication_factor", "row_blocks", "tensor_runs",
+    "FilePlan", "SavePlan", "SliceSpec", "TensorSpec", "plan_distributed_files", "plan_file", "plan_hf_checkpoint", "plan_single_file",
 ]

@@ -126,10 +126,21 @@ def plan_region_reads(
     if region.members == (region.box,) or all(
             len(byte_runs(m, shape, itemsize)[0]) <= 1 for m in region.members):
         return [RegionRead(m, m) for m in region.members]
-    (start, stop), rest = region.box[0], region.box[1:]
+    return [RegionRead(block, None) for block in row_blocks(region.box, itemsize, block_bytes)]
+
+
+def row_blocks(box: Box, itemsize: int, block_bytes: int) -> list[Box]:
+    """``box`` cut along its first dimension into blocks of at most ``block_bytes``.
+
+    A block keeps at least one index of the first dimension, so a single
+    "row" larger than ``block_bytes`` stays whole.
+    """
+    if not box:
+        return [box]
+    (start, stop), rest = box[0], box[1:]
     row_bytes = box_size(((0, 1),) + rest) * itemsize
     step = max(1, block_bytes // max(row_bytes, 1))
-    return [RegionRead(((r, min(r + step, stop)),) + rest, None) for r in range(start, stop, step)]
+    return [((r, min(r + step, stop)),) + rest for r in range(start, stop, step)]
 
 
 def replication_factor(shape: Sequence[int], boxes_by_process: Mapping[int, Sequence[Box]]) -> float:

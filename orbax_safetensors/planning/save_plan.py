@@ -7,11 +7,18 @@ talking to the others, so the plan depends only on names, dtypes and shapes
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Mapping, Sequence
 
 from orbax_safetensors.format import DType, TensorInfo, serialize_header
-from orbax_safetensors.index import pack_shards, serialize_index, shard_file_name
+from orbax_safetensors.index import (
+    dcp_metadata,
+    distributed_file_name,
+    pack_shards,
+    serialize_index,
+    shard_file_name,
+)
 from orbax_safetensors.index.hf_index import SINGLE_FILE_NAME
 
 HF_METADATA = {"format": "pt"}  # transformers refuses files without it
@@ -87,3 +94,61 @@ def plan_single_file(
 ) -> SavePlan:
     """Everything in one named file, whatever its size (the caller asked for it)."""
     return SavePlan((plan_file(name, specs, {**HF_METADATA, **(metadata or {})}),), None)
+
+
+@dataclasses.dataclass(frozen=True)
+class SliceSpec:
+    """A slice one process saves in the distributed layout: a box of a tensor."""
+
+    name: str
+    dtype: DType
+    box: tuple[tuple[int, int], ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(b - a for a, b in self.box)
+
+    @property
+    def nbytes(self) -> int:
+        return self.dtype.nbytes(self.shape)
+
+
+def plan_distributed_files(
+    process: int,
+    slices: Sequence[SliceSpec],
+    *,
+    max_shard_size: int | str,
+    metadata: Mapping[str, str] | None = None,
+) -> tuple[tuple[FilePlan, tuple[SliceSpec, ...]], ...]:
+    """One process's files of the distributed layout, named and annotated like torch DCP.
+
+    Returns each file's plan with the slices it holds.
+
+    A file cannot hold a name twice, so the k-th slice a process has of each
+    tensor goes into its k-th group of files; within a group, slices are
+    packed under ``max_shard_size`` like the hf layout.
+    """
+    slots: list[list[SliceSpec]] = []
+    seen: dict[str, int] = collections.Counter()
+    for spec in slices:
+        slot = seen[spec.name]
+        seen[spec.name] += 1
+        while len(slots) <= slot:
+            slots.append([])
+        slots[slot].append(spec)
+    groups = [
+        [by_name[n] for n in group]
+        for slot in slots
+        for by_name in [{s.name: s for s in slot}]
+        for group in pack_shards([(s.name, s.nbytes) for s in slot], max_shard_size)
+        if group
+    ]
+    files = []
+    for i, group in enumerate(groups):
+        header_metadata = {
+            **HF_METADATA, **(metadata or {}),
+            **dcp_metadata({s.name: [a for a, _ in s.box] for s in group})}
+        specs = [TensorSpec(s.name, s.dtype, s.shape) for s in group]
+        files.append((plan_file(distributed_file_name(process, i, len(groups)), specs, header_metadata),
+                      tuple(group)))
+    return tuple(files)
