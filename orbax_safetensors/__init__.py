@@ -11,6 +11,7 @@ from orbax_safetensors.engine import (
     ReadOptions,
     SaveStats,
     async_save,
+    consolidate,
     load,
     metadata,
     save,
@@ -21,5 +22,5 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointMetadata", "LoadStats", "ReadOptions", "SafetensorsError", "SaveStats",
-    "async_save", "load", "metadata", "save", "__version__",
+    "async_save", "consolidate", "load", "metadata", "save", "__version__",
 ]

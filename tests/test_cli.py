@@ -54,3 +54,34 @@ def test_demo_runs_end_to_end(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "verified: all 21 tensors equal" in result.stdout
     assert "model.safetensors" in os.listdir(tmp_path / "checkpoint")
+
+
+def test_consolidate_command(tmp_path):
+    values = {"w": np.arange(512, dtype=np.float32).reshape(32, 16), "b": np.ones(16, np.int8)}
+    ost.save(tmp_path / "dist", values, layout="distributed")
+    result = _cli("consolidate", str(tmp_path / "dist"), str(tmp_path / "hf"),
+                  "--max-shard-size", "1KB", "--json")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["bytes_written"] == 512 * 4 + 16
+    restored = ost.load(tmp_path / "hf")
+    np.testing.assert_array_equal(restored["w"], values["w"])
+    assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
+    again = _cli("consolidate", str(tmp_path / "dist"), str(tmp_path / "hf"))
+    assert again.returncode == 1 and "overwrite" in again.stderr
+
+
+def test_progress_line_reports_throughput():
+    import io
+
+    from orbax_safetensors.engine.progress import Progress
+
+    stream = io.StringIO()
+    progress = Progress("job", 2_000_000_000, enabled=True, stream=stream)
+    progress.advance(1_000_000_000)
+    summary = progress.close()
+    assert "job: 1.00/2.00 GB (50%)" in summary and "GB/s" in summary
+    assert stream.getvalue().endswith(summary + "\n")
+    quiet = io.StringIO()
+    Progress("job", 10, enabled=False, stream=quiet).close()
+    assert quiet.getvalue() == ""

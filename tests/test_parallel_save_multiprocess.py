@@ -120,8 +120,28 @@ def test_distributed_layout_round_trips_and_reads_like_torch_dcp(
     restored = ost.load(path)  # one process, every slice, assembled on the host
     for name, value in values.items():
         np.testing.assert_array_equal(restored[name], value, err_msg=name)
+    # Consolidated, it is byte for byte the HF checkpoint one process would have saved.
+    reference, _ = _single_process_reference(tmp_path)
+    ost.consolidate(path, tmp_path / "consolidated", max_shard_size=_MAX_SHARD, block_bytes=10_000)
+    _assert_identical_directories(tmp_path / "consolidated", reference)
     # Without our index the directory is torch DCP output: offsets come from the headers.
     os.remove(path / "orbax_safetensors.distributed.json")
     from_headers = ost.load(path)
     for name, value in values.items():
         np.testing.assert_array_equal(from_headers[name], value, err_msg=name)
+
+
+def _child_consolidate(args):
+    return dataclasses.asdict(ost.consolidate(args["src"], args["dst"], max_shard_size=_MAX_SHARD))
+
+
+def test_consolidate_runs_in_parallel_over_processes(multiprocess, tmp_path):
+    multiprocess(f"{_MODULE}:_child_save", num_processes=2, devices_per_process=4,
+                 args={"path": str(tmp_path / "distributed"), "scenario": "mesh_2d",
+                       "layout": "distributed"})
+    results = multiprocess(f"{_MODULE}:_child_consolidate", num_processes=2, devices_per_process=4,
+                           args={"src": str(tmp_path / "distributed"), "dst": str(tmp_path / "hf")})
+    reference, total = _single_process_reference(tmp_path)
+    _assert_identical_directories(tmp_path / "hf", reference)
+    assert all(r.value["files"] >= 1 for r in results)  # both processes wrote output files
+    assert sum(r.value["bytes_written"] for r in results) == total

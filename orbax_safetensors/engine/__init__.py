@@ -1,10 +1,11 @@
 """Layer 5: load and save, running plans against storage and JAX devices."""
 
+from orbax_safetensors.engine.consolidate import consolidate
 from orbax_safetensors.engine.load import CheckpointMetadata, ReadOptions, load, metadata
 from orbax_safetensors.engine.save import SaveStats, async_save, save
 from orbax_safetensors.engine.shard_reader import LoadStats
 
 __all__ = [
     "CheckpointMetadata", "LoadStats", "ReadOptions", "SaveStats",
-    "async_save", "load", "metadata", "save",
+    "async_save", "consolidate", "load", "metadata", "save",
 ]

@@ -21,7 +21,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -342,17 +342,28 @@ class _SaveJob:
             for info in file.tensors:
                 yield to_bytes(_assemble(info, by_name[info.name]))
 
-        self.storage.makedirs(self.directory)
-        try:
-            for file in self.plan.files:
-                self.storage.write(self._temporary(file.name), chunks(file))
-        except BaseException:
-            for file in self.plan.files:
-                self.storage.remove(self._temporary(file.name))
-            raise
+        self.stream_files(self.plan.files, chunks)
         self.stats.bytes_written = sum(p.data.nbytes for p in self.pieces)
         self.stats.requests = self.stats.files = len(self.plan.files)
-        self._commit()
+
+    def stream_files(self, mine: Sequence[FilePlan],
+                     chunks: Callable[[FilePlan], Iterable[memoryview | bytes]]) -> None:
+        """Writes this process's files front to back; then all agree and process 0 commits."""
+        problem = ""
+        try:
+            self.storage.makedirs(self.directory)
+            for file in mine:
+                self.storage.write(self._temporary(file.name), chunks(file))
+        except Exception as e:
+            problem = f"process {jax.process_index()}: {e!r}"
+        problems = [p for p in gather_to_all(f"{self.key}/written", problem) if p]
+        if problems:
+            for file in mine:
+                self.storage.remove(self._temporary(file.name))
+            raise OSError("nothing was committed: " + "; ".join(problems))
+        if jax.process_index() == 0:
+            self._commit()
+        barrier(f"{self.key}/committed")
 
     def _uncommit(self) -> None:
         """Removes the old checkpoint's commit markers before any of its files change."""

@@ -109,8 +109,7 @@ class Job:
         piece = self.pieces[read.piece]
         if self.byte_space:
             return tensor_runs(Region(read.box, ()), *self.layout, piece.offset, target)
-        relative = tuple((a - o, b - o) for (a, b), o in zip(read.box, piece.origin))
-        return tensor_runs(Region(relative, ()), piece.info.shape, self.layout[1], piece.offset, target)
+        return piece_runs(piece, read.box, self.layout[1], target)
 
 
 def _byte_job(piece: StoredTensor, boxes: Sequence[Box], needed: int, finish, read_once=False) -> Job:
@@ -325,6 +324,20 @@ class _Budget:
             self._cond.notify_all()
 
 
+def execute_read(storage, file: str, op: ReadOp, buffers: Sequence[np.ndarray]) -> None:
+    """One ranged read, scattered into ``buffers`` (gaps into a scratch buffer)."""
+    scratch = np.empty(max((p.length for p in op.pieces if p.target == GAP), default=0), np.uint8)
+    views = [memoryview(scratch)[:p.length] if p.target == GAP
+             else memoryview(buffers[p.target])[p.offset:p.offset + p.length] for p in op.pieces]
+    storage.read_scatter(file, op.offset, views)
+
+
+def piece_runs(piece: StoredTensor, box: Box, itemsize: int, target: int) -> Runs:
+    """The byte runs of ``box`` (global coordinates, inside ``piece``) in the piece's file."""
+    relative = tuple((a - o, b - o) for (a, b), o in zip(box, piece.origin))
+    return tensor_runs(Region(relative, ()), piece.info.shape, itemsize, piece.offset, target)
+
+
 def _batches(jobs: Sequence[Job], limit: int) -> list[list[int]]:
     batches: list[list[int]] = []
     size = 0
@@ -358,15 +371,8 @@ def run_jobs(
     stats.bytes_needed += sum(j.needed for j in jobs)
     stats.files += len({p.file for j in jobs for r in j.reads for p in [j.pieces[r.piece]]})
 
-    def fetch(file: str, runs: Runs, buffers: Sequence[np.ndarray]) -> None:
-        for op in coalesce(runs, max_gap=max_gap, max_overread=max_overread, chunk_bytes=chunk_bytes):
-            read_op(file, op, buffers)
-
     def read_op(file: str, op: ReadOp, buffers: Sequence[np.ndarray]) -> None:
-        scratch = np.empty(max((p.length for p in op.pieces if p.target == GAP), default=0), np.uint8)
-        views = [memoryview(scratch)[:p.length] if p.target == GAP
-                 else memoryview(buffers[p.target])[p.offset:p.offset + p.length] for p in op.pieces]
-        checkpoint.storage.read_scatter(file, op.offset, views)
+        execute_read(checkpoint.storage, file, op, buffers)
         with lock:
             stats.bytes_read += op.length
             stats.requests += 1
@@ -380,7 +386,9 @@ def run_jobs(
         if getattr(bounce_buffers, "buffer", np.zeros(0, np.uint8)).size < nbytes:
             bounce_buffers.buffer = np.empty(nbytes, np.uint8)  # reused: faulted in once per thread
         temp = bounce_buffers.buffer[:nbytes]
-        fetch(job.pieces[read.piece].file, job.runs(read, 0), [temp])
+        for op in coalesce(job.runs(read, 0), max_gap=max_gap, max_overread=max_overread,
+                           chunk_bytes=chunk_bytes):
+            read_op(job.pieces[read.piece].file, op, [temp])
         source = temp.reshape(box_shape(read.box) + (itemsize,))
         for shard, buffer in zip(job.shards, buffers):
             part = intersect(read.box, shard)

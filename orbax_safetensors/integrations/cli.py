@@ -11,6 +11,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from orbax_safetensors.engine import consolidate
 from orbax_safetensors.engine import metadata as read_metadata
 from orbax_safetensors.errors import SafetensorsError
 from orbax_safetensors.format import dtype_for_numpy
@@ -18,6 +19,7 @@ from orbax_safetensors.format import dtype_for_numpy
 _EXAMPLES = """examples:
   orbax-safetensors inspect ./llama-checkpoint
   orbax-safetensors inspect gs://bucket/run/step_100/params --json
+  orbax-safetensors consolidate ./distributed-ckpt ./hf-ckpt --max-shard-size 2GB
 """
 
 
@@ -55,6 +57,17 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _consolidate(args: argparse.Namespace) -> int:
+    stats = consolidate(args.src, args.dst, max_shard_size=args.max_shard_size,
+                        overwrite=args.overwrite, progress=None if args.progress else False)
+    summary = {"bytes_written": stats.bytes_written, "seconds": round(stats.seconds, 3),
+               "gb_per_s": round(stats.bytes_written / max(stats.seconds, 1e-9) / 1e9, 3)}
+    print(json.dumps(summary) if args.json else
+          f"wrote {stats.bytes_written / 1e9:.3f} GB to {args.dst} in {stats.seconds:.2f} s "
+          f"({summary['gb_per_s']:.2f} GB/s)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="orbax-safetensors",
@@ -68,6 +81,16 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("path", help="a .safetensors file or a checkpoint directory")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
     inspect.set_defaults(run=_inspect)
+    merge = commands.add_parser(
+        "consolidate", help="rewrite a distributed (or torch DCP) checkpoint as an HF checkpoint")
+    merge.add_argument("src", help="the distributed checkpoint directory")
+    merge.add_argument("dst", help="the HF checkpoint directory to write")
+    merge.add_argument("--max-shard-size", default="5GB", help="bytes per file (default 5GB)")
+    merge.add_argument("--overwrite", action="store_true", help="replace a checkpoint at DST")
+    merge.add_argument("--no-progress", dest="progress", action="store_false",
+                       help="no progress line (it shows only on a terminal anyway)")
+    merge.add_argument("--json", action="store_true", help="machine-readable summary")
+    merge.set_defaults(run=_consolidate)
     return parser
 
 
