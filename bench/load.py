@@ -63,83 +63,44 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import resource
 import shlex
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is not a package
+import common
+from common import (
+    BENCH_DIR,
+    current_rss,
+    fmt_gb,
+    llama_shapes,
+    machine_line,
+    mesh_1d,
+    model_spec,
+    partition_spec,
+    peak_rss,
+    prefault_memory,
+    report_result,
+    versions_line,
+)
+
 SHARDINGS = ("fsdp", "tensor_parallel", "replicated")
 CONTENDERS = ("ours", "orbax_layout", "safe_open")
-LAYERS = 8
-VOCAB = 32000
-SEED = 20240601
-SPEC_VERSION = 1
 MAX_SHARD_SIZE = "500MB"
 QUICK_MAX_SHARD_SIZE = "50MB"  # --quick: still a sharded dir with an index
-WORKER_TIMEOUT = 600.0
-RESULT_MARK = "BENCH_RESULT "
 CONTENDER_NOTES = {
     "ours": "`ost.load(path, target)`",
     "orbax_layout": "Orbax v1 `SafetensorsLayout().load(path, abstract_state=target)`, default context",
     "safe_open": "`safetensors.safe_open(f, framework=\"numpy\").get_tensor(name)` → "
                  "`jax.device_put(x, sharding)`, tensor by tensor",
 }
-BENCH_DIR = Path(__file__).resolve().parent
 
 
 # ---------------------------------------------------------------------------
 # The synthetic checkpoint.
-
-
-def llama_shapes(hidden: int, ffn: int, vocab: int = VOCAB, layers: int = LAYERS) -> dict:
-    """Names and shapes of a llama-like model: 9 * layers + 3 tensors."""
-    shapes = {"model.embed_tokens.weight": (vocab, hidden)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        shapes |= {
-            p + "self_attn.q_proj.weight": (hidden, hidden),
-            p + "self_attn.k_proj.weight": (hidden, hidden),
-            p + "self_attn.v_proj.weight": (hidden, hidden),
-            p + "self_attn.o_proj.weight": (hidden, hidden),
-            p + "mlp.gate_proj.weight": (ffn, hidden),
-            p + "mlp.up_proj.weight": (ffn, hidden),
-            p + "mlp.down_proj.weight": (hidden, ffn),
-            p + "input_layernorm.weight": (hidden,),
-            p + "post_attention_layernorm.weight": (hidden,),
-        }
-    shapes["model.norm.weight"] = (hidden,)
-    shapes["lm_head.weight"] = (vocab, hidden)
-    return shapes
-
-
-def nbytes_of(shapes: dict) -> int:
-    total = 0
-    for shape in shapes.values():
-        n = 2  # bf16
-        for d in shape:
-            n *= d
-        total += n
-    return total
-
-
-def model_spec(size_gb: float, max_shard_size: str) -> dict:
-    """Dims (hidden a multiple of 64, ffn ~2.75x hidden, a multiple of 64) nearest ``size_gb``."""
-    best = None
-    for hidden in range(64, 16384 + 1, 64):
-        ffn = max(64, round(hidden * 2.75 / 64) * 64)
-        size = nbytes_of(llama_shapes(hidden, ffn))
-        error = abs(size - size_gb * 1e9)
-        if best is None or error < best[0]:
-            best = (error, hidden, ffn, size)
-    _, hidden, ffn, size = best
-    return {"version": SPEC_VERSION, "seed": SEED, "layers": LAYERS, "vocab": VOCAB,
-            "hidden": hidden, "ffn": ffn, "bytes": size, "max_shard_size": max_shard_size}
 
 
 def checked_names(spec: dict) -> list[str]:
@@ -209,16 +170,6 @@ def checkpoint_files(checkpoint: Path) -> list[Path]:
     return [checkpoint / f for f in sorted(set(weight_map(checkpoint).values()))]
 
 
-def prefault_memory(gb: float) -> None:
-    """Touches and frees ``gb`` GB of anonymous memory (see the module docstring)."""
-    import numpy as np
-    chunks, left = [], int(gb * 1e9)
-    while left > 0:
-        chunks.append(np.ones(min(left, 256 << 20), np.uint8))
-        left -= len(chunks[-1])
-    del chunks
-
-
 def warm_page_cache(files: list[Path]) -> None:
     """Reads every file once so that it is in the page cache (untimed)."""
     buffer = bytearray(64 << 20)
@@ -233,53 +184,15 @@ def warm_page_cache(files: list[Path]) -> None:
 # The worker: one contender, one sharding, in a fresh process.
 
 
-def current_rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def peak_rss() -> int:
-    """This process's peak RSS: ``VmHWM``, the high-water mark of its own address space.
-
-    Not ``ru_maxrss``: Linux keeps that across ``execve`` as the maximum of the
-    old address space, and ``subprocess`` spawns with ``vfork``, whose old
-    address space is the parent's, so every worker would report at least the
-    parent's peak (the parent that just generated the checkpoint, or touched
-    ``--prefault-gb``).
-    """
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KB
-
-
 def build_target(spec: dict, sharding_name: str) -> dict:
     import jax
     import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
 
-    devices = jax.devices()
-    if len(devices) != 8:
-        raise RuntimeError(f"expected 8 CPU devices, got {len(devices)}: {devices}")
-    mesh = Mesh(np.array(devices), ("x",))
-
-    def spec_for(ndim: int) -> P:
-        if sharding_name == "replicated" or ndim != 2:
-            return P()
-        if sharding_name == "fsdp":
-            return P("x", None)
-        if sharding_name == "tensor_parallel":
-            return P(None, "x")
-        raise ValueError(f"unknown sharding {sharding_name!r}")
-
+    mesh = mesh_1d()
     shapes = llama_shapes(spec["hidden"], spec["ffn"], spec["vocab"], spec["layers"])
-    return {name: jax.ShapeDtypeStruct(shape, jnp.bfloat16,
-                                       sharding=NamedSharding(mesh, spec_for(len(shape))))
+    return {name: jax.ShapeDtypeStruct(
+                shape, jnp.bfloat16, sharding=NamedSharding(mesh, partition_spec(sharding_name, len(shape))))
             for name, shape in shapes.items()}
 
 
@@ -379,7 +292,7 @@ def worker(args) -> None:
         report["load_stats"] = extra["to_json"]()
     if orbax_scalars:
         report["orbax_read"] = {k.rsplit("/", 1)[1]: v for k, v in orbax_scalars.items()}
-    print(RESULT_MARK + json.dumps(report), flush=True)
+    report_result(report)
 
 
 # ---------------------------------------------------------------------------
@@ -387,50 +300,8 @@ def worker(args) -> None:
 
 
 def run_worker(home: Path, contender: str, sharding: str) -> dict:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    env["JAX_PLATFORMS"] = "cpu"
-    command = [sys.executable, str(Path(__file__).resolve()), "--worker",
-               "--home", str(home), "--contender", contender, "--sharding", sharding]
-    try:
-        done = subprocess.run(command, env=env, capture_output=True, text=True,
-                              timeout=WORKER_TIMEOUT, cwd=BENCH_DIR.parent)
-    except subprocess.TimeoutExpired:
-        return {"ok": False, "error": f"timeout after {WORKER_TIMEOUT:.0f} s"}
-    for line in reversed(done.stdout.splitlines()):
-        if line.startswith(RESULT_MARK):
-            return json.loads(line[len(RESULT_MARK):])
-    lines = [l.strip() for l in (done.stderr + done.stdout).splitlines() if l.strip()]
-    errors = [l for l in lines if "Error" in l or "Exception" in l or l.startswith("Killed")]
-    last = (errors or lines or [f"exit status {done.returncode}"])[-1]
-    if done.returncode < 0:
-        last = f"killed by signal {-done.returncode} (out of memory?); {last}"
-    return {"ok": False, "error": last[:200], "returncode": done.returncode}
-
-
-def machine_line() -> str:
-    import psutil
-    model = "unknown CPU"
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return (f"{os.cpu_count()} CPUs (nproc {len(os.sched_getaffinity(0))}), {model}, "
-            f"{psutil.virtual_memory().total / 2**30:.1f} GiB RAM, {platform.system()} {platform.release()}")
-
-
-def versions_line() -> str:
-    from importlib.metadata import version
-    return ", ".join(f"{p} {version(p)}" for p in
-                     ("jax", "jaxlib", "orbax-checkpoint", "safetensors", "numpy")) + \
-        f", Python {platform.python_version()}"
-
-
-def fmt_gb(n: float) -> str:
-    return f"{n / 1e9:.2f}"
+    return common.run_worker(Path(__file__).resolve(), [
+        "--home", str(home), "--contender", contender, "--sharding", sharding])
 
 
 def render(spec: dict, files: list[Path], results: dict, args, wall: float) -> str:

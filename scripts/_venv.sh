@@ -1,5 +1,7 @@
 # Sourced by the other scripts: makes (once) and fills the project's virtualenv.
-# VENV overrides its location; the install is incremental, so re-runs are quick.
+# VENV overrides its location; OST_EXTRAS the extras installed (default "test";
+# "test,interop" adds torch and transformers for the interop tests, which skip
+# without them). The install is incremental, so re-runs are quick.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 VENV="${VENV:-.venv}"
@@ -7,5 +9,5 @@ if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
   "$VENV/bin/python" -m pip install --quiet --upgrade pip
 fi
-"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[test]"
+"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[${OST_EXTRAS:-test}]"
 PY="$VENV/bin/python"

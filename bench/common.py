@@ -1,0 +1,207 @@
+"""What ``bench/load.py`` and ``bench/save.py`` share: the model, the workers, memory, the header.
+
+Not a package: each benchmark puts this directory on ``sys.path`` and does
+``import common``. Kept free of jax/numpy imports at module level so that the
+parent processes stay light; the functions that need them import them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+LAYERS = 8
+VOCAB = 32000
+SEED = 20240601
+SPEC_VERSION = 1
+WORKER_TIMEOUT = 600.0
+RESULT_MARK = "BENCH_RESULT "
+BENCH_DIR = Path(__file__).resolve().parent
+
+
+# ---------------------------------------------------------------------------
+# The synthetic llama-like model.
+
+
+def llama_shapes(hidden: int, ffn: int, vocab: int = VOCAB, layers: int = LAYERS) -> dict:
+    """Names and shapes of a llama-like model: 9 * layers + 3 tensors."""
+    shapes = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "self_attn.q_proj.weight": (hidden, hidden),
+            p + "self_attn.k_proj.weight": (hidden, hidden),
+            p + "self_attn.v_proj.weight": (hidden, hidden),
+            p + "self_attn.o_proj.weight": (hidden, hidden),
+            p + "mlp.gate_proj.weight": (ffn, hidden),
+            p + "mlp.up_proj.weight": (ffn, hidden),
+            p + "mlp.down_proj.weight": (hidden, ffn),
+            p + "input_layernorm.weight": (hidden,),
+            p + "post_attention_layernorm.weight": (hidden,),
+        }
+    shapes["model.norm.weight"] = (hidden,)
+    shapes["lm_head.weight"] = (vocab, hidden)
+    return shapes
+
+
+def nbytes_of(shapes: dict) -> int:
+    total = 0
+    for shape in shapes.values():
+        n = 2  # bf16
+        for d in shape:
+            n *= d
+        total += n
+    return total
+
+
+def model_spec(size_gb: float, max_shard_size: str) -> dict:
+    """Dims (hidden a multiple of 64, ffn ~2.75x hidden, a multiple of 64) nearest ``size_gb``."""
+    best = None
+    for hidden in range(64, 16384 + 1, 64):
+        ffn = max(64, round(hidden * 2.75 / 64) * 64)
+        size = nbytes_of(llama_shapes(hidden, ffn))
+        error = abs(size - size_gb * 1e9)
+        if best is None or error < best[0]:
+            best = (error, hidden, ffn, size)
+    _, hidden, ffn, size = best
+    return {"version": SPEC_VERSION, "seed": SEED, "layers": LAYERS, "vocab": VOCAB,
+            "hidden": hidden, "ffn": ffn, "bytes": size, "max_shard_size": max_shard_size}
+
+
+# ---------------------------------------------------------------------------
+# Devices and shardings (in the workers).
+
+
+def mesh_1d():
+    """A 1-D mesh ``("x",)`` over the 8 host CPU devices the workers are started with."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    devices = jax.devices()
+    if len(devices) != 8:
+        raise RuntimeError(f"expected 8 CPU devices, got {len(devices)}: {devices}")
+    return Mesh(np.array(devices), ("x",))
+
+
+def partition_spec(sharding_name: str, ndim: int):
+    """``fsdp``: 2-D tensors by rows; ``tensor_parallel``: by columns; else (and 1-D) replicated."""
+    from jax.sharding import PartitionSpec as P
+
+    if sharding_name == "replicated" or ndim != 2:
+        return P()
+    if sharding_name == "fsdp":
+        return P("x", None)
+    if sharding_name == "tensor_parallel":
+        return P(None, "x")
+    raise ValueError(f"unknown sharding {sharding_name!r}")
+
+
+# ---------------------------------------------------------------------------
+# Memory.
+
+
+def prefault_memory(gb: float) -> None:
+    """Touches and frees ``gb`` GB of anonymous memory.
+
+    On a VM whose guest returns freed pages to the host (virtio-balloon free
+    page reporting, e.g. Firecracker), the first touch of freshly freed memory
+    is several times slower than on bare metal; doing it in the parent before
+    every run gives every worker that much host-backed free memory.
+    """
+    import numpy as np
+    chunks, left = [], int(gb * 1e9)
+    while left > 0:
+        chunks.append(np.ones(min(left, 256 << 20), np.uint8))
+        left -= len(chunks[-1])
+    del chunks
+
+
+def current_rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss() -> int:
+    """This process's peak RSS: ``VmHWM``, the high-water mark of its own address space.
+
+    Not ``ru_maxrss``: Linux keeps that across ``execve`` as the maximum of the
+    old address space, and ``subprocess`` spawns with ``vfork``, whose old
+    address space is the parent's, so every worker would report at least the
+    parent's peak (the parent that just generated the checkpoint, or touched
+    ``--prefault-gb``).
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KB
+
+
+# ---------------------------------------------------------------------------
+# Workers: one fresh process per run, one JSON result line.
+
+
+def report_result(report: dict) -> None:
+    """Called by a worker: the one line its parent parses."""
+    print(RESULT_MARK + json.dumps(report), flush=True)
+
+
+def run_worker(script: Path, arguments: list[str]) -> dict:
+    """Runs ``script --worker *arguments`` on 8 host CPU devices; its result, or why it failed."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    env["JAX_PLATFORMS"] = "cpu"
+    command = [sys.executable, str(script), "--worker", *arguments]
+    try:
+        done = subprocess.run(command, check=False, env=env, capture_output=True, text=True,
+                              timeout=WORKER_TIMEOUT, cwd=BENCH_DIR.parent)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "error": f"timeout after {WORKER_TIMEOUT:.0f} s"}
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith(RESULT_MARK):
+            return json.loads(line[len(RESULT_MARK):])
+    lines = [l.strip() for l in (done.stderr + done.stdout).splitlines() if l.strip()]
+    errors = [l for l in lines if "Error" in l or "Exception" in l or l.startswith("Killed")]
+    last = (errors or lines or [f"exit status {done.returncode}"])[-1]
+    if done.returncode < 0:
+        last = f"killed by signal {-done.returncode} (out of memory?); {last}"
+    return {"ok": False, "error": last[:200], "returncode": done.returncode}
+
+
+# ---------------------------------------------------------------------------
+# The table's header.
+
+
+def machine_line() -> str:
+    import psutil
+    model = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return (f"{os.cpu_count()} CPUs (nproc {len(os.sched_getaffinity(0))}), {model}, "
+            f"{psutil.virtual_memory().total / 2**30:.1f} GiB RAM, {platform.system()} {platform.release()}")
+
+
+def versions_line() -> str:
+    from importlib.metadata import version
+    return ", ".join(f"{p} {version(p)}" for p in
+                     ("jax", "jaxlib", "orbax-checkpoint", "safetensors", "numpy")) + \
+        f", Python {platform.python_version()}"
+
+
+def fmt_gb(n: float) -> str:
+    return f"{n / 1e9:.2f}"
