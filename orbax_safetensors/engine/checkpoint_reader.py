@@ -1,10 +1,14 @@
 """Finding a checkpoint's tensors: which files, which headers, which byte ranges.
 
-A path ending in ``.safetensors`` is one file. Anything else is a directory:
-its ``model.safetensors.index.json`` when present (and then only the files the
-index names are opened), else its ``model.safetensors``. A directory holding
-shard files but no index is an interrupted save, since the index is written
-last, and is reported as such rather than half-loaded.
+A path ending in ``.safetensors`` is one file. Anything else is a directory,
+recognised by its commit marker: ``orbax_safetensors.distributed.json`` (our
+distributed layout: slices, opened only where needed), else
+``model.safetensors.index.json`` (HF shards; only the files the index names
+are opened), else ``model.safetensors``. A directory of torch DCP
+``save_distributed`` files (``shard-*-model-*``) has no marker; their headers
+say where each slice sits. A directory holding HF shard files but no index is
+an interrupted save, since the index is written last, and is reported as such
+rather than half-loaded.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ import numpy as np
 from orbax_safetensors.engine.checkpoint_reader import TensorSource, open_checkpoint
 from orbax_safetensors.engine.coordination import next_operation_key, share_from_primary
 from orbax_safetensors.engine.progress import Progress
-from orbax_safetensors.engine.save import SaveStats, _directory_files, _SaveJob
+from orbax_safetensors.engine.save import SaveStats, directory_files, SaveJob
 from orbax_safetensors.engine.shard_reader import execute_read, piece_runs
 from orbax_safetensors.format import TensorInfo
 from orbax_safetensors.index import parse_size
@@ -74,14 +74,14 @@ def consolidate(
     plan = plan_hf_checkpoint(specs, max_shard_size=max_shard_size,
                               metadata={**checkpoint.metadata, **(metadata or {})})
     storage, directory = storage_for(dst)
-    committed, previous = _directory_files(storage, directory)
+    committed, previous = directory_files(storage, directory)
     if committed and not overwrite:
         raise FileExistsError(
             f"{os.fspath(dst)!r} already holds a checkpoint; pass overwrite=True to replace it")
     key = next_operation_key("consolidate")
     token = share_from_primary(f"{key}/token", uuid.uuid4().hex[:12])
     stats = SaveStats()
-    job = _SaveJob(storage, directory, plan, previous, [], key, token, stats, started)
+    job = SaveJob(storage, directory, plan, previous, [], key, token, stats, started)
     mine = [f for i, f in enumerate(plan.files) if i % jax.process_count() == jax.process_index()]
     report = Progress(f"consolidate {os.fspath(src)} -> {os.fspath(dst)}",
                       sum(t.nbytes for f in mine for t in f.tensors), enabled=progress)

@@ -167,7 +167,7 @@ def async_save(
     else:
         directory = target
         plan = plan_hf_checkpoint(specs, max_shard_size=max_shard_size, metadata=metadata)
-        committed, previous = _directory_files(storage, directory)
+        committed, previous = directory_files(storage, directory)
     if committed and not overwrite:
         raise FileExistsError(
             f"{os.fspath(path)!r} already holds a checkpoint; pass overwrite=True to replace it")
@@ -182,12 +182,12 @@ def async_save(
     future: concurrent.futures.Future[SaveStats] = concurrent.futures.Future()
     if layout == "distributed":
         pieces = _merge_pieces(pieces, {s.name: s for s in specs})
-        job: _SaveJob = _DistributedSaveJob(
+        job: SaveJob = DistributedSaveJob(
             storage, directory, plan, previous, pieces, key, token, stats, started,
             specs={s.name: s for s in specs}, max_shard_size=max_shard_size,
             metadata=dict(metadata or {}))
     else:
-        job = _SaveJob(storage, directory, plan, previous, pieces, key, token, stats, started)
+        job = SaveJob(storage, directory, plan, previous, pieces, key, token, stats, started)
     threading.Thread(target=job.run, args=(future,), name="orbax_safetensors-save").start()
     return future
 
@@ -242,8 +242,12 @@ def _host_pieces(arrays: Mapping[str, Any], specs: Mapping[str, TensorSpec]) -> 
 
 
 @dataclasses.dataclass
-class _SaveJob:
-    """The background half of a save: write this process's bytes, agree, commit."""
+class SaveJob:
+    """Writes planned files and commits them, agreeing with the other processes.
+
+    The half of a save that runs after the host copies (on a background thread
+    for ``async_save``); ``consolidate`` uses its streaming writer and commit.
+    """
 
     storage: Storage
     directory: str
@@ -422,7 +426,7 @@ def _merge_pieces(pieces: list[_Piece], specs: Mapping[str, TensorSpec]) -> list
 
 
 @dataclasses.dataclass
-class _DistributedSaveJob(_SaveJob):
+class DistributedSaveJob(SaveJob):
     """Each process writes whole files of its own slices; process 0 writes the index last."""
 
     specs: Mapping[str, TensorSpec] = dataclasses.field(default_factory=dict)
@@ -499,7 +503,7 @@ def _assemble(info, pieces: list[_Piece]) -> np.ndarray:
     return whole
 
 
-def _directory_files(storage: Storage, directory: str) -> tuple[set[str], set[str]]:
+def directory_files(storage: Storage, directory: str) -> tuple[set[str], set[str]]:
     """``(committed, present)``: the files of the checkpoint in ``directory``, if one is
     committed, and every checkpoint file there (committed or left by a crash)."""
     if not storage.isdir(directory):

@@ -35,23 +35,9 @@ class LocalStorage(Storage):
             return os.pread(f.fileno(), length, offset)
 
     def read_scatter(self, path: str, offset: int, buffers: Sequence[memoryview]) -> None:
-        views = [memoryview(b).cast("B") for b in buffers]
         fd = os.open(path, os.O_RDONLY)
         try:
-            position, start = offset, 0
-            while start < len(views):
-                batch = views[start:start + _IOV_MAX]
-                wanted = sum(len(v) for v in batch)
-                done = os.preadv(fd, batch, position)
-                if done == 0 and wanted:
-                    raise EOFError(f"{path}: file ended at byte {position}, {wanted} bytes short")
-                position += done
-                # Skip the views filled completely; retry the rest (short reads).
-                while start < len(views) and done >= len(views[start]):
-                    done -= len(views[start])
-                    start += 1
-                if done:
-                    views[start] = views[start][done:]
+            _vectored(os.preadv, fd, buffers, offset, path)
         finally:
             os.close(fd)
 
@@ -78,18 +64,9 @@ class LocalStorage(Storage):
             os.close(fd)
 
     def write_at(self, path: str, offset: int, buffers: Sequence[memoryview]) -> None:
-        views = [memoryview(b).cast("B") for b in buffers]
         fd = os.open(path, os.O_WRONLY)
         try:
-            position, start = offset, 0
-            while start < len(views):
-                done = os.pwritev(fd, views[start:start + _IOV_MAX], position)
-                position += done
-                while start < len(views) and done >= len(views[start]):
-                    done -= len(views[start])
-                    start += 1
-                if done:
-                    views[start] = views[start][done:]
+            _vectored(os.pwritev, fd, buffers, offset, path)
         finally:
             os.close(fd)
 
@@ -121,6 +98,23 @@ class LocalStorage(Storage):
             os.remove(path)
         except FileNotFoundError:
             pass
+
+
+def _vectored(call, fd: int, buffers: Sequence[memoryview], offset: int, path: str) -> None:
+    """``preadv``/``pwritev`` of all ``buffers`` from ``offset``, resuming after short transfers."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    position, start = offset, 0
+    while start < len(views):
+        batch = views[start:start + _IOV_MAX]
+        done = call(fd, batch, position)
+        if done == 0 and any(len(v) for v in batch):
+            raise EOFError(f"{path}: file ended at byte {position}")
+        position += done
+        while start < len(views) and done >= len(views[start]):  # skip finished buffers
+            done -= len(views[start])
+            start += 1
+        if done:
+            views[start] = views[start][done:]
 
 
 def _fsync_directory(directory: str) -> None:
