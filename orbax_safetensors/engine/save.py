@@ -96,7 +96,7 @@ class _Piece:
 
     name: str
     box: Box
-    data: np.ndarray
+    data: np.ndarray | tuple[np.ndarray, ...]  # a tuple: row blocks of the box, in order
 
 
 def save(
@@ -130,8 +130,8 @@ def save(
         ``"format": "pt"``, which transformers requires).
       overwrite: replace a checkpoint already at ``path`` instead of refusing.
     """
-    return async_save(path, tree, layout=layout, max_shard_size=max_shard_size,
-                      metadata=metadata, overwrite=overwrite).result()
+    return _start_save(path, tree, layout=layout, max_shard_size=max_shard_size,
+                       metadata=metadata, overwrite=overwrite, copy=False).result()
 
 
 def async_save(
@@ -150,6 +150,27 @@ def async_save(
     to ``SaveStats`` once the checkpoint is committed on every process, or
     raises what went wrong (on every process). The interpreter waits for a
     pending save at exit, so nothing is lost by returning early.
+    """
+    return _start_save(path, tree, layout=layout, max_shard_size=max_shard_size,
+                       metadata=metadata, overwrite=overwrite, copy=True)
+
+
+def _start_save(
+    path: str | os.PathLike,
+    tree: Any,
+    *,
+    layout: str,
+    max_shard_size: int | str,
+    metadata: Mapping[str, str] | None,
+    overwrite: bool,
+    copy: bool,
+) -> concurrent.futures.Future[SaveStats]:
+    """Plans, takes this process's shards to the host, and starts the writer thread.
+
+    ``copy=False`` (the blocking ``save``) views the shards where the platform
+    allows (on CPU, the device buffers themselves): the caller waits for the
+    writer, so its arrays cannot change underneath it, and a gigabyte memcpy
+    is saved.
     """
     started = time.perf_counter()
     if layout not in LAYOUTS:
@@ -175,7 +196,7 @@ def async_save(
         raise ValueError(
             f"{os.fspath(path)!r}: a save from {jax.process_count()} processes writes into shared "
             "files at offsets, which this filesystem cannot do; save to a shared POSIX path")
-    pieces = _host_pieces(arrays, {s.name: s for s in specs})
+    pieces = _host_pieces(arrays, {s.name: s for s in specs}, copy=copy)
     key = next_operation_key("save")
     token = share_from_primary(f"{key}/token", uuid.uuid4().hex[:12])
     stats = SaveStats(blocking_seconds=time.perf_counter() - started)
@@ -215,12 +236,15 @@ def _spec(name: str, array: jax.Array | np.ndarray) -> TensorSpec:
     return spec
 
 
-def _host_pieces(arrays: Mapping[str, Any], specs: Mapping[str, TensorSpec]) -> list[_Piece]:
-    """Host copies of the shards this process writes (``replica_id == 0``).
+def _host_pieces(
+    arrays: Mapping[str, Any], specs: Mapping[str, TensorSpec], *, copy: bool
+) -> list[_Piece]:
+    """Host values of the shards this process writes (``replica_id == 0``).
 
-    All device→host transfers are started before the first is awaited. The
-    copies are real copies: on CPU a device buffer can be viewed without one,
-    and the caller may donate or overwrite its arrays as soon as we return.
+    All device→host transfers are started before the first is awaited. With
+    ``copy`` they are real copies: on CPU a device buffer can be viewed
+    without one, and an ``async_save`` caller may donate or overwrite its
+    arrays as soon as we return.
     """
     owned = []
     for name, array in arrays.items():
@@ -232,7 +256,8 @@ def _host_pieces(arrays: Mapping[str, Any], specs: Mapping[str, TensorSpec]) -> 
                     owned.append((name, normalize_index(shard.index, shape), shard.data))
         elif jax.process_index() == 0:
             owned.append((name, full_box(shape), array))
-    pieces = [_Piece(name, box, np.array(data)) for name, box, data in owned]
+    pieces = [_Piece(name, box, np.array(data, copy=True if copy else None))
+              for name, box, data in owned]
     for piece in pieces:
         if specs[piece.name].dtype.is_packed and piece.box != full_box(specs[piece.name].shape):
             raise ValueError(
@@ -406,7 +431,8 @@ def _merge_pieces(pieces: list[_Piece], specs: Mapping[str, TensorSpec]) -> list
 
     The distributed layout stores at most one slice of a tensor per file, so
     fewer, larger slices mean fewer files; shards that do not form a box stay
-    separate slices (and spread over several files).
+    separate slices (and spread over several files). Shards that are row
+    blocks of the slice are written one after the other, not copied together.
     """
     by_name: dict[str, list[_Piece]] = collections.defaultdict(list)
     for piece in pieces:
@@ -418,11 +444,20 @@ def _merge_pieces(pieces: list[_Piece], specs: Mapping[str, TensorSpec]) -> list
             merged.extend(group)
             continue
         box = regions[0].box
+        rows = sorted(group, key=lambda p: p.box)
+        if all(p.box[1:] == box[1:] for p in rows):  # row blocks: concatenation in order
+            merged.append(_Piece(name, box, tuple(p.data for p in rows)))
+            continue
         data = np.empty(tuple(b - a for a, b in box), group[0].data.dtype)
         for piece in group:
             data[relative_slices(piece.box, box)] = piece.data
         merged.append(_Piece(name, box, data))
     return merged
+
+
+def _payload(data: np.ndarray | tuple[np.ndarray, ...]) -> list[memoryview]:
+    """The on-disk bytes of a piece: one array, or row blocks back to back."""
+    return [to_bytes(a) for a in (data if isinstance(data, tuple) else (data,))]
 
 
 @dataclasses.dataclass
@@ -453,7 +488,7 @@ class DistributedSaveJob(SaveJob):
             for file, slices in files:
                 order = {s.name: data[(s.name, s.box)] for s in slices}
                 self.storage.write(self._temporary(file.name), itertools.chain(
-                    [file.header], (to_bytes(order[t.name]) for t in file.tensors)))
+                    [file.header], *(_payload(order[t.name]) for t in file.tensors)))
         except Exception as e:
             problem = f"process {me}: {e!r}"
         report = json.dumps({"problem": problem, "slices": [
@@ -475,7 +510,7 @@ class DistributedSaveJob(SaveJob):
         if me == 0:
             self._write_index([entry for r in reports for entry in r["slices"]])
         barrier(f"{self.key}/committed")
-        self.stats.bytes_written = sum(p.data.nbytes for p in self.pieces)
+        self.stats.bytes_written = sum(len(b) for p in self.pieces for b in _payload(p.data))
         self.stats.requests = self.stats.files = len(files)
 
     def _write_index(self, entries: list[list]) -> None:
