@@ -122,6 +122,20 @@ def prefault_memory(gb: float) -> None:
     del chunks
 
 
+def prefault_memory_in_child(gb: float) -> None:
+    """``prefault_memory`` in a short-lived child process.
+
+    For a worker that wants free memory host-backed right before its timed
+    region without disturbing its own allocator: freeing big blocks raises
+    glibc's dynamic mmap threshold, after which the worker's later frees go
+    back through ``madvise`` rather than ``munmap`` and ``VmHWM`` misses
+    their peak.
+    """
+    code = (f"import sys; sys.path.insert(0, {str(BENCH_DIR)!r}); import common; "
+            f"common.prefault_memory({gb!r})")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def current_rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -144,6 +158,20 @@ def peak_rss() -> int:
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KB
+
+
+def reset_peak_rss() -> bool:
+    """Resets this process's ``VmHWM`` to its current RSS (``/proc/self/clear_refs``, Linux >= 4.0).
+
+    Lets a worker that does untimed work first (building a model, touching
+    memory) report the peak of its timed region only. False if not supported.
+    """
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 # ---------------------------------------------------------------------------

@@ -316,7 +316,7 @@ class SaveJob:
                 for file in self.plan.files:
                     self.storage.create_sized(self._temporary(file.name), file.size, file.header)
             except Exception as e:
-                created = f"process 0 could not create the files: {e!r}"
+                created = f"process 0 could not create the files: {type(e).__name__}: {e}"
         created = share_from_primary(f"{self.key}/created", created)
         if created:
             raise OSError(created)
@@ -324,7 +324,7 @@ class SaveJob:
         try:
             self._write_pieces()
         except Exception as e:
-            problem = f"process {jax.process_index()}: {e!r}"
+            problem = f"process {jax.process_index()}: {type(e).__name__}: {e}"
         problems = [p for p in gather_to_all(f"{self.key}/written", problem) if p]
         if problems:
             if primary:
@@ -392,7 +392,7 @@ class SaveJob:
             for file in mine:
                 self.storage.write(self._temporary(file.name), chunks(file))
         except Exception as e:
-            problem = f"process {jax.process_index()}: {e!r}"
+            problem = f"process {jax.process_index()}: {type(e).__name__}: {e}"
         problems = [p for p in gather_to_all(f"{self.key}/written", problem) if p]
         if problems:
             for file in mine:
@@ -498,7 +498,7 @@ class DistributedSaveJob(SaveJob):
                 self.storage.write(self._temporary(file.name), itertools.chain(
                     [file.header], *(_payload(order[t.name]) for t in file.tensors)))
         except Exception as e:
-            problem = f"process {me}: {e!r}"
+            problem = f"process {me}: {type(e).__name__}: {e}"
         report = json.dumps({"problem": problem, "slices": [
             [s.name, file.name, [a for a, _ in s.box], list(s.shape)]
             for file, slices in files for s in slices]})
