@@ -51,6 +51,7 @@ from orbax_safetensors.index import (
 from orbax_safetensors.planning import (
     Box,
     FilePlan,
+    ReadOp,
     Runs,
     SavePlan,
     SliceSpec,
@@ -70,7 +71,8 @@ from orbax_safetensors.storage import Storage, storage_for
 LAYOUTS = ("hf", "distributed")
 _WRITE_CHUNK_BYTES = 64 << 20
 _WRITE_THREADS = 8
-_TEMPORARY = re.compile(r"^\.(.+\.safetensors|.+\.json)\.tmp-[0-9a-f]{12}$")
+_MAX_PARTS_PER_FILE = 64  # beyond this a process packs its ranges of a file into one object
+_TEMPORARY = re.compile(r"^\.(.+\.safetensors|.+\.json)\.(tmp-[0-9a-f]{12}|part-[0-9a-f]{12}-\d{20})$")
 
 
 @dataclasses.dataclass
@@ -192,10 +194,6 @@ def _start_save(
     if committed and not overwrite:
         raise FileExistsError(
             f"{os.fspath(path)!r} already holds a checkpoint; pass overwrite=True to replace it")
-    if layout == "hf" and jax.process_count() > 1 and not storage.supports_offset_writes:
-        raise ValueError(
-            f"{os.fspath(path)!r}: a save from {jax.process_count()} processes writes into shared "
-            "files at offsets, which this filesystem cannot do; save to a shared POSIX path")
     pieces = _host_pieces(arrays, {s.name: s for s in specs}, copy=copy)
     key = next_operation_key("save")
     token = share_from_primary(f"{key}/token", uuid.uuid4().hex[:12])
@@ -296,6 +294,8 @@ class SaveJob:
         try:
             if self.storage.supports_offset_writes:
                 self._write_in_place()
+            elif jax.process_count() > 1:
+                self._write_in_parts()
             else:
                 self._write_streaming()
             self.stats.seconds = time.perf_counter() - self.started
@@ -304,7 +304,22 @@ class SaveJob:
             future.set_exception(e)
 
     def _temporary(self, name: str) -> str:
+        """Where a file is written before the commit.
+
+        A temporary name where renaming is cheap. On object stores a rename is
+        a full copy, so files go straight to their final names: the old
+        checkpoint is uncommitted first (``_begin_direct_writes``) and the
+        index, written last, is still the commit marker (a single-file
+        checkpoint appears atomically when its one object is complete).
+        """
+        if not self.storage.cheap_rename:
+            return self.storage.join(self.directory, name)
         return self.storage.join(self.directory, f".{name}.tmp-{self.token}")
+
+    def _begin_direct_writes(self) -> None:
+        """Process 0 uncommits the old checkpoint before final names are overwritten."""
+        if not self.storage.cheap_rename and jax.process_index() == 0:
+            self._uncommit()
 
     def _write_in_place(self) -> None:
         """Process 0 creates every file at its final size; each process fills its runs."""
@@ -335,7 +350,12 @@ class SaveJob:
             self._commit()
         barrier(f"{self.key}/committed")
 
-    def _write_pieces(self) -> None:
+    def _owned_ranges(self, chunk_bytes: int) -> tuple[list[memoryview], list[tuple[str, ReadOp]]]:
+        """This process's bytes per file as contiguous ranges (split at ``chunk_bytes``).
+
+        Returns the payload of each piece and, per range, the file and the
+        pieces (by payload index) that fill it in order.
+        """
         location = {t.name: (f, t) for f in self.plan.files for t in f.tensors}
         runs_by_file: dict[str, list[Runs]] = collections.defaultdict(list)
         payloads = [to_bytes(piece.data) for piece in self.pieces]
@@ -349,24 +369,114 @@ class SaveJob:
             runs_by_file[file.name].append(Runs(
                 offsets + start, np.full(len(offsets), length, np.int64),
                 np.full(len(offsets), index, np.int64), np.arange(len(offsets)) * length))
-        writes = [
+        ranges = [
             (file_name, op)
             for file_name, runs in runs_by_file.items()
             for op in coalesce(Runs.concatenate(runs), max_gap=0, max_overread=1.0,
-                               chunk_bytes=_WRITE_CHUNK_BYTES)
+                               chunk_bytes=chunk_bytes)
         ]
+        return payloads, ranges
 
-        def write(file_name: str, op) -> None:
+    def _write_pieces(self) -> None:
+        payloads, writes = self._owned_ranges(_WRITE_CHUNK_BYTES)
+
+        def write(file_name: str, op: ReadOp) -> None:
             self.storage.write_at(self._temporary(file_name), op.offset, [
                 payloads[p.target][p.offset:p.offset + p.length] for p in op.pieces])
 
+        files = sorted({name for name, _ in writes})
         with concurrent.futures.ThreadPoolExecutor(_WRITE_THREADS) as pool:
             for done in [pool.submit(write, name, op) for name, op in writes]:
                 done.result()
-            list(pool.map(lambda name: self.storage.sync(self._temporary(name)), runs_by_file))
+            list(pool.map(lambda name: self.storage.sync(self._temporary(name)), files))
         self.stats.bytes_written = sum(len(p) for p in payloads)
         self.stats.requests = len(writes)
-        self.stats.files = len(runs_by_file)
+        self.stats.files = len(files)
+
+    def _write_in_parts(self) -> None:
+        """Object stores, several processes: parts uploaded by their owners, merged by process 0.
+
+        Each process uploads every contiguous range of a file it owns as a
+        part object; process 0 adds the headers, then assembles each file
+        from its parts with the store's server-side concatenation (GCS
+        compose, S3 multipart copy), so tensor bytes never pass through
+        another process unless the store's part rules force it.
+        """
+        payloads, ranges = self._owned_ranges(chunk_bytes=1 << 62)
+        by_file: dict[str, list[tuple[int, int, list[memoryview]]]] = collections.defaultdict(list)
+        for name, op in ranges:
+            by_file[name].append((op.offset, op.length, [
+                payloads[p.target][p.offset:p.offset + p.length] for p in op.pieces]))
+        if jax.process_index() == 0:
+            for f in self.plan.files:
+                by_file[f.name].append((0, len(f.header), [f.header]))
+        # parts: (file, offset, length, object, offset in object). A process owning few
+        # ranges of a file uploads one object per range (merged server-side); one owning
+        # many (strided shards) packs them into one object, read back sequentially.
+        parts = []
+        for name, spans in by_file.items():
+            spans.sort(key=lambda span: span[0])
+            if len(spans) <= _MAX_PARTS_PER_FILE:
+                parts += [(name, o, n, self._part(name, o), 0, views) for o, n, views in spans]
+            else:
+                packed, position = self._part(name, spans[0][0]), 0
+                for o, n, views in spans:
+                    parts.append((name, o, n, packed, position, views))
+                    position += n
+        uploads: dict[str, list[memoryview]] = collections.defaultdict(list)
+        for part in parts:
+            uploads[part[3]].extend(part[5])
+        problem = ""
+        try:
+            self.storage.makedirs(self.directory)
+            self._begin_direct_writes()
+            with concurrent.futures.ThreadPoolExecutor(_WRITE_THREADS) as pool:
+                list(pool.map(lambda item: self.storage.write(*item), uploads.items()))
+        except Exception as e:
+            problem = f"process {jax.process_index()}: {type(e).__name__}: {e}"
+        report = json.dumps({"problem": problem, "parts": [p[:5] for p in parts]})
+        reports = [json.loads(r) for r in gather_to_all(f"{self.key}/parts", report)]
+        problems = [r["problem"] for r in reports if r["problem"]]
+        if jax.process_index() == 0:
+            every = [p for r in reports for p in r["parts"]]
+            try:
+                if not problems:
+                    self._assemble_parts(every)
+            except Exception as e:
+                problems.append(f"process 0 could not assemble the files: {type(e).__name__}: {e}")
+            for path in {p[3] for p in every}:
+                self.storage.remove(path)
+        problems = [p for p in gather_to_all(f"{self.key}/merged", "; ".join(problems)) if p]
+        if problems:
+            if jax.process_index() == 0:
+                for file in self.plan.files:
+                    self.storage.remove(self._temporary(file.name))
+            raise OSError("save failed, nothing was committed: " + problems[0])
+        if jax.process_index() == 0:
+            self._commit()
+        barrier(f"{self.key}/committed")
+        self.stats.bytes_written = sum(len(p) for p in payloads)
+        self.stats.requests = len(uploads)
+        self.stats.files = len(by_file)
+
+    def _assemble_parts(self, parts: list[list]) -> None:
+        """Process 0: each file from its parts, server-side where each part is one object."""
+        by_file = collections.defaultdict(list)
+        for name, offset, length, path, position in parts:
+            by_file[name].append((offset, length, path, position))
+        for file in self.plan.files:
+            spans = sorted(by_file[file.name])
+            covered = sum(n for _, n, _, _ in spans)
+            if covered != file.size or any(a[0] + a[1] != b[0] for a, b in zip(spans, spans[1:])):
+                raise OSError(f"{file.name}: the processes' parts do not tile the file")
+            if len({path for _, _, path, _ in spans}) == len(spans):
+                self.storage.merge(self._temporary(file.name), [p for _, _, p, _ in spans],
+                                   [n for _, n, _, _ in spans])
+            else:  # packed parts: read each object front to back, in file order
+                self.storage.write(self._temporary(file.name), _read_spans(self.storage, spans))
+
+    def _part(self, name: str, offset: int) -> str:
+        return self.storage.join(self.directory, f".{name}.part-{self.token}-{offset:020d}")
 
     def _write_streaming(self) -> None:
         """One process, no writes at offsets (object stores): each file front to back."""
@@ -389,10 +499,16 @@ class SaveJob:
         problem = ""
         try:
             self.storage.makedirs(self.directory)
-            for file in mine:
-                self.storage.write(self._temporary(file.name), chunks(file))
+            self._begin_direct_writes()
         except Exception as e:
             problem = f"process {jax.process_index()}: {type(e).__name__}: {e}"
+        barrier(f"{self.key}/uncommitted")  # nobody overwrites a file the old index names
+        if not problem:
+            try:
+                for file in mine:
+                    self.storage.write(self._temporary(file.name), chunks(file))
+            except Exception as e:
+                problem = f"process {jax.process_index()}: {type(e).__name__}: {e}"
         problems = [p for p in gather_to_all(f"{self.key}/written", problem) if p]
         if problems:
             for file in mine:
@@ -425,13 +541,28 @@ class SaveJob:
         index_path = storage.join(directory, INDEX_NAME)
         self._uncommit()
         for name, path in final.items():
-            storage.rename(self._temporary(name), path)
+            if self._temporary(name) != path:
+                storage.rename(self._temporary(name), path)
         if self.plan.index is not None:
             index_temporary = self._temporary(INDEX_NAME)
             storage.write(index_temporary, [self.plan.index])
-            storage.rename(index_temporary, index_path)
+            if index_temporary != index_path:
+                storage.rename(index_temporary, index_path)
         self._remove_stale(
             set(final.values()) | ({index_path} if self.plan.index is not None else set()))
+
+
+def _read_spans(storage: Storage, spans: list[tuple[int, int, str, int]]) -> Iterator[bytes]:
+    """The bytes of ``spans`` in order, each object read sequentially through one reader."""
+    readers: dict[str, Any] = {}
+    try:
+        for _, length, path, position in spans:
+            reader = readers.get(path) or readers.setdefault(path, storage.open_read(path))
+            reader.seek(position)
+            yield reader.read(length)
+    finally:
+        for reader in readers.values():
+            reader.close()
 
 
 def _merge_pieces(pieces: list[_Piece], specs: Mapping[str, TensorSpec]) -> list[_Piece]:

@@ -9,6 +9,7 @@ bucket or memory, and a backend can pick the fastest way to fill a buffer
 from __future__ import annotations
 
 import abc
+from typing import BinaryIO
 from collections.abc import Iterable, Sequence
 
 
@@ -48,6 +49,9 @@ class Storage(abc.ABC):
     def write(self, path: str, chunks: Iterable[memoryview | bytes]) -> None:
         """Writes a whole new file from ``chunks``, streaming, durable on return."""
 
+    cheap_rename: bool = True
+    """Whether ``rename`` is a metadata operation (not a copy of the bytes)."""
+
     supports_offset_writes: bool = False
     """Whether several processes may fill one file at offsets (``create_sized``, ``write_at``)."""
 
@@ -59,9 +63,21 @@ class Storage(abc.ABC):
         """Writes ``buffers`` back to back at ``offset`` of an existing file."""
         raise NotImplementedError(f"{type(self).__name__} cannot write at offsets")
 
+    def merge(self, destination: str, parts: Sequence[str], sizes: Sequence[int]) -> None:
+        """Writes ``destination`` as the concatenation of ``parts`` (of ``sizes`` bytes).
+
+        This default streams every part through this process; backends with
+        server-side concatenation override it.
+        """
+        self.write(destination, (self.read(p, 0, n) for p, n in zip(parts, sizes)))
+
     def sync(self, path: str) -> None:
         """Makes every write to ``path`` so far durable."""
         raise NotImplementedError(f"{type(self).__name__} cannot write at offsets")
+
+    @abc.abstractmethod
+    def open_read(self, path: str) -> BinaryIO:
+        """A buffered reader, for reading an object front to back in large requests."""
 
     @abc.abstractmethod
     def exists(self, path: str) -> bool: ...

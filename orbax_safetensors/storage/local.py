@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Sequence
+from typing import BinaryIO
 
 from orbax_safetensors.storage.base import Storage
 
@@ -76,6 +77,9 @@ class LocalStorage(Storage):
             os.fsync(fd)
         finally:
             os.close(fd)
+
+    def open_read(self, path: str) -> BinaryIO:
+        return open(path, "rb")
 
     def exists(self, path: str) -> bool:
         return os.path.exists(path)

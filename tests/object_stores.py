@@ -1,0 +1,70 @@
+"""Real object-store servers on 127.0.0.1 for tests: moto (S3) and the GCS emulator.
+
+Each server runs as a child process on a free port for the whole test
+session. This process reaches it through fsspec's config; child processes
+(the multi-process fixture's) through the ``FSSPEC_*`` environment variables
+fsspec reads at import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import fsspec
+
+from tests.multiprocess import free_port
+
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # no 60 s gRPC probe
+
+_SERVERS = {
+    "s3": (["-m", "moto.server", "-H", "127.0.0.1", "-p", "{port}"],
+           {"endpoint_url": "http://127.0.0.1:{port}", "key": "test", "secret": "test"}),
+    "gs": (["-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1", "--port", "{port}",
+            "--in-memory"],
+           {"endpoint_url": "http://127.0.0.1:{port}", "token": "anon", "project": "test"}),
+}
+
+
+def _wait_for(port: int, process: subprocess.Popen, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"object-store server exited with {process.returncode}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"object-store server on port {port} did not start in {timeout} s")
+
+
+@contextlib.contextmanager
+def object_store_server(protocol: str):
+    """Yields ``(bucket_url, env)`` for a fresh bucket on a server of ``protocol``."""
+    port = free_port()
+    args, options = _SERVERS[protocol]
+    process = subprocess.Popen(
+        [sys.executable, *(a.format(port=port) for a in args)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        _wait_for(port, process)
+        options = {k: v.format(port=port) for k, v in options.items()}
+        previous = fsspec.config.conf.get(protocol)
+        fsspec.config.conf[protocol] = options
+        env = {f"FSSPEC_{protocol.upper()}_{k.upper()}": v for k, v in options.items()}
+        env["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
+        bucket = f"ost-{uuid.uuid4().hex[:12]}"
+        fsspec.filesystem(protocol, skip_instance_cache=True).mkdir(bucket)
+        yield f"{protocol}://{bucket}", env
+    finally:
+        if "previous" in locals():
+            if previous is None:
+                fsspec.config.conf.pop(protocol, None)
+            else:
+                fsspec.config.conf[protocol] = previous
+        process.kill()
+        process.wait(timeout=10)
