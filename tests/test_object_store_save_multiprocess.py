@@ -34,3 +34,16 @@ def test_parallel_hf_save_to_a_bucket_equals_a_local_single_process_save(
     for name in names:
         assert fs.cat(f"{root}/{name}") == (tmp_path / "reference" / name).read_bytes(), name
     assert sum(r.value["bytes_written"] for r in results) == sum(v.nbytes for v in values.values())
+
+
+@pytest.mark.parametrize("layout", ["hf", "distributed"])
+def test_overwriting_a_bucket_checkpoint_in_place(store, layout):
+    bucket, _ = store
+    url = f"{bucket}/overwrite-{layout}"
+    first = {"w": np.arange(40, dtype=np.float32).reshape(8, 5), "b": np.ones(3, np.int8)}
+    second = {"w": -np.arange(40, dtype=np.float32).reshape(8, 5)}
+    ost.save(url, first, layout=layout)
+    ost.save(url, second, layout=layout, overwrite=True)  # same file names, written in place
+    restored = ost.load(url)
+    assert sorted(restored) == ["w"]
+    np.testing.assert_array_equal(restored["w"], second["w"])

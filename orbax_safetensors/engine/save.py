@@ -622,7 +622,15 @@ class DistributedSaveJob(SaveJob):
             me, [SliceSpec(p.name, self.specs[p.name].dtype, p.box) for p in self.pieces],
             max_shard_size=self.max_shard_size, metadata=self.metadata)
         problem = ""
+        if not self.storage.cheap_rename:  # files go to final names: uncommit the old first
+            try:
+                self._begin_direct_writes()
+            except Exception as e:
+                problem = f"process {me}: {type(e).__name__}: {e}"
+            barrier(f"{self.key}/direct")
         try:
+            if problem:
+                raise OSError(problem)
             self.storage.makedirs(self.directory)
             for file, slices in files:
                 order = {s.name: data[(s.name, s.box)] for s in slices}
@@ -643,8 +651,9 @@ class DistributedSaveJob(SaveJob):
             self._uncommit()
         barrier(f"{self.key}/uncommitted")
         for file, _ in files:
-            self.storage.rename(self._temporary(file.name),
-                                self.storage.join(self.directory, file.name))
+            final = self.storage.join(self.directory, file.name)
+            if self._temporary(file.name) != final:
+                self.storage.rename(self._temporary(file.name), final)
         barrier(f"{self.key}/renamed")
         if me == 0:
             self._write_index([entry for r in reports for entry in r["slices"]])
@@ -662,7 +671,8 @@ class DistributedSaveJob(SaveJob):
         index_path = self.storage.join(self.directory, DISTRIBUTED_INDEX_NAME)
         index_temporary = self._temporary(DISTRIBUTED_INDEX_NAME)
         self.storage.write(index_temporary, [serialize_distributed_index(tensors, self.metadata)])
-        self.storage.rename(index_temporary, index_path)
+        if index_temporary != index_path:
+            self.storage.rename(index_temporary, index_path)
         self._remove_stale({index_path} | {
             self.storage.join(self.directory, s.file) for t in tensors.values() for s in t.slices})
 
