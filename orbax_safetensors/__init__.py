@@ -17,10 +17,36 @@ from orbax_safetensors.engine import (
     save,
 )
 from orbax_safetensors.errors import SafetensorsError
+from orbax_safetensors.integrations.orbax_version import UnsupportedOrbaxError, check_orbax_version
 
 __version__ = "0.1.0"
+
+_ORBAX_NAMES = ("SafetensorsCheckpointHandler", "SafetensorsHandler", "SafetensorsLayout",
+                "SafetensorsRestore", "SafetensorsSave")
+try:
+    check_orbax_version()
+except UnsupportedOrbaxError as e:
+    # The engine works without Orbax; only touching an Orbax name raises.
+    _orbax_error: UnsupportedOrbaxError | None = e
+else:
+    _orbax_error = None
+    # Importing registers the handlers, so that a fresh CheckpointManager
+    # restores safetensors items without arguments.
+    from orbax_safetensors.integrations import orbax_shim  # noqa: F401
+    from orbax_safetensors.integrations.orbax_items import SafetensorsRestore, SafetensorsSave
+    from orbax_safetensors.integrations.orbax_v0 import SafetensorsCheckpointHandler
+    from orbax_safetensors.integrations.orbax_v1 import SafetensorsHandler, SafetensorsLayout
+
+
+def __getattr__(name: str):
+    if name in _ORBAX_NAMES and _orbax_error is not None:
+        raise _orbax_error
+    raise AttributeError(f"module 'orbax_safetensors' has no attribute {name!r}")
+
 
 __all__ = [
     "CheckpointMetadata", "LoadStats", "ReadOptions", "SafetensorsError", "SaveStats",
     "async_save", "consolidate", "load", "metadata", "save", "__version__",
+    "SafetensorsCheckpointHandler", "SafetensorsHandler", "SafetensorsLayout",
+    "SafetensorsRestore", "SafetensorsSave",
 ]

@@ -132,8 +132,8 @@ def save(
         ``"format": "pt"``, which transformers requires).
       overwrite: replace a checkpoint already at ``path`` instead of refusing.
     """
-    return _start_save(path, tree, layout=layout, max_shard_size=max_shard_size,
-                       metadata=metadata, overwrite=overwrite, copy=False).result()
+    return prepare_save(path, tree, layout=layout, max_shard_size=max_shard_size,
+                        metadata=metadata, overwrite=overwrite, copy=False).start().result()
 
 
 def async_save(
@@ -153,11 +153,11 @@ def async_save(
     raises what went wrong (on every process). The interpreter waits for a
     pending save at exit, so nothing is lost by returning early.
     """
-    return _start_save(path, tree, layout=layout, max_shard_size=max_shard_size,
-                       metadata=metadata, overwrite=overwrite, copy=True)
+    return prepare_save(path, tree, layout=layout, max_shard_size=max_shard_size,
+                        metadata=metadata, overwrite=overwrite, copy=True).start()
 
 
-def _start_save(
+def prepare_save(
     path: str | os.PathLike,
     tree: Any,
     *,
@@ -166,9 +166,12 @@ def _start_save(
     metadata: Mapping[str, str] | None,
     overwrite: bool,
     copy: bool,
-) -> concurrent.futures.Future[SaveStats]:
-    """Plans, takes this process's shards to the host, and starts the writer thread.
+) -> SaveJob:
+    """Plans and takes this process's shards to the host; ``start()`` on the result writes.
 
+    The split lets a caller hold the writes back until the directory may be
+    touched (Orbax creates a step's directories in the background, after the
+    handler returns) while the caller's arrays are already free again.
     ``copy=False`` (the blocking ``save``) views the shards where the platform
     allows (on CPU, the device buffers themselves): the caller waits for the
     writer, so its arrays cannot change underneath it, and a gigabyte memcpy
@@ -198,7 +201,6 @@ def _start_save(
     key = next_operation_key("save")
     token = share_from_primary(f"{key}/token", uuid.uuid4().hex[:12])
     stats = SaveStats(blocking_seconds=time.perf_counter() - started)
-    future: concurrent.futures.Future[SaveStats] = concurrent.futures.Future()
     if layout == "distributed":
         pieces = _merge_pieces(pieces, {s.name: s for s in specs})
         job: SaveJob = DistributedSaveJob(
@@ -207,8 +209,7 @@ def _start_save(
             metadata=dict(metadata or {}))
     else:
         job = SaveJob(storage, directory, plan, previous, pieces, key, token, stats, started)
-    threading.Thread(target=job.run, args=(future,), name="orbax_safetensors-save").start()
-    return future
+    return job
 
 
 def _checked_array(name: str, leaf: Any) -> jax.Array | np.ndarray:
@@ -289,6 +290,12 @@ class SaveJob:
     token: str
     stats: SaveStats
     started: float
+
+    def start(self) -> concurrent.futures.Future[SaveStats]:
+        """Writes and commits on a background thread; the future gives the stats or the error."""
+        future: concurrent.futures.Future[SaveStats] = concurrent.futures.Future()
+        threading.Thread(target=self.run, args=(future,), name="orbax_safetensors-save").start()
+        return future
 
     def run(self, future: concurrent.futures.Future) -> None:
         try:

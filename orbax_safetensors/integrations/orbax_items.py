@@ -1,0 +1,90 @@
+"""What the Orbax v0 and v1 handlers share: their arguments and the item they read and write.
+
+A checkpoint step's safetensors item is a directory written by ``ost.save``
+(an HF index plus ``model-0000i-of-0000N.safetensors``, or the distributed
+layout), so it loads in ``transformers`` and ``safetensors`` as it is. Both
+Orbax generations read and write it through these functions; the handlers
+only translate Orbax's calling conventions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from orbax_safetensors.engine import ReadOptions, load, metadata
+from orbax_safetensors.engine.save import SaveJob, prepare_save
+from orbax_safetensors.integrations.orbax_version import check_orbax_version
+
+check_orbax_version()  # before any Orbax import: a clear error instead of an odd one
+
+from orbax.checkpoint import args as ocp_args  # noqa: E402
+
+
+@dataclasses.dataclass
+class SafetensorsSave(ocp_args.CheckpointArgs):
+    """Save ``item`` (a PyTree of arrays) as safetensors; arguments as in ``ost.save``.
+
+    In Orbax v1 the same object is the checkpointable that asks for
+    safetensors: ``ocp.v1.save_checkpointables(path, {"params": SafetensorsSave(params)})``.
+    """
+
+    item: Any
+    layout: str = "hf"
+    max_shard_size: int | str = "5GB"
+    metadata: Mapping[str, str] | None = None
+
+
+@dataclasses.dataclass
+class SafetensorsRestore(ocp_args.CheckpointArgs):
+    """Restore a safetensors item into the structure, dtypes and shardings of ``item``.
+
+    ``item=None`` restores every tensor as a flat ``{name: array}``: host numpy
+    arrays in a single process; with several processes ``jax.Array``s
+    replicated over all devices (a host array is not a global value there),
+    which needs every device to fit the whole item, so pass a sharded
+    ``item`` for large models. ``strict`` and ``options`` are those of ``ost.load``.
+    """
+
+    item: Any = None
+    strict: bool = True
+    options: ReadOptions | None = None
+
+
+def _url(path: Any) -> str:
+    """Orbax hands over ``epath.Path``s; their ``str`` is the URL (``gs://...`` included)."""
+    return str(path)
+
+
+def prepare_item_save(directory: Any, args: SafetensorsSave) -> SaveJob:
+    """Plans the item and copies this process's shards to the host; ``start()`` writes.
+
+    The copies make the caller's arrays free as soon as this returns, which is
+    what an async Orbax save promises; the writes wait for ``start()`` because
+    Orbax may still be creating ``directory``. ``overwrite`` stays off: Orbax
+    gives every save a fresh directory, so anything already there is a bug.
+    """
+    return prepare_save(_url(directory), args.item, layout=args.layout,
+                        max_shard_size=args.max_shard_size, metadata=args.metadata,
+                        overwrite=False, copy=True)
+
+
+def restore_item(directory: Any, args: SafetensorsRestore | None) -> Any:
+    args = args or SafetensorsRestore()
+    path = _url(directory)
+    target = args.item
+    if target is None and jax.process_count() > 1:
+        replicated = NamedSharding(Mesh(np.array(jax.devices()), ("devices",)), PartitionSpec())
+        target = {name: jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=replicated)
+                  for name, t in metadata(path).tensors.items()}
+    return load(path, target, strict=args.strict, options=args.options)
+
+
+def item_tensors(directory: Any) -> dict[str, jax.ShapeDtypeStruct]:
+    """``{name: ShapeDtypeStruct}`` from the headers: the abstract form of a restored item."""
+    return metadata(_url(directory)).tensors
