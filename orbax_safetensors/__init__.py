@@ -45,7 +45,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "CheckpointMetadata", "LoadStats", "ReadOptions", "SafetensorsError", "SaveStats",
+    "CheckpointMetadata", "LoadStats", "ReadOptions", "SafetensorsError", "SaveStats", "UnsupportedOrbaxError",
     "async_save", "consolidate", "load", "metadata", "save", "__version__",
     "SafetensorsCheckpointHandler", "SafetensorsHandler", "SafetensorsLayout",
     "SafetensorsRestore", "SafetensorsSave",

@@ -66,12 +66,14 @@ def prepare_item_save(directory: Any, args: SafetensorsSave) -> SaveJob:
 
     The copies make the caller's arrays free as soon as this returns, which is
     what an async Orbax save promises; the writes wait for ``start()`` because
-    Orbax may still be creating ``directory``. ``overwrite`` stays off: Orbax
-    gives every save a fresh directory, so anything already there is a bug.
+    Orbax may still be creating ``directory``. The directory is Orbax's
+    temporary for this step, so whatever is already in it was left by an
+    interrupted attempt at the same step (Orbax reuses the name) and is
+    replaced: hence ``overwrite``.
     """
     return prepare_save(_url(directory), args.item, layout=args.layout,
                         max_shard_size=args.max_shard_size, metadata=args.metadata,
-                        overwrite=False, copy=True)
+                        overwrite=True, copy=True)
 
 
 def restore_item(directory: Any, args: SafetensorsRestore | None) -> Any:
