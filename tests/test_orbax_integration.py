@@ -184,12 +184,14 @@ def test_save_interval_steps_and_should_save(tmp_path):
     assert os.listdir(tmp_path / "4" / "params").count("model.safetensors") == 1
 
 
-def test_bad_item_fails_at_save_call_and_leaves_no_step(tmp_path):
+def test_bad_item_fails_at_the_call_before_orbax_starts_a_step(tmp_path):
+    with pytest.raises(TypeError, match="'config.name' is a str"):
+        ost.SafetensorsSave({"w": jnp.ones(3), "config": {"name": "llama"}})
+    with pytest.raises(ValueError, match="unknown layout 'torch'"):
+        ost.SafetensorsSave({"w": jnp.ones(3)}, layout="torch")
+    with pytest.raises(ValueError, match="size"):
+        ost.SafetensorsSave({"w": jnp.ones(3)}, max_shard_size="lots")
     with ocp.CheckpointManager(tmp_path) as mngr:
-        with pytest.raises(TypeError, match="'config.name' is a str"):
-            mngr.save(0, args=ocp.args.Composite(params=ost.SafetensorsSave(
-                {"w": jnp.ones(3), "config": {"name": "llama"}})))
-        mngr.wait_until_finished()
         assert mngr.all_steps() == []
 
 
@@ -409,3 +411,19 @@ def test_sigkill_during_async_save_keeps_the_previous_step(tmp_path, kill_point)
         mngr.wait_until_finished()
         assert mngr.all_steps() == [0, 1]
         _assert_tree_equal(mngr.restore(1)["params"], _flat_names(values))
+
+
+def test_flax_example_trains_checkpoints_and_resumes(tmp_path):
+    pytest.importorskip("flax")
+    pytest.importorskip("optax")
+    result = subprocess.run(
+        [sys.executable, os.path.join(REPO_ROOT, "examples", "flax_train.py"),
+         "--directory", str(tmp_path / "run"), "--steps", "4"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "kept steps [2, 3]; restored step 3" in result.stdout
+    with safetensors.safe_open(str(tmp_path / "run" / "3" / "params" / "model.safetensors"),
+                               "np") as f:
+        assert f.metadata()["step"] == "3"
+        assert f.get_tensor("Dense_1.kernel").shape == (256, 256)

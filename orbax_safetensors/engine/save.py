@@ -178,11 +178,7 @@ def prepare_save(
     is saved.
     """
     started = time.perf_counter()
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
-    names, leaves, _ = flatten_with_names(tree)
-    arrays = dict(zip(names, (_checked_array(n, leaf) for n, leaf in zip(names, leaves))))
-    specs = [_spec(name, array) for name, array in arrays.items()]
+    arrays, specs = check_tree(tree, layout)
     storage, target = storage_for(path)
     if is_single_file(path):
         if layout == "distributed":
@@ -210,6 +206,19 @@ def prepare_save(
     else:
         job = SaveJob(storage, directory, plan, previous, pieces, key, token, stats, started)
     return job
+
+
+def check_tree(tree: Any, layout: str = "hf") -> tuple[dict[str, Any], list[TensorSpec]]:
+    """Names each leaf and checks it can be stored, from shapes and dtypes alone (no data moves).
+
+    Run where the mistake is made: Orbax's save arguments call it on
+    construction, before Orbax starts a step it would then have to abandon.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
+    names, leaves, _ = flatten_with_names(tree)
+    arrays = dict(zip(names, (_checked_array(n, leaf) for n, leaf in zip(names, leaves))))
+    return arrays, [_spec(name, array) for name, array in arrays.items()]
 
 
 def _checked_array(name: str, leaf: Any) -> jax.Array | np.ndarray:

@@ -18,7 +18,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from orbax_safetensors.engine import ReadOptions, load, metadata
-from orbax_safetensors.engine.save import SaveJob, prepare_save
+from orbax_safetensors.engine.save import SaveJob, check_tree, prepare_save
+from orbax_safetensors.index import parse_size
 from orbax_safetensors.integrations.orbax_version import check_orbax_version
 
 check_orbax_version()  # before any Orbax import: a clear error instead of an odd one
@@ -38,6 +39,12 @@ class SafetensorsSave(ocp_args.CheckpointArgs):
     layout: str = "hf"
     max_shard_size: int | str = "5GB"
     metadata: Mapping[str, str] | None = None
+
+    def __post_init__(self) -> None:
+        # A bad item raises here, at the caller's line; from inside the handler
+        # Orbax would already have started the step and be left waiting on it.
+        check_tree(self.item, self.layout)
+        parse_size(self.max_shard_size)
 
 
 @dataclasses.dataclass
