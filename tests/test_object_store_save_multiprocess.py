@@ -25,7 +25,8 @@ def test_parallel_hf_save_to_a_bucket_equals_a_local_single_process_save(
     bucket, env = store
     url = f"{bucket}/{scenario}"
     results = multiprocess(f"{_MODULE}:_child_save", num_processes=2, devices_per_process=4,
-                           args={"path": url, "scenario": scenario}, env=env)
+                           args={"path": url, "scenario": scenario}, env=env,
+                           timeout=300)  # the GCS emulator serves ~30 s of small requests here
     values = {**sources(), "host.counter": np.arange(7, dtype=np.int64)}
     ost.save(tmp_path / "reference", values, max_shard_size=200_000)
     fs, root = fsspec.core.url_to_fs(url)

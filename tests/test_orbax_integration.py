@@ -184,6 +184,35 @@ def test_save_interval_steps_and_should_save(tmp_path):
     assert os.listdir(tmp_path / "4" / "params").count("model.safetensors") == 1
 
 
+def test_writes_wait_until_orbax_has_created_the_item_directory(tmp_path, monkeypatch):
+    """Orbax creates step directories on a background thread after the handler returns; the
+    writes must not start before (they would create the directory under Orbax's feet)."""
+    from orbax.checkpoint._src.path import atomicity
+
+    from orbax_safetensors.storage.local import LocalStorage
+
+    real_create, real_makedirs = atomicity._create_paths, LocalStorage.makedirs
+    existed = []
+
+    async def slow_create(*args, **kwargs):
+        await asyncio.sleep(0.5)
+        return await real_create(*args, **kwargs)
+
+    def makedirs(self, path):
+        existed.append(os.path.isdir(path))
+        real_makedirs(self, path)
+
+    monkeypatch.setattr(atomicity, "_create_paths", slow_create)
+    monkeypatch.setattr(LocalStorage, "makedirs", makedirs)
+    params = _shard(_initial_params(), _fsdp)
+    with ocp.CheckpointManager(tmp_path) as mngr:
+        mngr.save(0, args=ocp.args.Composite(params=ost.SafetensorsSave(params)))
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [0]
+    assert existed == [True]
+    _assert_tree_equal(ost.load(tmp_path / "0" / "params"), _flat_names(_initial_params()))
+
+
 def test_bad_item_fails_at_the_call_before_orbax_starts_a_step(tmp_path):
     with pytest.raises(TypeError, match="'config.name' is a str"):
         ost.SafetensorsSave({"w": jnp.ones(3), "config": {"name": "llama"}})
@@ -311,8 +340,9 @@ def test_layout_loads_a_transformers_checkpoint(tmp_path):
 
 
 def test_version_guard_names_the_supported_range():
-    check_orbax_version("0.12.0")
-    for version in ("0.11.40", "0.13.0", "0.13.0rc1", "1.0.0"):
+    for version in ("0.11.40", "0.12.0", "0.12.8"):
+        check_orbax_version(version)
+    for version in ("0.11.39", "0.10.2", "0.13.0", "0.13.0rc1", "1.0.0"):
         with pytest.raises(UnsupportedOrbaxError, match=SUPPORTED_RANGE.replace(".", r"\.")):
             check_orbax_version(version)
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import importlib.metadata
 import re
 
-MINIMUM = (0, 12, 0)
+MINIMUM = (0, 11, 40)
 BELOW = (0, 13, 0)
-SUPPORTED_RANGE = ">=0.12.0,<0.13"
+SUPPORTED_RANGE = ">=0.11.40,<0.13"
 
 
 class UnsupportedOrbaxError(ImportError):
