@@ -166,6 +166,7 @@ def prepare_save(
     metadata: Mapping[str, str] | None,
     overwrite: bool,
     copy: bool,
+    new_directory: bool = False,
 ) -> SaveJob:
     """Plans and takes this process's shards to the host; ``start()`` on the result writes.
 
@@ -175,7 +176,9 @@ def prepare_save(
     ``copy=False`` (the blocking ``save``) views the shards where the platform
     allows (on CPU, the device buffers themselves): the caller waits for the
     writer, so its arrays cannot change underneath it, and a gigabyte memcpy
-    is saved.
+    is saved. ``new_directory``: the caller creates ``path`` for this save
+    (Orbax's step temporary, which Orbax may still be clearing out of a crashed
+    attempt), so nothing already there is looked at.
     """
     started = time.perf_counter()
     arrays, specs = check_tree(tree, layout)
@@ -189,7 +192,7 @@ def prepare_save(
     else:
         directory = target
         plan = plan_hf_checkpoint(specs, max_shard_size=max_shard_size, metadata=metadata)
-        committed, previous = directory_files(storage, directory)
+        committed, previous = (set(), set()) if new_directory else directory_files(storage, directory)
     if committed and not overwrite:
         raise FileExistsError(
             f"{os.fspath(path)!r} already holds a checkpoint; pass overwrite=True to replace it")

@@ -73,14 +73,13 @@ def prepare_item_save(directory: Any, args: SafetensorsSave) -> SaveJob:
 
     The copies make the caller's arrays free as soon as this returns, which is
     what an async Orbax save promises; the writes wait for ``start()`` because
-    Orbax may still be creating ``directory``. The directory is Orbax's
-    temporary for this step, so whatever is already in it was left by an
-    interrupted attempt at the same step (Orbax reuses the name) and is
-    replaced: hence ``overwrite``.
+    Orbax may still be creating ``directory`` (and clearing out an interrupted
+    attempt at the same step, whose temporary name it reuses), so nothing in
+    it is looked at here.
     """
     return prepare_save(_url(directory), args.item, layout=args.layout,
                         max_shard_size=args.max_shard_size, metadata=args.metadata,
-                        overwrite=True, copy=True)
+                        overwrite=False, copy=True, new_directory=True)
 
 
 def restore_item(directory: Any, args: SafetensorsRestore | None) -> Any:
