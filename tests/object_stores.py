@@ -42,6 +42,12 @@ def _wait_for(port: int, process: subprocess.Popen, timeout: float = 30) -> None
     raise TimeoutError(f"object-store server on port {port} did not start in {timeout} s")
 
 
+def storage_options(env: dict[str, str], protocol: str) -> dict[str, str]:
+    """The fsspec constructor arguments the server's ``env`` encodes, for explicit passing."""
+    prefix = f"FSSPEC_{protocol.upper()}_"
+    return {k[len(prefix):].lower(): v for k, v in env.items() if k.startswith(prefix)}
+
+
 @contextlib.contextmanager
 def object_store_server(protocol: str):
     """Yields ``(bucket_url, env)`` for a fresh bucket on a server of ``protocol``."""
@@ -57,6 +63,10 @@ def object_store_server(protocol: str):
         fsspec.config.conf[protocol] = options
         env = {f"FSSPEC_{protocol.upper()}_{k.upper()}": v for k, v in options.items()}
         env["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
+        if protocol == "gs":  # google-cloud-storage clients (Orbax deletes steps with one)
+            env.update(STORAGE_EMULATOR_HOST=options["endpoint_url"], GOOGLE_CLOUD_PROJECT="test")
+            os.environ.update(STORAGE_EMULATOR_HOST=options["endpoint_url"],
+                              GOOGLE_CLOUD_PROJECT="test")
         bucket = f"ost-{uuid.uuid4().hex[:12]}"
         fsspec.filesystem(protocol, skip_instance_cache=True).mkdir(bucket)
         yield f"{protocol}://{bucket}", env
@@ -66,5 +76,8 @@ def object_store_server(protocol: str):
                 fsspec.config.conf.pop(protocol, None)
             else:
                 fsspec.config.conf[protocol] = previous
+        if protocol == "gs":
+            for name in ("STORAGE_EMULATOR_HOST", "GOOGLE_CLOUD_PROJECT"):
+                os.environ.pop(name, None)
         process.kill()
         process.wait(timeout=10)

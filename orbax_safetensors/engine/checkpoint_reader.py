@@ -17,6 +17,10 @@ import collections
 import concurrent.futures
 import dataclasses
 import os
+from collections.abc import Mapping
+from typing import Any
+
+import fsspec
 
 from orbax_safetensors.errors import SafetensorsError
 from orbax_safetensors.format import PREFIX_SIZE, DType, Header, TensorInfo, header_size, parse_header
@@ -118,8 +122,9 @@ def _read_headers(storage: Storage, files: list[str]) -> dict[str, Header]:
         return dict(zip(files, pool.map(lambda f: read_header(storage, f), files)))
 
 
-def open_checkpoint(url: str | os.PathLike) -> Checkpoint:
-    storage, path = storage_for(url)
+def open_checkpoint(url: str | os.PathLike, storage_options: Mapping[str, Any] | None = None,
+                    filesystem: fsspec.AbstractFileSystem | None = None) -> Checkpoint:
+    storage, path = storage_for(url, storage_options, filesystem)
     if is_single_file(url):
         return _whole_tensors(storage, [path], None)
     if storage.exists(storage.join(path, DISTRIBUTED_INDEX_NAME)):

@@ -15,7 +15,9 @@ import os
 import time
 import uuid
 from collections.abc import Iterator, Mapping
+from typing import Any
 
+import fsspec
 import jax
 import numpy as np
 
@@ -52,6 +54,8 @@ def consolidate(
     overwrite: bool = False,
     block_bytes: int | str = "64MB",
     progress: bool | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    filesystem: fsspec.AbstractFileSystem | None = None,
 ) -> SaveStats:
     """Rewrites the checkpoint at ``src`` (any layout we read) as an HF checkpoint at ``dst``.
 
@@ -66,14 +70,15 @@ def consolidate(
       block_bytes: the most bytes of one tensor held at once (times a few
         blocks read ahead); memory stays bounded by it, not by tensor size.
       progress: a progress line on stderr; ``None`` shows it on a terminal.
+      storage_options / filesystem: for both ``src`` and ``dst``, as in ``ost.load``.
     """
     started = time.perf_counter()
-    checkpoint = open_checkpoint(src)
+    checkpoint = open_checkpoint(src, storage_options, filesystem)
     names = sorted(checkpoint.tensors)
     specs = [TensorSpec(n, checkpoint.tensors[n].dtype, checkpoint.tensors[n].shape) for n in names]
     plan = plan_hf_checkpoint(specs, max_shard_size=max_shard_size,
                               metadata={**checkpoint.metadata, **(metadata or {})})
-    storage, directory = storage_for(dst)
+    storage, directory = storage_for(dst, storage_options, filesystem)
     committed, previous = directory_files(storage, directory)
     if committed and not overwrite:
         raise FileExistsError(

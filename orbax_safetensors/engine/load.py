@@ -11,8 +11,10 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Mapping
 from typing import Any
 
+import fsspec
 import jax
 import numpy as np
 
@@ -46,9 +48,17 @@ class _Request:
     sharding: jax.sharding.Sharding | None
 
 
-def metadata(path: str | os.PathLike) -> CheckpointMetadata:
-    """Names → ``jax.ShapeDtypeStruct``, plus ``__metadata__`` and file of each tensor."""
-    checkpoint = open_checkpoint(path)
+def metadata(
+    path: str | os.PathLike,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    filesystem: fsspec.AbstractFileSystem | None = None,
+) -> CheckpointMetadata:
+    """Names → ``jax.ShapeDtypeStruct``, plus ``__metadata__`` and file of each tensor.
+
+    ``storage_options``/``filesystem`` as in ``load``.
+    """
+    checkpoint = open_checkpoint(path, storage_options, filesystem)
     return CheckpointMetadata(
         tensors={
             name: jax.ShapeDtypeStruct(t.shape, t.dtype.numpy)
@@ -97,6 +107,8 @@ def load(
     strict: bool = True,
     options: ReadOptions | None = None,
     stats: LoadStats | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    filesystem: fsspec.AbstractFileSystem | None = None,
 ) -> Any:
     """Loads a checkpoint into the structure, dtypes and shardings of ``target``.
 
@@ -116,11 +128,14 @@ def load(
         target leaf is returned unchanged.
       options: memory budget, read sizes, replicated read-once; see ``ReadOptions``.
       stats: a ``LoadStats`` to fill with this process's bytes and requests.
+      storage_options: constructor arguments of the fsspec filesystem (credentials,
+        ``endpoint_url``, ...), e.g. ``{"anon": True}``; or
+      filesystem: an fsspec filesystem you already configured (``s3fs.S3FileSystem(...)``).
     """
     started = time.perf_counter()
     options = options or ReadOptions()
     stats = stats if stats is not None else LoadStats()
-    checkpoint = open_checkpoint(path)
+    checkpoint = open_checkpoint(path, storage_options, filesystem)
     if target is None:
         names = sorted(checkpoint.tensors)
         requests = [_Request(None, None, None)] * len(names)

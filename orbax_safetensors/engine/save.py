@@ -24,6 +24,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+import fsspec
 import jax
 import numpy as np
 
@@ -71,7 +72,8 @@ from orbax_safetensors.storage import Storage, storage_for
 LAYOUTS = ("hf", "distributed")
 _WRITE_CHUNK_BYTES = 64 << 20
 _WRITE_THREADS = 8
-_MAX_PARTS_PER_FILE = 64  # beyond this a process packs its ranges of a file into one object
+_MAX_PARTS_PER_FILE = 64  # beyond this a process packs its small ranges of a file into one object
+_SMALL_PART = 4 << 20  # a part smaller than this costs more in requests than it moves
 _TEMPORARY = re.compile(r"^\.(.+\.safetensors|.+\.json)\.(tmp-[0-9a-f]{12}|part-[0-9a-f]{12}-\d{20})$")
 
 
@@ -109,6 +111,8 @@ def save(
     max_shard_size: int | str = "5GB",
     metadata: Mapping[str, str] | None = None,
     overwrite: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
+    filesystem: fsspec.AbstractFileSystem | None = None,
 ) -> SaveStats:
     """Saves the arrays of ``tree`` as safetensors, named by their key paths; blocks until committed.
 
@@ -131,9 +135,13 @@ def save(
       metadata: str→str stored in every file's ``__metadata__`` (next to
         ``"format": "pt"``, which transformers requires).
       overwrite: replace a checkpoint already at ``path`` instead of refusing.
+      storage_options: constructor arguments of the fsspec filesystem (credentials,
+        ``endpoint_url``, ...), e.g. ``{"anon": True}``; or
+      filesystem: an fsspec filesystem you already configured (``s3fs.S3FileSystem(...)``).
     """
     return prepare_save(path, tree, layout=layout, max_shard_size=max_shard_size,
-                        metadata=metadata, overwrite=overwrite, copy=False).start().result()
+                        metadata=metadata, overwrite=overwrite, copy=False,
+                        storage_options=storage_options, filesystem=filesystem).start().result()
 
 
 def async_save(
@@ -144,6 +152,8 @@ def async_save(
     max_shard_size: int | str = "5GB",
     metadata: Mapping[str, str] | None = None,
     overwrite: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
+    filesystem: fsspec.AbstractFileSystem | None = None,
 ) -> concurrent.futures.Future[SaveStats]:
     """Like ``save``, but returns once this process's shards are copied to host memory.
 
@@ -154,7 +164,8 @@ def async_save(
     pending save at exit, so nothing is lost by returning early.
     """
     return prepare_save(path, tree, layout=layout, max_shard_size=max_shard_size,
-                        metadata=metadata, overwrite=overwrite, copy=True).start()
+                        metadata=metadata, overwrite=overwrite, copy=True,
+                        storage_options=storage_options, filesystem=filesystem).start()
 
 
 def prepare_save(
@@ -167,6 +178,8 @@ def prepare_save(
     overwrite: bool,
     copy: bool,
     new_directory: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
+    filesystem: fsspec.AbstractFileSystem | None = None,
 ) -> SaveJob:
     """Plans and takes this process's shards to the host; ``start()`` on the result writes.
 
@@ -182,7 +195,7 @@ def prepare_save(
     """
     started = time.perf_counter()
     arrays, specs = check_tree(tree, layout)
-    storage, target = storage_for(path)
+    storage, target = storage_for(path, storage_options, filesystem)
     if is_single_file(path):
         if layout == "distributed":
             raise ValueError(f"{os.fspath(path)!r}: the distributed layout is a directory of files")
@@ -313,7 +326,7 @@ class SaveJob:
         try:
             if self.storage.supports_offset_writes:
                 self._write_in_place()
-            elif jax.process_count() > 1:
+            elif jax.process_count() > 1 or not self.storage.cheap_rename:
                 self._write_in_parts()
             else:
                 self._write_streaming()
@@ -413,15 +426,16 @@ class SaveJob:
         self.stats.files = len(files)
 
     def _write_in_parts(self) -> None:
-        """Object stores, several processes: parts uploaded by their owners, merged by process 0.
+        """Object stores: parts uploaded in parallel by their owners, merged by process 0.
 
-        Each process uploads every contiguous range of a file it owns as a
-        part object; process 0 adds the headers, then assembles each file
-        from its parts with the store's server-side concatenation (GCS
+        Each process uploads the contiguous ranges of a file it owns, cut at
+        ``_WRITE_CHUNK_BYTES``, as part objects (in parallel, and each one
+        retried on its own); process 0 adds the headers, then assembles each
+        file from its parts with the store's server-side concatenation (GCS
         compose, S3 multipart copy), so tensor bytes never pass through
         another process unless the store's part rules force it.
         """
-        payloads, ranges = self._owned_ranges(chunk_bytes=1 << 62)
+        payloads, ranges = self._owned_ranges(_WRITE_CHUNK_BYTES)
         by_file: dict[str, list[tuple[int, int, list[memoryview]]]] = collections.defaultdict(list)
         for name, op in ranges:
             by_file[name].append((op.offset, op.length, [
@@ -429,13 +443,13 @@ class SaveJob:
         if jax.process_index() == 0:
             for f in self.plan.files:
                 by_file[f.name].append((0, len(f.header), [f.header]))
-        # parts: (file, offset, length, object, offset in object). A process owning few
-        # ranges of a file uploads one object per range (merged server-side); one owning
-        # many (strided shards) packs them into one object, read back sequentially.
+        # parts: (file, offset, length, object, offset in object). A process uploads one
+        # object per range; one owning many small ranges of a file (strided shards) packs
+        # them into one object instead, read back sequentially.
         parts = []
         for name, spans in by_file.items():
-            spans.sort(key=lambda span: span[0])
-            if len(spans) <= _MAX_PARTS_PER_FILE:
+            spans = _join_small_neighbours(sorted(spans, key=lambda span: span[0]))
+            if len(spans) <= _MAX_PARTS_PER_FILE or sum(n for _, n, _ in spans) >= len(spans) * _SMALL_PART:
                 parts += [(name, o, n, self._part(name, o), 0, views) for o, n, views in spans]
             else:
                 packed, position = self._part(name, spans[0][0]), 0
@@ -498,7 +512,8 @@ class SaveJob:
         return self.storage.join(self.directory, f".{name}.part-{self.token}-{offset:020d}")
 
     def _write_streaming(self) -> None:
-        """One process, no writes at offsets (object stores): each file front to back."""
+        """One process, no offset writes nor server-side concatenation (memory://): each file
+        front to back."""
         by_name = collections.defaultdict(list)
         for piece in self.pieces:
             by_name[piece.name].append(piece)
@@ -582,6 +597,21 @@ def _read_spans(storage: Storage, spans: list[tuple[int, int, str, int]]) -> Ite
     finally:
         for reader in readers.values():
             reader.close()
+
+
+def _join_small_neighbours(
+    spans: list[tuple[int, int, list[memoryview]]]
+) -> list[tuple[int, int, list[memoryview]]]:
+    """Sorted ``(offset, length, views)`` spans, a small span joined to the span right after it
+    (a header and the first tensor bytes): one part fewer, and no part too small to merge."""
+    joined: list[tuple[int, int, list[memoryview]]] = []
+    for offset, length, views in spans:
+        if joined and joined[-1][1] < _SMALL_PART and sum(joined[-1][:2]) == offset:
+            start, size, before = joined.pop()
+            joined.append((start, size + length, before + views))
+        else:
+            joined.append((offset, length, views))
+    return joined
 
 
 def _merge_pieces(pieces: list[_Piece], specs: Mapping[str, TensorSpec]) -> list[_Piece]:

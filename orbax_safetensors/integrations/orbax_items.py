@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+import fsspec
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -29,7 +30,7 @@ from orbax.checkpoint import args as ocp_args  # noqa: E402
 
 @dataclasses.dataclass
 class SafetensorsSave(ocp_args.CheckpointArgs):
-    """Save ``item`` (a PyTree of arrays) as safetensors; arguments as in ``ost.save``.
+    """Save ``item`` (a PyTree of arrays) as safetensors; the other fields are ``ost.save``'s.
 
     In Orbax v1 the same object is the checkpointable that asks for
     safetensors: ``ocp.v1.save_checkpointables(path, {"params": SafetensorsSave(params)})``.
@@ -39,6 +40,8 @@ class SafetensorsSave(ocp_args.CheckpointArgs):
     layout: str = "hf"
     max_shard_size: int | str = "5GB"
     metadata: Mapping[str, str] | None = None
+    storage_options: Mapping[str, Any] | None = None
+    filesystem: fsspec.AbstractFileSystem | None = None
 
     def __post_init__(self) -> None:
         # A bad item raises here, at the caller's line; from inside the handler
@@ -55,12 +58,14 @@ class SafetensorsRestore(ocp_args.CheckpointArgs):
     arrays in a single process; with several processes ``jax.Array``s
     replicated over all devices (a host array is not a global value there),
     which needs every device to fit the whole item, so pass a sharded
-    ``item`` for large models. ``strict`` and ``options`` are those of ``ost.load``.
+    ``item`` for large models. The other fields are those of ``ost.load``.
     """
 
     item: Any = None
     strict: bool = True
     options: ReadOptions | None = None
+    storage_options: Mapping[str, Any] | None = None
+    filesystem: fsspec.AbstractFileSystem | None = None
 
 
 def _url(path: Any) -> str:
@@ -79,7 +84,8 @@ def prepare_item_save(directory: Any, args: SafetensorsSave) -> SaveJob:
     """
     return prepare_save(_url(directory), args.item, layout=args.layout,
                         max_shard_size=args.max_shard_size, metadata=args.metadata,
-                        overwrite=False, copy=True, new_directory=True)
+                        overwrite=False, copy=True, new_directory=True,
+                        storage_options=args.storage_options, filesystem=args.filesystem)
 
 
 def restore_item(directory: Any, args: SafetensorsRestore | None) -> Any:
@@ -88,9 +94,11 @@ def restore_item(directory: Any, args: SafetensorsRestore | None) -> Any:
     target = args.item
     if target is None and jax.process_count() > 1:
         replicated = NamedSharding(Mesh(np.array(jax.devices()), ("devices",)), PartitionSpec())
+        stored = metadata(path, storage_options=args.storage_options, filesystem=args.filesystem)
         target = {name: jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=replicated)
-                  for name, t in metadata(path).tensors.items()}
-    return load(path, target, strict=args.strict, options=args.options)
+                  for name, t in stored.tensors.items()}
+    return load(path, target, strict=args.strict, options=args.options,
+                storage_options=args.storage_options, filesystem=args.filesystem)
 
 
 def item_tensors(directory: Any) -> dict[str, jax.ShapeDtypeStruct]:

@@ -9,12 +9,15 @@ marker last, which the engine does for every backend alike.
 from __future__ import annotations
 
 import posixpath
-from collections.abc import Iterable, Sequence
-from typing import BinaryIO
+from collections.abc import Callable, Iterable, Sequence
+from typing import BinaryIO, TypeVar
 
 import fsspec
 
+from orbax_safetensors.storage import retry
 from orbax_safetensors.storage.base import Storage
+
+T = TypeVar("T")
 
 _COMPOSE_MAX = 32  # GCS compose sources per call
 _S3_MIN_PART = 5 << 20  # S3 multipart parts, all but the last
@@ -25,10 +28,17 @@ class FsspecStorage(Storage):
 
     default_max_gap = 1 << 20  # a request costs milliseconds; a MiB of transfer about as much
 
-    def __init__(self, fs: fsspec.AbstractFileSystem):
+    def __init__(self, fs: fsspec.AbstractFileSystem, retries: retry.RetryPolicy = retry.RetryPolicy()):
         self.fs = fs
+        self.retries = retries
         protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
         self.cheap_rename = not protocols & {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"}
+
+    def _url(self, path: str) -> str:
+        return self.fs.unstrip_protocol(path)
+
+    def _call(self, path: str, operation: str, fn: Callable[[], T]) -> T:
+        return retry.call(self.retries, self._url(path), operation, fn)
 
     def join(self, directory: str, name: str) -> str:
         return posixpath.join(directory, name)
@@ -37,10 +47,11 @@ class FsspecStorage(Storage):
         return posixpath.split(path)
 
     def size(self, path: str) -> int:
-        return int(self.fs.size(path))
+        return int(self._call(path, "size", lambda: self.fs.size(path)))
 
     def read(self, path: str, offset: int, length: int) -> bytes:
-        return self.fs.cat_file(path, start=offset, end=offset + length)
+        return self._call(path, f"read of bytes [{offset}, {offset + length})",
+                          lambda: self.fs.cat_file(path, start=offset, end=offset + length))
 
     def read_scatter(self, path: str, offset: int, buffers: Sequence[memoryview]) -> None:
         views = [memoryview(b).cast("B") for b in buffers]
@@ -54,9 +65,15 @@ class FsspecStorage(Storage):
             position += len(view)
 
     def write(self, path: str, chunks: Iterable[memoryview | bytes]) -> None:
-        with self.fs.open(path, "wb") as f:
-            for chunk in chunks:
-                f.write(chunk)
+        """A sequence of chunks is retried whole; a one-shot iterator (a stream) cannot be
+        replayed, so it gets one attempt here (the client still retries its parts)."""
+        def upload() -> None:
+            with self.fs.open(path, "wb") as f:
+                for chunk in chunks:
+                    f.write(chunk)
+        replayable = isinstance(chunks, Sequence)
+        retry.call(self.retries if replayable else retry.RetryPolicy(attempts=1),
+                   self._url(path), "write", upload)
 
     def merge(self, destination: str, parts: Sequence[str], sizes: Sequence[int]) -> None:
         """Server-side concatenation where the store has it.
@@ -71,7 +88,7 @@ class FsspecStorage(Storage):
             self._compose(destination, list(parts))
         elif "s3" in protocols:
             sources = self._s3_sources(destination, parts, sizes)
-            self.fs.merge(destination, sources)
+            self._merge_call(destination, sources)
             for joined in set(sources) - set(parts):
                 self.remove(joined)
         else:
@@ -83,12 +100,16 @@ class FsspecStorage(Storage):
             level = []
             for i in range(0, len(sources), _COMPOSE_MAX):
                 level.append(f"{destination}.compose-{len(scratch)}")
-                self.fs.merge(level[-1], sources[i:i + _COMPOSE_MAX])
+                self._merge_call(level[-1], sources[i:i + _COMPOSE_MAX])
                 scratch.append(level[-1])
             sources = level
-        self.fs.merge(destination, sources)
+        self._merge_call(destination, sources)
         for path in scratch:
             self.remove(path)
+
+    def _merge_call(self, destination: str, sources: list[str]) -> None:
+        self._call(destination, f"server-side merge of {len(sources)} parts",
+                   lambda: self.fs.merge(destination, sources))
 
     def _s3_sources(self, destination: str, parts: Sequence[str], sizes: Sequence[int]) -> list[str]:
         sources: list[str] = []
@@ -100,7 +121,7 @@ class FsspecStorage(Storage):
                     sources.append(part)
                 else:
                     joined = f"{destination}.joined-{len(sources)}"
-                    self.write(joined, (self.read(p, 0, n) for p, n in group))
+                    self.write(joined, [self.read(p, 0, n) for p, n in group])
                     sources.append(joined)
                 group = []
         return sources
@@ -109,20 +130,27 @@ class FsspecStorage(Storage):
         return self.fs.open(path, "rb", block_size=_READ_BLOCK)
 
     def exists(self, path: str) -> bool:
-        return bool(self.fs.exists(path))
+        return bool(self._call(path, "exists", lambda: self.fs.exists(path)))
 
     def isdir(self, path: str) -> bool:
-        return bool(self.fs.isdir(path))
+        return bool(self._call(path, "isdir", lambda: self.fs.isdir(path)))
 
     def listdir(self, path: str) -> list[str]:
-        return [posixpath.basename(p.rstrip("/")) for p in self.fs.ls(path, detail=False)]
+        # A listing must not come from a cache filled before another process wrote.
+        self.fs.invalidate_cache(path)
+        listed = self._call(path, "list", lambda: self.fs.ls(path, detail=False))
+        return [posixpath.basename(p.rstrip("/")) for p in listed]
 
     def makedirs(self, path: str) -> None:
-        self.fs.makedirs(path, exist_ok=True)
+        self._call(path, "makedirs", lambda: self.fs.makedirs(path, exist_ok=True))
 
     def rename(self, source: str, destination: str) -> None:
-        self.fs.mv(source, destination)
+        self._call(source, f"rename to {destination}", lambda: self.fs.mv(source, destination))
 
     def remove(self, path: str) -> None:
-        if self.fs.exists(path):
-            self.fs.rm(path)
+        def rm() -> None:
+            try:
+                self.fs.rm(path)
+            except FileNotFoundError:
+                pass  # already gone, maybe by an earlier attempt whose answer was lost
+        self._call(path, "remove", rm)

@@ -1,0 +1,108 @@
+"""Retries with exponential backoff for requests to object stores.
+
+gcsfs and s3fs retry some failures themselves, but not all of them (a
+connection reset in the middle of a ranged GET surfaces as an aiohttp error;
+botocore's own retries stop after a few attempts), and when they give up the
+error rarely says which object was involved. Every remote call the storage
+layer makes therefore goes through ``call``: transient failures (throttling,
+5xx, timeouts, dropped connections) are retried with full-jitter exponential
+backoff, anything else is raised at once, and the final error names the
+object and the operation.
+
+Only idempotent operations are retried, and all of ours are: a ranged read, a
+whole-object write, a compose, a delete. A write that succeeded on the server
+but whose response was lost is simply written again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+# HTTP statuses worth another attempt: timeout, throttling, server-side failures.
+TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+# Exception types (by name, so no client library has to be importable) that mean
+# the request may not have reached the server or its answer was lost.
+_TRANSIENT_TYPES = frozenset({
+    "ClientConnectionError", "ClientConnectorError", "ClientOSError", "ClientPayloadError",
+    "ServerDisconnectedError", "ServerTimeoutError", "ConnectionClosedError",
+    "EndpointConnectionError", "ReadTimeoutError", "ConnectTimeoutError",
+    "IncompleteReadError", "ResponseStreamingError", "TransferEncodingError",
+})
+_TRANSIENT_CODES = frozenset({
+    "SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling",
+    "ThrottlingException", "RequestTimeTooSkewed",
+})
+
+
+class StorageError(OSError):
+    """A storage operation that still failed after every retry, or failed for good."""
+
+    def __init__(self, message: str, *, url: str):
+        self.url = url
+        super().__init__(message)
+
+
+@dataclasses.dataclass(frozen=True)
+class RetryPolicy:
+    """How often and how patiently to retry: ``attempts`` in all, sleeping a random
+    time up to ``first_backoff * 2**i`` (capped at ``max_backoff``) before retry ``i``."""
+
+    attempts: int = 6
+    first_backoff: float = 0.2
+    max_backoff: float = 8.0
+
+    def backoff(self, retry: int, rng: random.Random) -> float:
+        return rng.uniform(0, min(self.max_backoff, self.first_backoff * 2 ** retry))
+
+
+def is_transient(error: BaseException) -> bool:
+    """Whether ``error`` (or an error it was raised from) is worth another attempt."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, (FileNotFoundError, PermissionError, IsADirectoryError)):
+            return False
+        if isinstance(current, (ConnectionError, TimeoutError)):
+            return True
+        if type(current).__name__ in _TRANSIENT_TYPES:
+            return True
+        for attribute in ("code", "status"):  # gcsfs HttpError.code, aiohttp .status
+            if getattr(current, attribute, None) in TRANSIENT_STATUS:
+                return True
+        response = getattr(current, "response", None)  # botocore ClientError
+        if isinstance(response, dict):
+            error_info = response.get("Error", {})
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if status in TRANSIENT_STATUS or error_info.get("Code") in _TRANSIENT_CODES:
+                return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def call(policy: RetryPolicy, url: str, operation: str, fn: Callable[[], T],
+         rng: random.Random | None = None) -> T:
+    """``fn()``, retried under ``policy`` while it fails transiently; errors name ``url``."""
+    rng = rng or random.Random()
+    attempt = 0
+    while True:
+        try:
+            return fn()
+        except (FileNotFoundError, PermissionError):
+            raise
+        except Exception as e:
+            if not is_transient(e):
+                raise StorageError(f"{url}: {operation} failed: {type(e).__name__}: {e}",
+                                   url=url) from e
+            attempt += 1
+            if attempt >= policy.attempts:
+                raise StorageError(
+                    f"{url}: {operation} failed after {attempt} attempts "
+                    f"(transient errors; the last: {type(e).__name__}: {e})", url=url) from e
+            time.sleep(policy.backoff(attempt - 1, rng))
