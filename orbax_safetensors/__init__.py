@@ -17,6 +17,7 @@ from orbax_safetensors.engine import (
     save,
 )
 from orbax_safetensors.errors import SafetensorsError
+from orbax_safetensors.storage import StorageError
 from orbax_safetensors.integrations.orbax_version import UnsupportedOrbaxError, check_orbax_version
 
 __version__ = "0.1.0"
@@ -45,7 +46,8 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "CheckpointMetadata", "LoadStats", "ReadOptions", "SafetensorsError", "SaveStats", "UnsupportedOrbaxError",
+    "CheckpointMetadata", "LoadStats", "ReadOptions", "SafetensorsError", "SaveStats",
+    "StorageError", "UnsupportedOrbaxError",
     "async_save", "consolidate", "load", "metadata", "save", "__version__",
     "SafetensorsCheckpointHandler", "SafetensorsHandler", "SafetensorsLayout",
     "SafetensorsRestore", "SafetensorsSave",

@@ -127,11 +127,9 @@ def test_checkpoint_manager_on_a_bucket(store):
     params = _global_arrays(values, "fsdp")
     # Orbax's default finalization renames the step directory, which S3 cannot do for a
     # prefix; a commit file instead is Orbax's own mechanism for such stores.
-    from orbax.checkpoint._src.path import atomicity
-
     options = ocp.CheckpointManagerOptions(
         max_to_keep=2,
-        temporary_path_class=atomicity.CommitFileTemporaryPath if protocol == "s3" else None)
+        temporary_path_class=ocp.path.atomicity.CommitFileTemporaryPath if protocol == "s3" else None)
     with ocp.CheckpointManager(url, options=options) as mngr:
         for step in range(3):
             mngr.save(step, args=ocp.args.Composite(
