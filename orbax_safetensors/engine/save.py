@@ -375,8 +375,7 @@ class SaveJob:
         problems = [p for p in gather_to_all(f"{self.key}/written", problem) if p]
         if problems:
             if primary:
-                for file in self.plan.files:
-                    self.storage.remove(self._temporary(file.name))
+                self.storage.discard(self._temporary(file.name) for file in self.plan.files)
             raise OSError("save failed, nothing was committed: " + "; ".join(problems))
         if primary:
             self._commit()
@@ -477,13 +476,16 @@ class SaveJob:
                     self._assemble_parts(every)
             except Exception as e:
                 problems.append(f"process 0 could not assemble the files: {type(e).__name__}: {e}")
-            for path in {p[3] for p in every}:
-                self.storage.remove(path)
+            part_objects = {p[3] for p in every}
+            if problems:
+                self.storage.discard(part_objects)
+            else:
+                with concurrent.futures.ThreadPoolExecutor(_WRITE_THREADS) as pool:
+                    list(pool.map(self.storage.remove, part_objects))
         problems = [p for p in gather_to_all(f"{self.key}/merged", "; ".join(problems)) if p]
         if problems:
             if jax.process_index() == 0:
-                for file in self.plan.files:
-                    self.storage.remove(self._temporary(file.name))
+                self.storage.discard(self._temporary(file.name) for file in self.plan.files)
             raise OSError("save failed, nothing was committed: " + problems[0])
         if jax.process_index() == 0:
             self._commit()
@@ -545,8 +547,7 @@ class SaveJob:
                 problem = f"process {jax.process_index()}: {type(e).__name__}: {e}"
         problems = [p for p in gather_to_all(f"{self.key}/written", problem) if p]
         if problems:
-            for file in mine:
-                self.storage.remove(self._temporary(file.name))
+            self.storage.discard(self._temporary(file.name) for file in mine)
             raise OSError("nothing was committed: " + "; ".join(problems))
         if jax.process_index() == 0:
             self._commit()
@@ -693,8 +694,7 @@ class DistributedSaveJob(SaveJob):
         reports = [json.loads(r) for r in gather_to_all(f"{self.key}/written", report)]
         problems = [r["problem"] for r in reports if r["problem"]]
         if problems:
-            for file, _ in files:
-                self.storage.remove(self._temporary(file.name))
+            self.storage.discard(self._temporary(file.name) for file, _ in files)
             raise OSError("save failed, nothing was committed: " + "; ".join(problems))
         if me == 0:
             self._uncommit()

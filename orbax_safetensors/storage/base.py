@@ -9,8 +9,13 @@ bucket or memory, and a backend can pick the fastest way to fill a buffer
 from __future__ import annotations
 
 import abc
-from typing import BinaryIO
+import concurrent.futures
+import logging
 from collections.abc import Iterable, Sequence
+from typing import BinaryIO
+
+_LOG = logging.getLogger("orbax_safetensors")
+_DISCARD_THREADS = 8
 
 
 class Storage(abc.ABC):
@@ -99,3 +104,18 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def remove(self, path: str) -> None:
         """Deletes a file; a missing file is not an error."""
+
+    def discard(self, paths: Iterable[str]) -> None:
+        """Best-effort deletes on a failure path, in parallel and without retries: the error
+        being reported matters more than a leftover, which the next save removes anyway."""
+        def remove_quietly(path: str) -> None:
+            try:
+                self.remove_once(path)
+            except Exception as e:  # cleanup must not mask the failure being reported
+                _LOG.warning("could not remove %s while cleaning up: %s", path, e)
+        with concurrent.futures.ThreadPoolExecutor(_DISCARD_THREADS) as pool:
+            list(pool.map(remove_quietly, paths))
+
+    def remove_once(self, path: str) -> None:
+        """``remove`` without retries (where the backend retries at all)."""
+        self.remove(path)

@@ -68,9 +68,14 @@ class FsspecStorage(Storage):
         """A sequence of chunks is retried whole; a one-shot iterator (a stream) cannot be
         replayed, so it gets one attempt here (the client still retries its parts)."""
         def upload() -> None:
-            with self.fs.open(path, "wb") as f:
-                for chunk in chunks:
-                    f.write(chunk)
+            try:
+                with self.fs.open(path, "wb") as f:
+                    for chunk in chunks:
+                        f.write(chunk)
+            except FileNotFoundError as e:
+                # Not the object (writes create it) but the upload session: an earlier
+                # request of it was done although its answer was lost. Redo it whole.
+                raise ConnectionError(f"upload session lost: {e}") from e
         replayable = isinstance(chunks, Sequence)
         retry.call(self.retries if replayable else retry.RetryPolicy(attempts=1),
                    self._url(path), "write", upload)
@@ -148,9 +153,10 @@ class FsspecStorage(Storage):
         self._call(source, f"rename to {destination}", lambda: self.fs.mv(source, destination))
 
     def remove(self, path: str) -> None:
-        def rm() -> None:
-            try:
-                self.fs.rm(path)
-            except FileNotFoundError:
-                pass  # already gone, maybe by an earlier attempt whose answer was lost
-        self._call(path, "remove", rm)
+        self._call(path, "remove", lambda: self.remove_once(path))
+
+    def remove_once(self, path: str) -> None:
+        try:
+            self.fs.rm(path)
+        except FileNotFoundError:
+            pass  # already gone, maybe by an earlier attempt whose answer was lost

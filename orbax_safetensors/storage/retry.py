@@ -51,11 +51,14 @@ class StorageError(OSError):
 @dataclasses.dataclass(frozen=True)
 class RetryPolicy:
     """How often and how patiently to retry: ``attempts`` in all, sleeping a random
-    time up to ``first_backoff * 2**i`` (capped at ``max_backoff``) before retry ``i``."""
+    time up to ``first_backoff * 2**i`` (capped at ``max_backoff``) before retry ``i``,
+    and no new attempt once ``deadline`` seconds have passed since the first (the
+    client libraries retry inside each attempt, so one attempt may itself be long)."""
 
-    attempts: int = 6
+    attempts: int = 5
     first_backoff: float = 0.2
-    max_backoff: float = 8.0
+    max_backoff: float = 5.0
+    deadline: float = 30.0
 
     def backoff(self, retry: int, rng: random.Random) -> float:
         return rng.uniform(0, min(self.max_backoff, self.first_backoff * 2 ** retry))
@@ -90,7 +93,7 @@ def call(policy: RetryPolicy, url: str, operation: str, fn: Callable[[], T],
          rng: random.Random | None = None) -> T:
     """``fn()``, retried under ``policy`` while it fails transiently; errors name ``url``."""
     rng = rng or random.Random()
-    attempt = 0
+    attempt, started = 0, time.monotonic()
     while True:
         try:
             return fn()
@@ -101,8 +104,8 @@ def call(policy: RetryPolicy, url: str, operation: str, fn: Callable[[], T],
                 raise StorageError(f"{url}: {operation} failed: {type(e).__name__}: {e}",
                                    url=url) from e
             attempt += 1
-            if attempt >= policy.attempts:
+            if attempt >= policy.attempts or time.monotonic() - started > policy.deadline:
                 raise StorageError(
-                    f"{url}: {operation} failed after {attempt} attempts "
+                    f"{url}: {operation} failed after {attempt} attempt{'s' * (attempt > 1)} "
                     f"(transient errors; the last: {type(e).__name__}: {e})", url=url) from e
             time.sleep(policy.backoff(attempt - 1, rng))

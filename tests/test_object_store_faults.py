@@ -1,0 +1,129 @@
+"""Saves and loads through a proxy that fails requests: they complete, or fail clearly, never half.
+
+``tests/fault_proxy.py`` sits between the client library (s3fs, gcsfs) and
+the real test server and answers a fraction of requests with 503, resets the
+connection, or forwards a write and then drops the answer. With transient
+faults every save and load must complete with exact values; with faults that
+persist, the call must fail within a bounded time with an error naming the
+object, and no checkpoint may become visible (the index is written last).
+"""
+
+import time
+
+import fsspec
+import jax
+import numpy as np
+import pytest
+
+import orbax_safetensors as ost
+from tests.fault_proxy import FaultProxy
+from tests.object_stores import object_store_server, storage_options
+from tests.sharding_cases import assert_shards_equal, sources, target_for
+
+_MODULE = "tests.test_object_store_faults"
+_MAX_SHARD = 200_000
+_KINDS = ("503", "reset", "after_forward")
+
+
+@pytest.fixture(scope="module", params=["s3", "gs"])
+def proxied(request):
+    """``(protocol, bucket, options through the proxy, proxy, env for children)``."""
+    with object_store_server(request.param) as (bucket, env):
+        options = storage_options(env, request.param)
+        with FaultProxy(options["endpoint_url"], seed=7) as proxy:
+            through = {**options, "endpoint_url": proxy.url, "skip_instance_cache": True}
+            key = f"FSSPEC_{request.param.upper()}_ENDPOINT_URL"
+            yield request.param, bucket, through, proxy, {**env, key: proxy.url}
+
+
+@pytest.fixture
+def proxy(proxied):
+    proxied[3].clear_faults()
+    proxied[3].reset_stats()
+    yield proxied[3]
+    proxied[3].clear_faults()
+
+
+def _arrays(values, scenario):
+    target = target_for(values, scenario)
+    return {n: jax.make_array_from_callback(v.shape, target[n].sharding, lambda i, v=v: v[i])
+            for n, v in values.items()}
+
+
+@pytest.mark.parametrize("layout", ["hf", "distributed"])
+def test_transient_faults_on_every_request_kind(proxied, proxy, layout):
+    _, bucket, options, _, _ = proxied
+    url = f"{bucket}/flaky-{layout}"
+    values = sources()
+    proxy.set_faults(0.2, _KINDS)
+    ost.save(url, _arrays(values, "fsdp"), layout=layout, max_shard_size=_MAX_SHARD,
+             storage_options=options)
+    loaded = ost.load(url, target_for(values, "tensor_parallel"), storage_options=options)
+    assert proxy.stats.faults_total > 5, proxy.stats
+    proxy.clear_faults()
+    assert_shards_equal(loaded, values, target_for(values, "tensor_parallel"))
+    fs, root = fsspec.core.url_to_fs(url, **options)
+    leftovers = [p for p in fs.ls(root, detail=False) if ".part-" in p or ".tmp-" in p]
+    assert not leftovers
+
+
+def _impatient(protocol, options):
+    """botocore's own retries (up to ~40 s per call here) cut to 2 attempts; gcsfs's cannot be
+    configured (~30 s per call)."""
+    return {**options, "config_kwargs": {"retries": {"max_attempts": 2}}} if protocol == "s3" else options
+
+
+def test_persistent_faults_fail_clearly_and_commit_nothing(proxied, proxy):
+    protocol, bucket, options, _, _ = proxied
+    options = _impatient(protocol, options)
+    url = f"{bucket}/down"
+    values = {"w": np.arange(4096, dtype=np.float32).reshape(64, 64)}
+    proxy.fail_always(("503", "reset"), methods={"PUT", "POST"})
+    started = time.monotonic()
+    with pytest.raises(OSError) as raised:
+        ost.save(url, values, storage_options=options)
+    elapsed = time.monotonic() - started
+    print(f"\nsave gave up after {elapsed:.1f} s: {raised.value}")
+    assert elapsed < 120
+    assert bucket.split("://")[1] in str(raised.value)
+    proxy.clear_faults()
+    with pytest.raises((ost.SafetensorsError, FileNotFoundError)):
+        ost.load(url, storage_options=options)  # nothing half-written is visible
+    ost.save(url, values, storage_options=options)  # and a re-run succeeds
+    np.testing.assert_array_equal(ost.load(url, storage_options=options)["w"], values["w"])
+
+
+def test_persistent_read_faults_name_the_file(proxied, proxy):
+    protocol, bucket, options, _, _ = proxied
+    options = _impatient(protocol, options)
+    url = f"{bucket}/unreadable"
+    ost.save(url, {"w": np.ones((256, 256), np.float32)}, storage_options=options)
+    proxy.fail_always(("503",), methods={"GET"},
+                      match=lambda method, target: "model.safetensors" in target
+                      and "index" not in target)
+    started = time.monotonic()
+    with pytest.raises(ost.StorageError) as raised:
+        ost.load(url, storage_options=options)
+    elapsed = time.monotonic() - started
+    print(f"\nload gave up after {elapsed:.1f} s: {raised.value}")
+    assert elapsed < 120
+    assert "unreadable/model.safetensors: " in str(raised.value)  # s3: the read; gcs: a lookup
+    assert "failed after" in str(raised.value)
+
+
+def _child_flaky_save_and_load(args):
+    values = sources()
+    ost.save(args["path"], _arrays(values, "fsdp"), max_shard_size=_MAX_SHARD)
+    stats = ost.LoadStats()
+    target = target_for(values, "mesh_2d")
+    assert_shards_equal(ost.load(args["path"], target, stats=stats), values, target)
+    return stats.requests
+
+
+def test_two_processes_through_transient_faults(multiprocess, proxied, proxy):
+    _, bucket, _, _, env = proxied
+    proxy.set_faults(0.1, _KINDS)
+    results = multiprocess(f"{_MODULE}:_child_flaky_save_and_load", num_processes=2, env=env,
+                           args={"path": f"{bucket}/flaky-multi"}, timeout=300)
+    assert all(r.value > 0 for r in results)
+    assert proxy.stats.faults_total > 0
