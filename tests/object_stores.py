@@ -25,8 +25,13 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # no 60 s g
 _SERVERS = {
     "s3": (["-m", "moto.server", "-H", "127.0.0.1", "-p", "{port}"],
            {"endpoint_url": "http://127.0.0.1:{port}", "key": "test", "secret": "test"}),
-    "gs": (["-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1", "--port", "{port}",
-            "--in-memory"],
+    # The emulator serves one request at a time from a listen backlog of 5: under load the
+    # kernel drops further connection attempts and clients stall in SYN retransmits (1, 3,
+    # 7, ... s). A deeper backlog keeps requests queued instead of dropped.
+    "gs": (["-c", "import http.server, sys; http.server.HTTPServer.request_queue_size = 1024; "
+            "from gcp_storage_emulator.__main__ import main; "
+            "main(['start', '--host', '127.0.0.1', '--port', sys.argv[1], '--in-memory'])",
+            "{port}"],
            {"endpoint_url": "http://127.0.0.1:{port}", "token": "anon", "project": "test"}),
 }
 
