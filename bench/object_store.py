@@ -216,19 +216,6 @@ def load_download_parts(url: str, target: dict, extra: dict):
     return result
 
 
-def load_orbax_layout(url: str, target: dict, extra: dict):
-    import asyncio
-    from etils import epath
-    from orbax.checkpoint.experimental.v1._src.layout.safetensors_layout import SafetensorsLayout
-
-    async def run():
-        layout = SafetensorsLayout()
-        awaitable = await layout.load(epath.Path(url), abstract_state=target)
-        return await awaitable
-
-    return asyncio.run(run())
-
-
 def load_ours_traced(url: str, target: dict, extra: dict):
     """``load_ours`` with every storage read and every S3 API call recorded (the diagnosis run)."""
     import s3fs
@@ -271,7 +258,7 @@ def prepare_load(loader: str) -> None:
         import safetensors  # noqa: F401
 
 
-LOADERS = {"ours": load_ours, "download": load_download, "orbax_layout": load_orbax_layout,
+LOADERS = {"ours": load_ours, "download": load_download, "orbax_layout": load_bench.load_orbax_layout,
            "download_parts": load_download_parts, "ours_traced": load_ours_traced}
 
 
