@@ -61,7 +61,18 @@ After the timed runs (unless ``--no-diagnose``) one extra, instrumented run of
 API call, and the parent times a few raw GETs against the server: the section
 under the table says where ours spends its time.
 
-Results go to stdout and to ``bench/results/object_store.md``.
+Network model (``--bandwidth-mbps-per-connection``, ``--latency-ms``): raw moto
+has neither a per-stream throughput cap nor per-request latency, unlike real
+S3/GCS (~50-100 MB/s per TCP stream). With either flag, every load contender
+(and the diagnosis run) reaches moto through ``tests/fault_proxy.FaultProxy``
+(no faults, in this parent process), which paces each response body to that
+many MB/s per client connection and waits that many ms before forwarding each
+request; the upload of the checkpoint goes to moto directly. Saves are skipped
+unless ``--save-contenders`` is given. "proxy CPU" is this parent's CPU over
+the run (≈ the proxy's, as the parent otherwise just waits).
+
+Results go to stdout and to ``bench/results/object_store.md``
+(``bench/results/object_store_network.md`` with the network model).
 """
 
 from __future__ import annotations
@@ -522,6 +533,14 @@ def save_worker(args) -> None:
 def run_load(contender: str, home: Path, url: str, args) -> dict:
     if args.prefault_gb:
         prefault_memory(args.prefault_gb)
+    before = Clocks.own_cpu()
+    result = _run_load(contender, home, url, args)
+    if args.network:
+        result["proxy_cpu"] = Clocks.own_cpu() - before
+    return result
+
+
+def _run_load(contender: str, home: Path, url: str, args) -> dict:
     if contender not in MULTIPROCESS:
         return common.run_worker(Path(__file__).resolve(), [
             "--contender", contender, "--home", str(home), "--url", url,
@@ -612,6 +631,7 @@ def render(spec: dict, files: list[Path], results: dict, args, wall: float, diag
         "all 8 devices, 1-D tensors replicated",
         f"- server: `python -m moto.server` (one Python process) at {args.endpoint}, on the same machine, "
         f"sharing its {len(os.sched_getaffinity(0))} CPUs with the clients; clients via s3fs",
+        f"- network model: {args.network or 'none (clients talk to moto directly)'}",
         f"- checkpoint: {len(llama_shapes(spec['hidden'], spec['ffn']))} tensors, "
         f"{spec['bytes'] / 1e9:.3f} GB of tensor data in {len(files)} files ({total / 1e9:.3f} GB), llama-like "
         f"(layers {spec['layers']}, hidden {spec['hidden']}, ffn {spec['ffn']}, vocab {spec['vocab']}), HF "
@@ -622,13 +642,15 @@ def render(spec: dict, files: list[Path], results: dict, args, wall: float, diag
         "ours' (single process) seconds. Server CPU = moto's user+sys seconds over the timed region; client "
         "CPU = the worker's (2-process rows: both processes). Peak RSS = `VmHWM` after the timed region "
         "(2-process rows: the larger process)."
+        + (" Proxy CPU = this parent's (the proxy's) user+sys seconds over the whole run." if args.network else "")
         + (f" `--prefault-gb {args.prefault_gb:g}`: touched and freed before every run." if args.prefault_gb else ""),
         "",
         "#### Load (timed: the load call + `block_until_ready`; downloads included)",
         "",
         "| contender | processes × devices | seconds (median) | GB/s | ours ÷ this | peak RSS (GB) "
-        "| RSS growth (GB) | bytes read (GB) | requests | server CPU (s) | client CPU (s) | runs (s) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| RSS growth (GB) | bytes read (GB) | requests | server CPU (s) | client CPU (s) "
+        + ("| proxy CPU (s) " if args.network else "") + "| runs (s) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if args.network else "") + "---|",
     ]
     ours_ok = [r for r in results.get("ours", []) if r["ok"]]
     ours_s = median(ours_ok, lambda r: r["seconds"]) if ours_ok else None
@@ -644,7 +666,7 @@ def render(spec: dict, files: list[Path], results: dict, args, wall: float, diag
         runs = results[contender]
         ok = [r for r in runs if r["ok"]]
         if not ok:
-            lines.append(failed_row(contender, runs, 10))
+            lines.append(failed_row(contender, runs, 11 if args.network else 10))
             continue
         seconds = median(ok, lambda r: r["seconds"])
         size = ok[0]["bytes"]
@@ -690,7 +712,9 @@ def render(spec: dict, files: list[Path], results: dict, args, wall: float, diag
             all_runs += f"; {len(runs) - len(ok)} failed: " + next(r["error"] for r in runs if not r["ok"])
         lines.append(f"| {contender} | {shape} | {seconds:.2f} | {size / seconds / 1e9:.2f} | {ratio} "
                      f"| {fmt_gb(median(ok, lambda r: r['peak_rss']))} | {fmt_gb(growth)} | {read} | {requests} "
-                     f"| {server} | {middle['client_cpu']:.2f} | {all_runs.replace('|', '/')} |")
+                     f"| {server} | {middle['client_cpu']:.2f} "
+                     + (f"| {cell(middle.get('proxy_cpu'))} " if args.network else "")
+                     + f"| {all_runs.replace('|', '/')} |")
 
     def seconds_of(contender: str) -> float | None:
         ok = [r for r in results.get(contender, []) if r["ok"]]
@@ -817,11 +841,18 @@ def main() -> None:
                         help="HF shard size of the checkpoint (%(default)s)")
     parser.add_argument("--repeats", type=int, default=1, help="runs per contender (%(default)s); medians")
     parser.add_argument("--contenders", default=",".join(LOAD_CONTENDERS), help="load contenders")
-    parser.add_argument("--save-contenders", default=",".join(SAVE_CONTENDERS), help="save contenders ('' for none)")
+    parser.add_argument("--save-contenders", default=None,
+                        help=f"save contenders ('' for none; default {','.join(SAVE_CONTENDERS)}, "
+                        "none with a network model)")
     parser.add_argument("--dir", default="/tmp/ost-bench-object-store",
                         help="local checkpoint cache and download scratch (%(default)s)")
     parser.add_argument("--prefault-gb", type=float, default=0.0,
                         help="touch and free this many GB before every run (VMs with free page reporting)")
+    parser.add_argument("--bandwidth-mbps-per-connection", type=float, default=None,
+                        help="network model: cap each client connection's response bytes at this many MB/s "
+                        "(1e6 bytes/s) through a FaultProxy in front of moto (off)")
+    parser.add_argument("--latency-ms", type=float, default=0.0,
+                        help="network model: add this many ms before each request is forwarded (%(default)g)")
     parser.add_argument("--no-diagnose", action="store_true", help="skip the instrumented run of ours")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--contender", help=argparse.SUPPRESS)
@@ -839,6 +870,14 @@ def main() -> None:
         return
 
     args.contenders = [c for c in args.contenders.split(",") if c]
+    bandwidth, latency = args.bandwidth_mbps_per_connection, args.latency_ms
+    args.network = ", ".join(
+        ([f"{bandwidth:g} MB/s per connection"] if bandwidth else [])
+        + ([f"{latency:g} ms per request"] if latency else []))
+    if args.network:
+        args.network += " (FaultProxy in front of moto for every load contender; upload direct)"
+    if args.save_contenders is None:
+        args.save_contenders = "" if args.network else ",".join(SAVE_CONTENDERS)
     args.save_contenders = [c for c in args.save_contenders.split(",") if c]
     for c in args.contenders:
         if c not in LOAD_CONTENDERS:
@@ -874,6 +913,14 @@ def main() -> None:
         print(f"uploading {len(files)} files ({sum(p.stat().st_size for p in files) / 1e9:.2f} GB) to {url} ...",
               file=sys.stderr, flush=True)
         fs.put([str(p) for p in files], [f"{bucket_root}/{CHECKPOINT_KEY}/{p.name}" for p in files])
+        proxy = None
+        if args.network:  # from here on, everyone but the untimed probe goes through the proxy
+            from tests.fault_proxy import FaultProxy
+            proxy = FaultProxy(args.endpoint, latency=latency / 1e3,
+                               bandwidth_per_connection=bandwidth * 1e6 if bandwidth else None).start()
+            os.environ["FSSPEC_S3_ENDPOINT_URL"] = proxy.url
+            fsspec.config.conf["s3"] = {**fsspec.config.conf.get("s3", {}), "endpoint_url": proxy.url}
+            print(f"network model: {args.network}; proxy at {proxy.url}", file=sys.stderr, flush=True)
 
         results: dict[str, list[dict]] = {c: [] for c in [*args.contenders, *args.save_contenders]}
         for repeat in range(args.repeats):
@@ -882,6 +929,8 @@ def main() -> None:
                 results[contender].append(result)
                 shown = (f"{result['seconds']:.2f} s, {result['bytes'] / result['seconds'] / 1e9:.2f} GB/s, "
                          f"peak RSS {fmt_gb(result['peak_rss'])} GB" if result["ok"] else "failed: " + result["error"])
+                if "proxy_cpu" in result:
+                    shown += f", proxy CPU {result['proxy_cpu']:.2f} s"
                 print(f"[load {repeat + 1}/{args.repeats}] {contender}: {shown}", file=sys.stderr, flush=True)
             for contender in args.save_contenders:
                 result = run_save(contender, spec, f"{bucket}/save-{repeat + 1}-{contender}", args)
@@ -900,9 +949,11 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001
                 print(f"server probe failed: {one_line(e)}", file=sys.stderr)
         shutil.rmtree(args.scratch, ignore_errors=True)
+        if proxy is not None:
+            proxy.close()
 
     table = render(spec, files, results, args, time.perf_counter() - started, diagnosis)
-    out = BENCH_DIR / "results" / "object_store.md"
+    out = BENCH_DIR / "results" / ("object_store_network.md" if args.network else "object_store.md")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(table)
     print(table)

@@ -46,6 +46,15 @@ are rewritten to the proxy, so follow-up requests such as resumable-upload
 chunks also pass through it. moto does not check SigV4 signatures unless
 ``INITIAL_NO_AUTH_ACTION_COUNT`` is set, so the rewritten Host is harmless.
 
+Network model (optional, off by default; for benchmarks, not faults):
+``latency`` seconds are added before each request is forwarded, and with
+``bandwidth_per_connection`` (bytes/s) every response body goes back to the
+client in 256 KiB chunks, paced so that each client connection (one TCP
+stream; its requests are sequential) never exceeds that rate. This models a
+real store's per-request latency and per-stream throughput cap::
+
+    FaultProxy(moto_url, bandwidth_per_connection=40e6, latency=0.02)
+
 This module deliberately has no pytest dependency.
 """
 
@@ -64,6 +73,7 @@ import re
 import socket
 import struct
 import threading
+import time
 import urllib.parse
 from collections.abc import Callable, Collection, Iterable
 
@@ -97,6 +107,8 @@ S3_ERROR_CODES = {
     503: "SlowDown",
     504: "GatewayTimeout",
 }
+
+_CHUNK = 256 * 1024  # pacing granularity of bandwidth_per_connection
 
 _STATUS_KIND = re.compile(r"[1-5][0-9][0-9]")
 
@@ -180,12 +192,16 @@ class FaultProxy:
       delay: default hold time of ``"timeout"`` faults, in seconds.
       upstream_timeout: socket timeout towards the upstream, in seconds.
       log_size: how many ``RequestRecord`` entries ``log`` keeps.
+      bandwidth_per_connection: if set, the most bytes/s of response body
+        the proxy writes to each client connection (see the module docstring).
+      latency: seconds added before forwarding each request.
 
     Use as a context manager, or call ``start()`` and ``close()``.
     """
 
     def __init__(self, upstream_url: str, *, seed: int = 0, flavor: str | None = None,
-                 delay: float = 2.0, upstream_timeout: float = 60.0, log_size: int = 10_000):
+                 delay: float = 2.0, upstream_timeout: float = 60.0, log_size: int = 10_000,
+                 bandwidth_per_connection: float | None = None, latency: float = 0.0):
         parsed = urllib.parse.urlsplit(upstream_url)
         if parsed.scheme != "http" or not parsed.hostname:
             raise ValueError(f"upstream_url must be http://host:port, got {upstream_url!r}")
@@ -198,6 +214,12 @@ class FaultProxy:
         self.flavor = flavor
         self.delay = delay
         self.upstream_timeout = upstream_timeout
+        if bandwidth_per_connection is not None and bandwidth_per_connection <= 0:
+            raise ValueError(f"bandwidth_per_connection must be > 0, got {bandwidth_per_connection}")
+        if latency < 0:
+            raise ValueError(f"latency must be >= 0, got {latency}")
+        self.bandwidth_per_connection = bandwidth_per_connection
+        self.latency = latency
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self._random_rule: _Rule | None = None
@@ -494,6 +516,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._send_fault(int(kind), target, kind)
             return
 
+        if proxy.latency:
+            proxy._closing.wait(proxy.latency)
         try:
             proxy._count("forwarded")
             status, reason, headers, data = proxy._forward(method, target, self.headers, body)
@@ -551,11 +575,26 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 self.send_header("Connection", "close")
             self.end_headers()
             if not no_body and data:
-                self.wfile.write(data)
+                self._write_body(data)
             self.wfile.flush()
         except OSError:  # the client went away
             self.close_connection = True
         self.server.fault_proxy._record(method, target, kind, status)
+
+    def _write_body(self, data: bytes) -> None:
+        """Writes ``data``, paced to ``bandwidth_per_connection`` if set."""
+        rate = self.server.fault_proxy.bandwidth_per_connection
+        if rate is None:
+            self.wfile.write(data)
+            return
+        self.wfile.flush()  # the headers go out before the first chunk
+        started = time.monotonic()
+        view = memoryview(data)
+        for offset in range(0, len(view), _CHUNK):
+            self.wfile.write(view[offset:offset + _CHUNK])
+            ahead = started + min(offset + _CHUNK, len(view)) / rate - time.monotonic()
+            if ahead > 0:
+                time.sleep(ahead)
 
     def _send_fault(self, status: int, target: str, kind: str):
         content_type, data = self.server.fault_proxy._error_body(status, target)

@@ -59,7 +59,7 @@ def test_transient_faults_on_every_request_kind(proxied, proxy, layout):
     ost.save(url, _arrays(values, "fsdp"), layout=layout, max_shard_size=_MAX_SHARD,
              storage_options=options)
     loaded = ost.load(url, target_for(values, "tensor_parallel"), storage_options=options)
-    assert proxy.stats.faults_total > 5, proxy.stats
+    assert proxy.stats.faults_total > 0, proxy.stats
     proxy.clear_faults()
     assert_shards_equal(loaded, values, target_for(values, "tensor_parallel"))
     fs, root = fsspec.core.url_to_fs(url, **options)

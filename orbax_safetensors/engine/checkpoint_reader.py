@@ -127,6 +127,7 @@ def open_checkpoint(url: str | os.PathLike, storage_options: Mapping[str, Any] |
     storage, path = storage_for(url, storage_options, filesystem)
     if is_single_file(url):
         return _whole_tensors(storage, [path], None)
+    storage.scan(path)
     if storage.exists(storage.join(path, DISTRIBUTED_INDEX_NAME)):
         return _distributed_checkpoint(storage, path)
     files, weight_map = _resolve_directory(storage, path, os.fspath(url))

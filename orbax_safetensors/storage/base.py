@@ -105,6 +105,10 @@ class Storage(abc.ABC):
     def remove(self, path: str) -> None:
         """Deletes a file; a missing file is not an error."""
 
+    def scan(self, directory: str) -> None:
+        """Learns the names and sizes under ``directory`` at once, where that saves a request
+        per file later (object stores); elsewhere nothing. A missing directory is no error."""
+
     def discard(self, paths: Iterable[str]) -> None:
         """Best-effort deletes on a failure path, in parallel and without retries: the error
         being reported matters more than a leftover, which the next save removes anyway."""

@@ -31,6 +31,11 @@ class FsspecStorage(Storage):
     def __init__(self, fs: fsspec.AbstractFileSystem, retries: retry.RetryPolicy = retry.RetryPolicy()):
         self.fs = fs
         self.retries = retries
+        # Sizes of the files, and the directories, seen by the last listing of each directory
+        # (``scan``/``listdir``): one LIST answers what would be a HEAD per file. Any change we
+        # make forgets them all.
+        self._listed_sizes: dict[str, int] = {}
+        self._listed_dirs: set[str] = set()
         protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
         self.cheap_rename = not protocols & {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"}
 
@@ -47,7 +52,19 @@ class FsspecStorage(Storage):
         return posixpath.split(path)
 
     def size(self, path: str) -> int:
+        if path in self._listed_sizes:
+            return self._listed_sizes[path]
         return int(self._call(path, "size", lambda: self.fs.size(path)))
+
+    def scan(self, directory: str) -> None:
+        try:
+            self.listdir(directory)
+        except FileNotFoundError:
+            pass
+
+    def _forget_listings(self) -> None:
+        self._listed_sizes.clear()
+        self._listed_dirs.clear()
 
     def read(self, path: str, offset: int, length: int) -> bytes:
         return self._call(path, f"read of bytes [{offset}, {offset + length})",
@@ -77,6 +94,7 @@ class FsspecStorage(Storage):
                 # request of it was done although its answer was lost. Redo it whole.
                 raise ConnectionError(f"upload session lost: {e}") from e
         replayable = isinstance(chunks, Sequence)
+        self._forget_listings()
         retry.call(self.retries if replayable else retry.RetryPolicy(attempts=1),
                    self._url(path), "write", upload)
 
@@ -113,6 +131,7 @@ class FsspecStorage(Storage):
             self.remove(path)
 
     def _merge_call(self, destination: str, sources: list[str]) -> None:
+        self._forget_listings()
         self._call(destination, f"server-side merge of {len(sources)} parts",
                    lambda: self.fs.merge(destination, sources))
 
@@ -135,6 +154,8 @@ class FsspecStorage(Storage):
         return self.fs.open(path, "rb", block_size=_READ_BLOCK)
 
     def exists(self, path: str) -> bool:
+        if posixpath.dirname(path) in self._listed_dirs:
+            return path in self._listed_sizes or path in self._listed_dirs
         return bool(self._call(path, "exists", lambda: self.fs.exists(path)))
 
     def isdir(self, path: str) -> bool:
@@ -143,19 +164,29 @@ class FsspecStorage(Storage):
     def listdir(self, path: str) -> list[str]:
         # A listing must not come from a cache filled before another process wrote.
         self.fs.invalidate_cache(path)
-        listed = self._call(path, "list", lambda: self.fs.ls(path, detail=False))
-        return [posixpath.basename(p.rstrip("/")) for p in listed]
+        listed = self._call(path, "list", lambda: self.fs.ls(path, detail=True))
+        for entry in listed:
+            name = entry["name"].rstrip("/")
+            if entry.get("type") == "directory":
+                self._listed_dirs.add(name)
+            else:
+                self._listed_sizes[name] = int(entry["size"])
+        self._listed_dirs.add(path)
+        return [posixpath.basename(entry["name"].rstrip("/")) for entry in listed]
 
     def makedirs(self, path: str) -> None:
+        self._forget_listings()
         self._call(path, "makedirs", lambda: self.fs.makedirs(path, exist_ok=True))
 
     def rename(self, source: str, destination: str) -> None:
+        self._forget_listings()
         self._call(source, f"rename to {destination}", lambda: self.fs.mv(source, destination))
 
     def remove(self, path: str) -> None:
         self._call(path, "remove", lambda: self.remove_once(path))
 
     def remove_once(self, path: str) -> None:
+        self._forget_listings()
         try:
             self.fs.rm(path)
         except FileNotFoundError:
