@@ -54,10 +54,15 @@ def storage_options(env: dict[str, str], protocol: str) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def object_store_server(protocol: str):
-    """Yields ``(bucket_url, env)`` for a fresh bucket on a server of ``protocol``."""
+def object_store_server(protocol: str, command: list[str] | None = None):
+    """Yields ``(bucket_url, env)`` for a fresh bucket on a server of ``protocol``.
+
+    ``command``: the server's Python arguments instead of the default, ``{port}`` in them
+    replaced by the port (a patched server, say).
+    """
     port = free_port()
     args, options = _SERVERS[protocol]
+    args = command or args
     process = subprocess.Popen(
         [sys.executable, *(a.format(port=port) for a in args)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)

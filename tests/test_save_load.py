@@ -263,3 +263,20 @@ def test_memory_budget_smaller_than_the_checkpoint(tmp_path):
     _assert_tree_equal(restored, tree)
     assert stats.requests >= 10 * 65536 // 16_384  # every tensor split into chunks
     assert stats.bytes_read == stats.bytes_needed == 10 * 65536
+
+
+def test_read_size_defaults_to_the_backend(tmp_path):
+    """One 20 MB tensor: one read from a local file (32 MB chunks), three ranged reads of
+    ≤ 8 MiB from an object store (memory:// stands in), where throughput comes from requests
+    in flight; an explicit ``chunk_bytes`` wins over either default."""
+    value = np.arange(5_000_000, dtype=np.float32)
+    requests = {}
+    for where in ("local", "memory", "memory-explicit"):
+        path = str(tmp_path / "c") if where == "local" else f"memory://{tmp_path.name}/c"
+        if where != "memory-explicit":
+            ost.save(path, {"w": value}, overwrite=True)
+        stats = ost.LoadStats()
+        options = ost.ReadOptions(chunk_bytes="4MB") if where == "memory-explicit" else None
+        np.testing.assert_array_equal(ost.load(path, options=options, stats=stats)["w"], value)
+        requests[where] = stats.requests
+    assert requests == {"local": 1, "memory": 3, "memory-explicit": 5}

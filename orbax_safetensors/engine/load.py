@@ -81,6 +81,8 @@ class ReadOptions:
         One tensor's local shard is staged whole, so a shard bigger than the
         budget is the budget.
       chunk_bytes: the largest single read; bigger runs become parallel reads.
+        ``None`` lets the storage backend choose (32 MB locally, 8 MiB on object
+        stores, whose connections are slow alone and fast together).
       max_overread: a coalesced read may fetch at most this many times the
         bytes it delivers (1.0: never read a byte that is not needed).
       max_gap: the largest unneeded gap read through; ``None`` lets the
@@ -93,7 +95,7 @@ class ReadOptions:
     """
 
     memory_budget: int | str = "1GB"
-    chunk_bytes: int | str = "32MB"
+    chunk_bytes: int | str | None = None
     max_overread: float = 2.0
     max_gap: int | None = None
     threads: int = 16
@@ -152,7 +154,8 @@ def load(
                 "jax.ShapeDtypeStruct with .sharding); host-array leaves: " + ", ".join(hosted[:10]))
     read_once = (options.replicated_read_once if options.replicated_read_once is not None
                  else jax.process_count() > 1)
-    chunk_bytes = parse_size(options.chunk_bytes)
+    chunk_bytes = (checkpoint.storage.default_chunk_bytes if options.chunk_bytes is None
+                   else parse_size(options.chunk_bytes))
     bounce_bytes = min(chunk_bytes, _BOUNCE_BYTES)
     jobs = [_job(names[i], checkpoint.tensors[names[i]], requests[i], read_once, bounce_bytes)
             for i in wanted]

@@ -50,6 +50,9 @@ class Storage(abc.ABC):
     default_max_gap: int = 0
     """Bytes between two needed runs worth reading through rather than splitting the read."""
 
+    default_chunk_bytes: int = 32 << 20
+    """The largest single read: bigger runs become parallel reads of this size."""
+
     @abc.abstractmethod
     def write(self, path: str, chunks: Iterable[memoryview | bytes]) -> None:
         """Writes a whole new file from ``chunks``, streaming, durable on return."""

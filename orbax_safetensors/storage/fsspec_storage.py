@@ -27,6 +27,9 @@ _READ_BLOCK = 16 << 20  # buffered sequential reads
 class FsspecStorage(Storage):
 
     default_max_gap = 1 << 20  # a request costs milliseconds; a MiB of transfer about as much
+    # One connection of an object store streams tens of MB/s; its throughput comes from
+    # many requests in flight, so a big tensor is cut into more, smaller ranged GETs.
+    default_chunk_bytes = 8 << 20
 
     def __init__(self, fs: fsspec.AbstractFileSystem, retries: retry.RetryPolicy = retry.RetryPolicy()):
         self.fs = fs
