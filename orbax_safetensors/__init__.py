@@ -8,13 +8,16 @@
 from orbax_safetensors.engine import (
     CheckpointMetadata,
     LoadStats,
+    Problem,
     ReadOptions,
     SaveStats,
+    VerifyReport,
     async_save,
     consolidate,
     load,
     metadata,
     save,
+    verify,
 )
 from orbax_safetensors.errors import SafetensorsError
 from orbax_safetensors.storage import StorageError
@@ -46,9 +49,9 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "CheckpointMetadata", "LoadStats", "ReadOptions", "SafetensorsError", "SaveStats",
-    "StorageError", "UnsupportedOrbaxError",
-    "async_save", "consolidate", "load", "metadata", "save", "__version__",
+    "CheckpointMetadata", "LoadStats", "Problem", "ReadOptions", "SafetensorsError", "SaveStats",
+    "StorageError", "UnsupportedOrbaxError", "VerifyReport",
+    "async_save", "consolidate", "load", "metadata", "save", "verify", "__version__",
     "SafetensorsCheckpointHandler", "SafetensorsHandler", "SafetensorsLayout",
     "SafetensorsRestore", "SafetensorsSave",
 ]

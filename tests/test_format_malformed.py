@@ -121,6 +121,25 @@ def index(weight_map: dict, **extra) -> str:
     return json.dumps({"metadata": {"total_size": 19}, "weight_map": weight_map, **extra})
 
 
+DIST = "orbax_safetensors.distributed.json"
+PART1 = "shard-00001-model-00001-of-00001.safetensors"
+PART2 = "shard-00002-model-00001-of-00001.safetensors"
+HALF = np.arange(4, dtype=np.float32).reshape(2, 2)
+
+
+def dist_index(slices: list[tuple[str, list[int], list[int]]], shape=(4, 2), name="w") -> str:
+    """Our distributed index for one F32 tensor ``name`` of ``shape`` stored as ``slices``."""
+    return json.dumps({"format": "orbax_safetensors.distributed", "version": 1, "metadata": {},
+                       "tensors": {name: {"dtype": "F32", "shape": list(shape), "slices": [
+                           {"file": f, "offsets": o, "shape": n} for f, o, n in slices]}}})
+
+
+def dist_dir(id: str, index_text: str, *needles: str, files=(PART1, PART2), names_file=DIST) -> Case:
+    """Two halves of a (4, 2) F32 tensor ``w``, one per file, under ``index_text``."""
+    return directory(id, {**{f: good_file({"w": HALF}) for f in files}, DIST: index_text},
+                     *needles, names_file=names_file)
+
+
 CASES = [
     # --- the 8-byte prefix and the header length
     single("empty-file", b""),
@@ -278,6 +297,33 @@ CASES = [
     directory("index-names-malformed-shard",
               {SHARD1: good_file({"x": X}), SHARD2: b"\x00" * 3, INDEX: index({"x": SHARD1, "y": SHARD2})},
               names_file=SHARD2),
+    # --- the distributed index (ours): slices of one (4, 2) tensor in two files
+    dist_dir("distributed-slices-overlap", dist_index([(PART1, [0, 0], [2, 2]), (PART2, [1, 0], [2, 2])]),
+             "tensor 'w'", "overlap"),
+    dist_dir("distributed-slices-leave-a-gap", dist_index([(PART1, [0, 0], [2, 2])]),
+             "tensor 'w'", "cover 4 of the tensor's 8 elements"),
+    dist_dir("distributed-slice-outside-the-tensor",
+             dist_index([(PART1, [0, 0], [2, 2]), (PART2, [3, 0], [2, 2])]),
+             "tensor 'w'", "outside"),
+    dist_dir("distributed-slice-rank-differs", dist_index([(PART1, [0], [8])], shape=(8,)),
+             "tensor 'w'", "F32 slice of shape [8]", names_file=PART1),
+    dist_dir("distributed-names-collide",
+             dist_index([(PART1, [0, 0], [2, 2]), (PART2, [2, 0], [2, 2])]).replace(
+                 '"tensors": {', '"tensors": {"w": {}, ', 1),
+             "duplicate key 'w'"),
+    *[
+        dist_dir(f"distributed-file-{label}",
+                 dist_index([(PART1, [0, 0], [2, 2]), (target, [2, 0], [2, 2])]),
+                 "tensor 'w'", "not a plain file name")
+        for label, target in [("dotdot", f"../{PART2}"), ("absolute", f"/tmp/{PART2}"),
+                              ("url", f"gs://b/{PART2}")]
+    ],
+    dist_dir("distributed-names-missing-file",
+             dist_index([(PART1, [0, 0], [2, 2]), (PART2, [2, 0], [2, 2])]),
+             "does not exist", files=(PART1,), names_file=PART2),
+    dist_dir("distributed-shape-negative", dist_index([(PART1, [0, 0], [2, 2])], shape=(-2, 2)),
+             "tensor 'w'"),
+    dist_dir("distributed-wrong-format", json.dumps({"format": "other", "tensors": {}}), "format"),
     directory("interrupted-save-shards-without-index",
               {SHARD1: good_file({"x": X})}, "interrupted"),
     directory("empty-directory", {}, "model.safetensors"),

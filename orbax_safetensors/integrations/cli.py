@@ -11,7 +11,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from orbax_safetensors.engine import consolidate
+from orbax_safetensors.engine import consolidate, verify
 from orbax_safetensors.engine import metadata as read_metadata
 from orbax_safetensors.errors import SafetensorsError
 from orbax_safetensors.format import dtype_for_numpy
@@ -19,6 +19,7 @@ from orbax_safetensors.format import dtype_for_numpy
 _EXAMPLES = """examples:
   orbax-safetensors inspect ./llama-checkpoint
   orbax-safetensors inspect gs://bucket/run/step_100/params --json
+  orbax-safetensors verify s3://bucket/run/step_100/params   # exit status 1 if anything is wrong
   orbax-safetensors consolidate ./distributed-ckpt ./hf-ckpt --max-shard-size 2GB
 """
 
@@ -57,6 +58,21 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _verify(args: argparse.Namespace) -> int:
+    report = verify(args.path)
+    if args.json:
+        json.dump(report.to_json(), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        for problem in report.problems:
+            print(problem)
+        found = (f"{len(report.problems)} problem{'s' * (len(report.problems) != 1)}"
+                 if report.problems else "ok")
+        print(f"{found}: {report.layout}, {len(report.files)} file(s), {report.tensors} tensors, "
+              f"{_human_bytes(report.bytes)}")
+    return 0 if report.ok else 1
+
+
 def _consolidate(args: argparse.Namespace) -> int:
     stats = consolidate(args.src, args.dst, max_shard_size=args.max_shard_size,
                         overwrite=args.overwrite, progress=None if args.progress else False)
@@ -81,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("path", help="a .safetensors file or a checkpoint directory")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
     inspect.set_defaults(run=_inspect)
+    check = commands.add_parser(
+        "verify", help="check every file against the format and the index; list all problems")
+    check.add_argument("path", help="a .safetensors file or a checkpoint directory")
+    check.add_argument("--json", action="store_true", help="machine-readable report")
+    check.set_defaults(run=_verify)
     merge = commands.add_parser(
         "consolidate", help="rewrite a distributed (or torch DCP) checkpoint as an HF checkpoint")
     merge.add_argument("src", help="the distributed checkpoint directory")
