@@ -186,11 +186,15 @@ class _Verifier:
                 self.problem("not named by the index (left over from an earlier save?)",
                              self.storage.join(self.root, name))
 
+    def parsed_index(self, name: str, parse: Callable[..., Any]) -> tuple[str, Any]:
+        """The index file's path, and ``parse`` of its bytes (``None``, a problem, if it fails)."""
+        path = self.storage.join(self.root, name)
+        return path, self.attempt(lambda: parse(
+            self.storage.read(path, 0, self.storage.size(path)), file=path))
+
     def hf_index(self) -> None:
         self.report.layout = "hf sharded"
-        index_path = self.storage.join(self.root, INDEX_NAME)
-        index = self.attempt(lambda: parse_index(
-            self.storage.read(index_path, 0, self.storage.size(index_path)), file=index_path))
+        index_path, index = self.parsed_index(INDEX_NAME, parse_index)
         if index is None:
             return
         headers = self.headers([self.storage.join(self.root, f) for f in index.files])
@@ -222,9 +226,7 @@ class _Verifier:
 
     def distributed(self) -> None:
         self.report.layout = "distributed"
-        index_path = self.storage.join(self.root, DISTRIBUTED_INDEX_NAME)
-        parsed = self.attempt(lambda: parse_distributed_index(
-            self.storage.read(index_path, 0, self.storage.size(index_path)), file=index_path))
+        _, parsed = self.parsed_index(DISTRIBUTED_INDEX_NAME, parse_distributed_index)
         if parsed is None:
             return
         entries, _ = parsed
