@@ -52,6 +52,8 @@ def test_single_process_save_and_sharded_load(store, layout):
     print(f"\n{url}: save {save_stats.requests} uploads; load {load_stats.requests} requests, "
           f"{load_stats.bytes_read} bytes read for {load_stats.bytes_needed} needed")
     assert load_stats.bytes_read <= 2.0 * load_stats.bytes_needed  # max_overread
+    report = ost.verify(url)
+    assert report.ok and report.bytes == save_stats.bytes_written, report.problems
 
 
 def test_single_file_url(store):
@@ -118,6 +120,7 @@ def test_consolidate_bucket_to_bucket(store):
     assert "model.safetensors.index.json" in [p.rsplit("/", 1)[1] for p in fs.ls(root)]
     for name, value in ost.load(f"{bucket}/hf").items():
         np.testing.assert_array_equal(value, values[name], err_msg=name)
+    assert ost.verify(f"{bucket}/hf").ok and ost.verify(f"{bucket}/dist").ok
 
 
 def test_checkpoint_manager_on_a_bucket(store):
