@@ -20,6 +20,8 @@ from orbax_safetensors.engine import (
     verify,
 )
 from orbax_safetensors.errors import SafetensorsError
+from orbax_safetensors.planning.mapping import Mapping, MappingError, Rule, Transform
+from orbax_safetensors import mappings
 from orbax_safetensors.storage import StorageError
 from orbax_safetensors.integrations.orbax_version import UnsupportedOrbaxError, check_orbax_version
 
@@ -49,6 +51,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "Mapping", "MappingError", "Rule", "Transform", "mappings",
     "CheckpointMetadata", "LoadStats", "Problem", "ReadOptions", "SafetensorsError", "SaveStats",
     "StorageError", "UnsupportedOrbaxError", "VerifyReport",
     "async_save", "consolidate", "load", "metadata", "save", "verify", "__version__",

@@ -100,11 +100,10 @@ def test_every_problem_of_a_damaged_sharded_checkpoint_at_once(tmp_path):
     assert not report.ok
     assert _found(report) == {
         (shards[0], "layer0.w"), (shards[1], None), (shards[2], "extra"), (shards[3], "ghost"),
-        ("model-00009-of-00009.safetensors", None),
     }, report.problems
+    assert [os.path.basename(f) for f in report.leftovers] == ["model-00009-of-00009.safetensors"]
     messages = "\n".join(map(str, report.problems))
-    for needle in ("does not exist", "data buffer", "does not hold it", "does not list",
-                   "left over"):
+    for needle in ("does not exist", "data buffer", "does not hold it", "does not list"):
         assert needle in messages
     with pytest.raises(ost.SafetensorsError):  # a load stops at the first of them
         ost.load(path)
@@ -136,9 +135,39 @@ def test_distributed_slices_checked_against_their_files(tmp_path, _distributed):
     open(index_path, "w").write(json.dumps(index))
     shutil.copy(os.path.join(path, files[1]), os.path.join(path, "shard-00003-model-00001-of-00001.safetensors"))
     report = ost.verify(path)
-    assert _found(report) == {(f, "layer0.w") for f in files} | {
-        ("shard-00003-model-00001-of-00001.safetensors", None)}, report.problems
+    assert _found(report) == {(f, "layer0.w") for f in files}, report.problems
+    assert [os.path.basename(f) for f in report.leftovers] == [
+        "shard-00003-model-00001-of-00001.safetensors"]
     assert sum("DCP_SHARDING_INFO" in p.message for p in report.problems) == 2
+    with pytest.raises(ost.SafetensorsError, match="DCP_SHARDING_INFO puts this slice at"):
+        ost.load(path)  # equal-shaped halves: trusting the index alone would load them swapped
+
+
+def test_an_index_naming_a_directory_is_an_error_not_a_crash(tmp_path):
+    path = _sharded(tmp_path)
+    index_path = os.path.join(path, "model.safetensors.index.json")
+    index = json.loads(open(index_path).read())
+    index["weight_map"]["layer0.w"] = "sub.safetensors"
+    os.mkdir(os.path.join(path, "sub.safetensors"))
+    open(index_path, "w").write(json.dumps(index))
+    with pytest.raises(ost.SafetensorsError, match="is a directory"):
+        ost.load(path)
+    assert [(os.path.basename(p.file), p.message) for p in ost.verify(path).problems] == [
+        ("sub.safetensors", "is a directory, not a safetensors file")]
+
+
+def test_an_oversized_index_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    from orbax_safetensors.engine import checkpoint_reader
+    from orbax_safetensors.storage import LocalStorage
+    path = _sharded(tmp_path)
+    monkeypatch.setattr(checkpoint_reader, "MAX_INDEX_SIZE", 100)
+    read = []
+    monkeypatch.setattr(LocalStorage, "read",
+                        lambda self, *a: read.append(a) or b"")
+    with pytest.raises(ost.SafetensorsError, match="over the 100-byte limit"):
+        ost.load(path)
+    assert "over the 100-byte limit" in ost.verify(path).problems[0].message
+    assert read == []
 
 
 def test_a_broken_index_is_one_problem(tmp_path, _distributed):
@@ -193,6 +222,11 @@ def test_cli_verify(tmp_path):
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.strip() == "ok: hf sharded, 4 file(s), 4 tensors, 2.56 KB"
     shards = sorted(n for n in os.listdir(path) if n.startswith("model-"))
+    shutil.copy(os.path.join(path, shards[0]), os.path.join(path, "model-00001-of-00009.safetensors"))
+    noted = _cli("verify", path)
+    assert noted.returncode == 0 and noted.stdout.startswith("note: file ")
+    assert "model-00001-of-00009.safetensors" in noted.stdout.splitlines()[0]
+    os.remove(os.path.join(path, "model-00001-of-00009.safetensors"))
     os.remove(os.path.join(path, shards[0]))
     with open(os.path.join(path, shards[1]), "r+b") as f:
         f.truncate(100)

@@ -17,7 +17,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import fsspec
@@ -28,6 +28,7 @@ from orbax_safetensors.index import (
     DISTRIBUTED_INDEX_NAME,
     INDEX_NAME,
     SINGLE_FILE_NAME,
+    DistributedTensor,
     SliceEntry,
     check_slices,
     dcp_offsets,
@@ -40,6 +41,7 @@ from orbax_safetensors.index.distributed_index import DCP_SHARDING_INFO, DCP_VER
 from orbax_safetensors.storage import Storage, storage_for
 
 _FIRST_READ = 1 << 16  # one request usually covers the whole header
+MAX_INDEX_SIZE = 1 << 30  # an index lists names and slices: megabytes even for huge models
 _HEADER_THREADS = 16
 
 
@@ -103,13 +105,53 @@ def is_single_file(url: str | os.PathLike) -> bool:
     return os.fspath(url).endswith(".safetensors")
 
 
+def is_interrupted_distributed_save(names: Iterable[str]) -> bool:
+    """Whether a directory's names include the temporary distributed index of a save of ours.
+
+    Without their index our distributed files read as torch DCP output, so the index is
+    staged under this name before they are renamed in: while it is there, the files
+    beside it are a save that never committed (some tensors, or old and new files mixed).
+    """
+    return any(n.startswith(f".{DISTRIBUTED_INDEX_NAME}.tmp-") for n in names)
+
+
+def read_index(storage: Storage, path: str) -> bytes:
+    """An index file's bytes, refused past ``MAX_INDEX_SIZE`` before any is read."""
+    size = storage.size(path)
+    if size > MAX_INDEX_SIZE:
+        raise SafetensorsError(
+            f"index is {size} bytes, over the {MAX_INDEX_SIZE}-byte limit", file=path)
+    return storage.read(path, 0, size)
+
+
+def distributed_slice_problem(name: str, entry: DistributedTensor, piece: SliceEntry,
+                              header: Header, *, file: str) -> str | None:
+    """What is wrong with the file holding one slice the distributed index lists, if anything.
+
+    The file's own ``DCP_SHARDING_INFO`` must agree with the index on where the slice
+    sits: two equal-shaped slices with swapped offsets would otherwise load swapped.
+    """
+    info = header.tensors.get(name)
+    if info is None or info.shape != piece.shape or info.dtype != entry.dtype:
+        held = "no such tensor" if info is None else f"{info.dtype.code} {list(info.shape)}"
+        return (f"the distributed index places a {entry.dtype.code} slice of shape "
+                f"{list(piece.shape)} here, but the file holds {held}")
+    declared = dcp_offsets(header.metadata, file=file).get(name)
+    if declared is not None and declared != piece.offsets:
+        return (f"DCP_SHARDING_INFO puts this slice at {list(declared)}, the distributed index "
+                f"at {list(piece.offsets)}")
+    return None
+
+
 def read_header(storage: Storage, path: str) -> Header:
     """Reads and validates one file's header, in one request when it is small."""
     try:
         size = storage.size(path)
+        first = storage.read(path, 0, min(size, _FIRST_READ))
     except FileNotFoundError:
         raise SafetensorsError("file does not exist", file=path) from None
-    first = storage.read(path, 0, min(size, _FIRST_READ))
+    except IsADirectoryError:
+        raise SafetensorsError("is a directory, not a safetensors file", file=path) from None
     n = header_size(first, size, file=path)
     raw = first[PREFIX_SIZE:PREFIX_SIZE + n]
     if len(raw) < n:
@@ -157,8 +199,7 @@ def _whole_tensors(storage: Storage, files: list[str], weight_map: dict[str, str
 def _distributed_checkpoint(storage: Storage, path: str) -> Checkpoint:
     """Our distributed layout: the index says where every slice is."""
     index_path = storage.join(path, DISTRIBUTED_INDEX_NAME)
-    entries, metadata = parse_distributed_index(
-        storage.read(index_path, 0, storage.size(index_path)), file=index_path)
+    entries, metadata = parse_distributed_index(read_index(storage, index_path), file=index_path)
     files = sorted({storage.join(path, s.file) for t in entries.values() for s in t.slices})
     headers = _read_headers(storage, files)
     tensors = {}
@@ -166,13 +207,10 @@ def _distributed_checkpoint(storage: Storage, path: str) -> Checkpoint:
         pieces = []
         for s in entry.slices:
             file = storage.join(path, s.file)
-            info = headers[file].tensors.get(name)
-            if info is None or info.shape != s.shape or info.dtype != entry.dtype:
-                raise SafetensorsError(
-                    f"the distributed index places a {entry.dtype.code} slice of shape "
-                    f"{list(s.shape)} here, but the file holds "
-                    f"{'no such tensor' if info is None else f'{info.dtype.code} {list(info.shape)}'}",
-                    file=file, tensor=name)
+            problem = distributed_slice_problem(name, entry, s, headers[file], file=file)
+            if problem is not None:
+                raise SafetensorsError(problem, file=file, tensor=name)
+            info = headers[file].tensors[name]
             pieces.append(StoredTensor(info, file, headers[file].data_start + info.begin, s.offsets))
         tensors[name] = TensorSource(entry.dtype, entry.shape, tuple(pieces))
     return Checkpoint(storage, tensors, headers, metadata)
@@ -209,7 +247,7 @@ def _resolve_directory(
 ) -> tuple[list[str], dict[str, str] | None]:
     index_path = storage.join(path, INDEX_NAME)
     if storage.exists(index_path):
-        index = parse_index(storage.read(index_path, 0, storage.size(index_path)), file=index_path)
+        index = parse_index(read_index(storage, index_path), file=index_path)
         files = {name: storage.join(path, name) for name in index.files}
         return list(files.values()), {t: files[f] for t, f in index.weight_map.items()}
     single = storage.join(path, SINGLE_FILE_NAME)
@@ -224,6 +262,11 @@ def _resolve_directory(
             "(the index is written last, so this checkpoint was never committed)",
             file=url)
     if any(is_distributed_file_name(n) for n in names):
+        if is_interrupted_distributed_save(names):
+            raise SafetensorsError(
+                f"holds shard files and a temporary {DISTRIBUTED_INDEX_NAME} but not the index: "
+                "an interrupted save (the index is put in place last, so this checkpoint was "
+                "never committed)", file=url)
         return [], None  # torch DCP sharded output (ours always has its index)
     raise SafetensorsError(
         f"no {INDEX_NAME}, {DISTRIBUTED_INDEX_NAME} or {SINGLE_FILE_NAME} in this directory",

@@ -22,6 +22,8 @@ from orbax_safetensors.engine.checkpoint_reader import Checkpoint, TensorSource,
 from orbax_safetensors.engine.tree_names import flatten_with_names
 from orbax_safetensors.engine.shard_reader import Job, LoadStats, host_job, run_jobs, sharded_job
 from orbax_safetensors.errors import SafetensorsError
+from orbax_safetensors.planning.mapping import Mapping as Mapping_
+from orbax_safetensors.planning.mapping import MappingError, Transform
 from orbax_safetensors.index import parse_size
 
 _LOG = logging.getLogger("orbax_safetensors")
@@ -111,6 +113,7 @@ def load(
     stats: LoadStats | None = None,
     storage_options: Mapping[str, Any] | None = None,
     filesystem: fsspec.AbstractFileSystem | None = None,
+    mapping: Mapping_ | None = None,
 ) -> Any:
     """Loads a checkpoint into the structure, dtypes and shardings of ``target``.
 
@@ -133,6 +136,11 @@ def load(
       storage_options: constructor arguments of the fsspec filesystem (credentials,
         ``endpoint_url``, ...), e.g. ``{"anon": True}``; or
       filesystem: an fsspec filesystem you already configured (``s3fs.S3FileSystem(...)``).
+      mapping: an ``ost.Mapping`` from checkpoint names and layouts to the target's
+        (e.g. ``ost.mappings.llama()`` for a Hugging Face Llama into a Flax model).
+        Each leaf is read as the stored box holding its shards and transposed or
+        reshaped on the host, shard by shard. Without a target the result is
+        keyed by tree names.
     """
     started = time.perf_counter()
     options = options or ReadOptions()
@@ -145,7 +153,12 @@ def load(
     else:
         names, leaves, treedef = flatten_with_names(target, is_leaf=lambda x: x is None)
         requests = [_request_for(name, leaf) for name, leaf in zip(names, leaves)]
-    wanted = _match(checkpoint, names, requests, strict)
+    stored_names, transforms = names, [None] * len(names)
+    if mapping is not None:
+        stored_names, requests, transforms = _map(checkpoint, mapping, names, requests, target is None, strict)
+        if target is None:
+            names = [mapping.tree_name(n) if n is not None else None for n in stored_names]
+    wanted = _match(checkpoint, stored_names, requests, strict)
     if jax.process_count() > 1:
         hosted = [names[i] for i in wanted if requests[i].sharding is None]
         if hosted:
@@ -157,7 +170,8 @@ def load(
     chunk_bytes = (checkpoint.storage.default_chunk_bytes if options.chunk_bytes is None
                    else parse_size(options.chunk_bytes))
     bounce_bytes = min(chunk_bytes, _BOUNCE_BYTES)
-    jobs = [_job(names[i], checkpoint.tensors[names[i]], requests[i], read_once, bounce_bytes)
+    jobs = [_job(stored_names[i], checkpoint.tensors[stored_names[i]], requests[i], read_once, bounce_bytes,
+                 transforms[i])
             for i in wanted]
     values = run_jobs(
         checkpoint, jobs,
@@ -171,18 +185,58 @@ def load(
     stats.seconds += time.perf_counter() - started
     _LOG.debug("loaded %s: %s", os.fspath(path), stats)
     if treedef is None:
-        return dict(zip(names, values))
+        return dict(zip([names[i] for i in wanted], values))
     result = list(leaves)
     for i, value in zip(wanted, values):
         result[i] = value
     return jax.tree_util.tree_unflatten(treedef, result)
 
 
-def _job(name: str, source: TensorSource, request: _Request, read_once: bool, bounce_bytes: int) -> Job:
+def _job(name: str, source: TensorSource, request: _Request, read_once: bool, bounce_bytes: int,
+         transform: Transform | None = None) -> Job:
+    if transform is not None and transform.is_identity:
+        transform = None
     if request.sharding is None:
-        return host_job(name, source, request.dtype, bounce_bytes=bounce_bytes)
+        return host_job(name, source, request.dtype, bounce_bytes=bounce_bytes, transform=transform)
     return sharded_job(name, source, request.dtype, request.sharding,
-                       read_once=read_once, bounce_bytes=bounce_bytes)
+                       read_once=read_once, bounce_bytes=bounce_bytes, transform=transform)
+
+
+def _map(
+    checkpoint: Checkpoint, mapping: Mapping_, names: list[str], requests: list[_Request],
+    from_checkpoint: bool, strict: bool,
+) -> tuple[list[str | None], list[_Request], list[Transform | None]]:
+    """Stored names, requests in stored shapes, and transforms of the leaves ``names``.
+
+    ``names`` are tree names, or (``from_checkpoint``, no target) stored ones.
+    A name no rule maps, or one whose shapes the rule cannot map, gets ``None``
+    (not loaded) unless ``strict``, which reports every such name at once.
+    """
+    side = "stored" if from_checkpoint else "tree"
+    unmapped = set(mapping.unmapped(names, side))
+    problems = [f"no single rule maps the {side} names: {', '.join(sorted(unmapped))}"] if unmapped else []
+    stored_names: list[str | None] = []
+    mapped_requests, transforms = [], []
+    for name, request in zip(names, requests):
+        stored = transform = None
+        if name not in unmapped:
+            stored, rule = (name, mapping.tree_rule(name)[1]) if from_checkpoint else mapping.stored_rule(name)
+            if stored in checkpoint.tensors:
+                try:
+                    transform = rule.resolve(stored_shape=checkpoint.tensors[stored].shape,
+                                             tree_shape=request.shape, dims=mapping.dims)
+                    request = dataclasses.replace(request, shape=transform.stored_shape)
+                except MappingError as e:
+                    problems.append(f"{name}: {e}")
+                    stored = None
+        stored_names.append(stored)
+        mapped_requests.append(request)
+        transforms.append(transform)
+    if strict and problems:
+        raise SafetensorsError(
+            "target does not map to the checkpoint (pass strict=False to load what does): "
+            + " | ".join(problems))
+    return stored_names, mapped_requests, transforms
 
 
 def _request_for(name: str, leaf: Any) -> _Request:

@@ -7,6 +7,10 @@ committed checkpoint or the new one, never a half-written file under a final
 name. The one exception is a crash in the short window of an *overwrite*
 after the old index is removed: then no checkpoint is visible, which the
 reader reports as an interrupted save rather than mixing old and new shards.
+The distributed layout's files would read as torch DCP output without their
+index, so its index is written under its temporary name *before* they are
+renamed in, and renamed last: the reader takes shard files next to that
+temporary for an interrupted save.
 """
 
 from __future__ import annotations
@@ -28,7 +32,11 @@ import fsspec
 import jax
 import numpy as np
 
-from orbax_safetensors.engine.checkpoint_reader import is_single_file
+from orbax_safetensors.engine.checkpoint_reader import (
+    is_interrupted_distributed_save,
+    is_single_file,
+    read_index,
+)
 from orbax_safetensors.engine.coordination import (
     barrier,
     gather_to_all,
@@ -67,6 +75,8 @@ from orbax_safetensors.planning import (
     plan_single_file,
     relative_slices,
 )
+from orbax_safetensors.planning.mapping import Mapping as Mapping_
+from orbax_safetensors.planning.mapping import Transform
 from orbax_safetensors.storage import Storage, storage_for
 
 LAYOUTS = ("hf", "distributed")
@@ -74,6 +84,7 @@ _WRITE_CHUNK_BYTES = 64 << 20
 _WRITE_THREADS = 8
 _MAX_PARTS_PER_FILE = 64  # beyond this a process packs its small ranges of a file into one object
 _SMALL_PART = 4 << 20  # a part smaller than this costs more in requests than it moves
+_VIEWS_PER_WRITE = 1024  # buffers per pwritev (Linux's IOV_MAX)
 _TEMPORARY = re.compile(r"^\.(.+\.safetensors|.+\.json)\.(tmp-[0-9a-f]{12}|part-[0-9a-f]{12}-\d{20})$")
 
 
@@ -113,6 +124,7 @@ def save(
     overwrite: bool = False,
     storage_options: Mapping[str, Any] | None = None,
     filesystem: fsspec.AbstractFileSystem | None = None,
+    mapping: Mapping_ | None = None,
 ) -> SaveStats:
     """Saves the arrays of ``tree`` as safetensors, named by their key paths; blocks until committed.
 
@@ -138,10 +150,14 @@ def save(
       storage_options: constructor arguments of the fsspec filesystem (credentials,
         ``endpoint_url``, ...), e.g. ``{"anon": True}``; or
       filesystem: an fsspec filesystem you already configured (``s3fs.S3FileSystem(...)``).
+      mapping: an ``ost.Mapping`` from checkpoint names and layouts to the tree's;
+        each leaf is stored under its mapped name, each shard transposed or
+        reshaped on the host into the stored box(es) it covers.
     """
     return prepare_save(path, tree, layout=layout, max_shard_size=max_shard_size,
                         metadata=metadata, overwrite=overwrite, copy=False,
-                        storage_options=storage_options, filesystem=filesystem).start().result()
+                        storage_options=storage_options, filesystem=filesystem,
+                        mapping=mapping).start().result()
 
 
 def async_save(
@@ -154,6 +170,7 @@ def async_save(
     overwrite: bool = False,
     storage_options: Mapping[str, Any] | None = None,
     filesystem: fsspec.AbstractFileSystem | None = None,
+    mapping: Mapping_ | None = None,
 ) -> concurrent.futures.Future[SaveStats]:
     """Like ``save``, but returns once this process's shards are copied to host memory.
 
@@ -165,7 +182,8 @@ def async_save(
     """
     return prepare_save(path, tree, layout=layout, max_shard_size=max_shard_size,
                         metadata=metadata, overwrite=overwrite, copy=True,
-                        storage_options=storage_options, filesystem=filesystem).start()
+                        storage_options=storage_options, filesystem=filesystem,
+                        mapping=mapping).start()
 
 
 def prepare_save(
@@ -180,6 +198,7 @@ def prepare_save(
     new_directory: bool = False,
     storage_options: Mapping[str, Any] | None = None,
     filesystem: fsspec.AbstractFileSystem | None = None,
+    mapping: Mapping_ | None = None,
 ) -> SaveJob:
     """Plans and takes this process's shards to the host; ``start()`` on the result writes.
 
@@ -195,6 +214,9 @@ def prepare_save(
     """
     started = time.perf_counter()
     arrays, specs = check_tree(tree, layout)
+    tree_specs, transforms = specs, None
+    if mapping is not None:  # plan in stored names and shapes; pieces are mapped below
+        specs, transforms = mapping.map_specs(specs)
     storage, target = storage_for(path, storage_options, filesystem)
     if is_single_file(path):
         if layout == "distributed":
@@ -209,7 +231,7 @@ def prepare_save(
     if committed and not overwrite:
         raise FileExistsError(
             f"{os.fspath(path)!r} already holds a checkpoint; pass overwrite=True to replace it")
-    pieces = _host_pieces(arrays, {s.name: s for s in specs}, copy=copy)
+    pieces = _host_pieces(arrays, {s.name: s for s in tree_specs}, copy=copy, transforms=transforms)
     key = next_operation_key("save")
     token = share_from_primary(f"{key}/token", uuid.uuid4().hex[:12])
     stats = SaveStats(blocking_seconds=time.perf_counter() - started)
@@ -261,7 +283,8 @@ def _spec(name: str, array: jax.Array | np.ndarray) -> TensorSpec:
 
 
 def _host_pieces(
-    arrays: Mapping[str, Any], specs: Mapping[str, TensorSpec], *, copy: bool
+    arrays: Mapping[str, Any], specs: Mapping[str, TensorSpec], *, copy: bool,
+    transforms: Mapping[str, tuple[str, Transform]] | None = None,
 ) -> list[_Piece]:
     """Host values of the shards this process writes (``replica_id == 0``).
 
@@ -290,7 +313,24 @@ def _host_pieces(
             raise ValueError(
                 f"leaf {piece.name!r}: {specs[piece.name].dtype.code} packs values below a byte, "
                 "so it can only be saved from an unsharded (replicated) array")
-    return pieces
+    return pieces if transforms is None else _map_pieces(pieces, transforms, copy=copy)
+
+
+def _map_pieces(pieces: list[_Piece], transforms: Mapping[str, tuple[str, Transform]],
+                *, copy: bool) -> list[_Piece]:
+    """Tree shards → stored names, boxes and bytes, one shard at a time (see ``Mapping``).
+
+    A transposed shard is a fresh array; a merely reshaped one may still view
+    the caller's, so ``async_save`` copies it like any other shard.
+    """
+    mapped = []
+    for piece in pieces:
+        stored, transform = transforms[piece.name]
+        for box, data in transform.to_stored(piece.box, piece.data):
+            if copy and np.may_share_memory(data, piece.data):
+                data = data.copy()
+            mapped.append(_Piece(stored, box, data))
+    return mapped
 
 
 def _copied(data: Any) -> bool:
@@ -412,8 +452,14 @@ class SaveJob:
         payloads, writes = self._owned_ranges(_WRITE_CHUNK_BYTES)
 
         def write(file_name: str, op: ReadOp) -> None:
-            self.storage.write_at(self._temporary(file_name), op.offset, [
-                payloads[p.target][p.offset:p.offset + p.length] for p in op.pieces])
+            # Views a batch at a time: a range of strided shards holds a run per row of each,
+            # and a memoryview per run for a whole 64 MB range costs more than its bytes.
+            offset = op.offset
+            for start in range(0, len(op.pieces), _VIEWS_PER_WRITE):
+                batch = op.pieces[start:start + _VIEWS_PER_WRITE]
+                self.storage.write_at(self._temporary(file_name), offset, [
+                    payloads[p.target][p.offset:p.offset + p.length] for p in batch])
+                offset += sum(p.length for p in batch)
 
         files = sorted({name for name, _ in writes})
         with concurrent.futures.ThreadPoolExecutor(_WRITE_THREADS) as pool:
@@ -696,7 +742,12 @@ class DistributedSaveJob(SaveJob):
         if problems:
             self.storage.discard(self._temporary(file.name) for file, _ in files)
             raise OSError("save failed, nothing was committed: " + "; ".join(problems))
+        entries = [entry for r in reports for entry in r["slices"]]
         if me == 0:
+            # The index first, under its temporary name: while it is there, the shard files being
+            # renamed in are an uncommitted save, which a reader must not take for torch DCP
+            # output (some of the tensors, or old and new files mixed).
+            self._write_index(entries, commit=False)
             self._uncommit()
         barrier(f"{self.key}/uncommitted")
         for file, _ in files:
@@ -705,12 +756,14 @@ class DistributedSaveJob(SaveJob):
                 self.storage.rename(self._temporary(file.name), final)
         barrier(f"{self.key}/renamed")
         if me == 0:
-            self._write_index([entry for r in reports for entry in r["slices"]])
+            self._write_index(entries, commit=True)
         barrier(f"{self.key}/committed")
         self.stats.bytes_written = sum(len(b) for p in self.pieces for b in _payload(p.data))
         self.stats.requests = self.stats.files = len(files)
 
-    def _write_index(self, entries: list[list]) -> None:
+    def _write_index(self, entries: list[list], *, commit: bool) -> None:
+        """``commit=False``: the index under its temporary name (where renames are cheap);
+        ``commit=True``: the index in place, then the replaced files removed."""
         slices: dict[str, list[SliceEntry]] = collections.defaultdict(list)
         for name, file, offsets, shape in entries:
             slices[name].append(SliceEntry(file, tuple(offsets), tuple(shape)))
@@ -719,9 +772,15 @@ class DistributedSaveJob(SaveJob):
             for name, spec in self.specs.items()}
         index_path = self.storage.join(self.directory, DISTRIBUTED_INDEX_NAME)
         index_temporary = self._temporary(DISTRIBUTED_INDEX_NAME)
-        self.storage.write(index_temporary, [serialize_distributed_index(tensors, self.metadata)])
-        if index_temporary != index_path:
+        staged = index_temporary != index_path  # object stores write the final name directly
+        if not commit:
+            if staged:
+                self.storage.write(index_temporary, [serialize_distributed_index(tensors, self.metadata)])
+            return
+        if staged:
             self.storage.rename(index_temporary, index_path)
+        else:
+            self.storage.write(index_path, [serialize_distributed_index(tensors, self.metadata)])
         self._remove_stale({index_path} | {
             self.storage.join(self.directory, s.file) for t in tensors.values() for s in t.slices})
 
@@ -747,7 +806,7 @@ def directory_files(storage: Storage, directory: str) -> tuple[set[str], set[str
         if index_name in names:
             committed.add(index_name)
             index_path = storage.join(directory, index_name)
-            raw = storage.read(index_path, 0, storage.size(index_path))
+            raw = read_index(storage, index_path)
             if parse is not None:
                 committed |= set(parse(raw, file=index_path).files)
             else:
@@ -755,6 +814,10 @@ def directory_files(storage: Storage, directory: str) -> tuple[set[str], set[str
                 committed |= {s.file for t in tensors.values() for s in t.slices}
     if SINGLE_FILE_NAME in names:
         committed.add(SINGLE_FILE_NAME)
+    if not committed and not any(is_shard_file_name(n) for n in names) \
+            and not is_interrupted_distributed_save(names):
+        # torch DCP output, which ``load`` reads, unless a save of ours was interrupted
+        committed = {n for n in names if is_distributed_file_name(n)}
     present = committed | {
         n for n in names if is_shard_file_name(n) or is_distributed_file_name(n)}
     return ({storage.join(directory, n) for n in committed},

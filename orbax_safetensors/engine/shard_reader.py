@@ -27,6 +27,7 @@ import numpy as np
 from orbax_safetensors.engine.checkpoint_reader import Checkpoint, StoredTensor, TensorSource
 from orbax_safetensors.errors import SafetensorsError
 from orbax_safetensors.format import from_bytes
+from orbax_safetensors.planning.mapping import Transform
 from orbax_safetensors.planning import (
     GAP,
     Box,
@@ -156,10 +157,13 @@ def _plan_reads(source: TensorSource, shards: Sequence[Box], bounce_bytes: int) 
     return tuple(reads)
 
 
-def host_job(name: str, source: TensorSource, dtype: np.dtype | None, *, bounce_bytes: int) -> Job:
-    """The whole tensor as a numpy array (of ``dtype``, if given)."""
+def host_job(name: str, source: TensorSource, dtype: np.dtype | None, *, bounce_bytes: int,
+             transform: Transform | None = None) -> Job:
+    """The whole tensor as a numpy array (of ``dtype``, if given; mapped by ``transform``)."""
 
     def convert(host: np.ndarray) -> np.ndarray:
+        if transform is not None:
+            host = np.ascontiguousarray(transform.apply(host))
         return host if dtype is None or dtype == host.dtype else host.astype(dtype)
 
     if source.dtype.is_packed:
@@ -174,10 +178,15 @@ def host_job(name: str, source: TensorSource, dtype: np.dtype | None, *, bounce_
 
 def sharded_job(
     name: str, source: TensorSource, dtype: np.dtype, sharding: jax.sharding.Sharding,
-    *, read_once: bool, bounce_bytes: int,
+    *, read_once: bool, bounce_bytes: int, transform: Transform | None = None,
 ) -> Job:
-    """This process's shards of a tensor, assembled into a global ``jax.Array``."""
-    shape = source.shape
+    """This process's shards of a tensor, assembled into a global ``jax.Array``.
+
+    With a ``transform`` (a mapping rule) the array has the tree's shape: each
+    device box is read as the stored box holding it and transformed on the
+    host, so a transposed or head-split shard still costs only its own bytes.
+    """
+    shape = source.shape if transform is None else transform.tree_shape
     try:
         index_map = sharding.devices_indices_map(shape)
     except Exception as e:  # jax raises several types for shardings that do not fit
@@ -192,7 +201,7 @@ def sharded_job(
     by_process: dict[int, list[Box]] = collections.defaultdict(list)
     for device, box in boxes.items():
         by_process[device.process_index].append(box)
-    if (read_once and source.whole is not None and source.nbytes > 0
+    if (read_once and transform is None and source.whole is not None and source.nbytes > 0
             and _bitcastable(source.dtype.numpy) and replication_factor(shape, by_process) > 1.0):
         return _read_once_job(source.whole, dtype, sharding, needed)
 
@@ -200,20 +209,25 @@ def sharded_job(
         piece = _whole_piece(name, source, f"a {source.dtype.code} tensor")
 
         def finish_packed(buffers: list[np.ndarray]) -> jax.Array:
-            host = _view(buffers[0], piece, name, shape)
+            host = _view(buffers[0], piece, name, source.shape)
+            host = host if transform is None else transform.apply(host)
             return _assemble(shape, sharding, dtype, local, lambda box: host[
                 tuple(slice(a, b) for a, b in box)])
 
         return _byte_job(piece, [((0, piece.info.nbytes),)], needed, finish_packed)
 
-    shards = tuple(local)
+    stored_box = (lambda box: box) if transform is None else transform.stored_box
+    shards = tuple(dict.fromkeys(stored_box(box) for box in local))
 
     def finish(buffers: list[np.ndarray]) -> jax.Array:
         views = {box: _view(buf, source.pieces[0], name, box_shape(box))
                  for box, buf in zip(shards, buffers)}
-        return _assemble(shape, sharding, dtype, local, views.__getitem__)
+        if transform is None:
+            return _assemble(shape, sharding, dtype, local, views.__getitem__)
+        return _assemble(shape, sharding, dtype, local, lambda box: transform.to_tree(
+            views[stored_box(box)], stored_box(box), box))
 
-    return Job(source.pieces, (shape, source.dtype.bits // 8), shards,
+    return Job(source.pieces, (source.shape, source.dtype.bits // 8), shards,
                _plan_reads(source, shards, bounce_bytes), needed, finish)
 
 

@@ -21,7 +21,13 @@ from typing import Any
 
 import fsspec
 
-from orbax_safetensors.engine.checkpoint_reader import is_single_file, read_header
+from orbax_safetensors.engine.checkpoint_reader import (
+    distributed_slice_problem,
+    is_interrupted_distributed_save,
+    is_single_file,
+    read_header,
+    read_index,
+)
 from orbax_safetensors.errors import SafetensorsError
 from orbax_safetensors.format import DType, Header
 from orbax_safetensors.index import (
@@ -65,6 +71,9 @@ class VerifyReport:
     tensors: int = 0
     bytes: int = 0
     problems: list[Problem] = dataclasses.field(default_factory=list)
+    leftovers: list[str] = dataclasses.field(default_factory=list)
+    """Checkpoint-named files no index names: readers ignore them, so they are not problems,
+    but they are usually what a crash between commit and cleanup left of an older save."""
 
     @property
     def ok(self) -> bool:
@@ -73,7 +82,8 @@ class VerifyReport:
     def to_json(self) -> dict[str, Any]:
         return {"path": self.path, "ok": self.ok, "layout": self.layout, "files": self.files,
                 "tensors": self.tensors, "bytes": self.bytes,
-                "problems": [dataclasses.asdict(p) for p in self.problems]}
+                "problems": [dataclasses.asdict(p) for p in self.problems],
+                "leftovers": self.leftovers}
 
 
 def verify(
@@ -90,8 +100,8 @@ def verify(
     twice, ``total_size``); our distributed index against the slices' files
     (dtype, shape, DCP offsets, exact coverage of every tensor); a torch DCP
     directory's slices against each other. Shard files in the directory that
-    no index names are reported too: a reader ignores them, but they are
-    usually the remains of an older save.
+    no index names are listed as ``leftovers``: a reader ignores them, but they
+    are usually the remains of an older save.
 
     Raises ``FileNotFoundError`` if nothing exists at ``path``; every other
     finding is a ``Problem`` in the returned report.
@@ -120,12 +130,16 @@ def verify(
         verifier.report.layout = "hf single file"
         verifier.single_file(storage.join(root, SINGLE_FILE_NAME))
         verifier.strays(set(), is_shard_file_name)
-    elif any(is_distributed_file_name(n) for n in names):
-        verifier.dcp()
     elif any(is_shard_file_name(n) for n in names):
         verifier.report.layout = "hf sharded"
         verifier.problem(f"holds shard files but no {INDEX_NAME}: an interrupted save? (the "
                          "index is written last, so this checkpoint was never committed)", url)
+    elif any(is_distributed_file_name(n) for n in names) and is_interrupted_distributed_save(names):
+        verifier.report.layout = "distributed"
+        verifier.problem(f"holds shard files and a temporary {DISTRIBUTED_INDEX_NAME} but not the "
+                         "index: an interrupted save (never committed)", url)
+    elif any(is_distributed_file_name(n) for n in names):
+        verifier.dcp()
     else:
         verifier.problem(f"no {INDEX_NAME}, {DISTRIBUTED_INDEX_NAME} or {SINGLE_FILE_NAME} "
                          "in this directory", url)
@@ -181,16 +195,13 @@ class _Verifier:
         self.report.bytes += sum(sizes)
 
     def strays(self, named: set[str], pattern: Callable[[str], bool]) -> None:
-        for name in sorted(self.names - named):
-            if pattern(name):
-                self.problem("not named by the index (left over from an earlier save?)",
-                             self.storage.join(self.root, name))
+        self.report.leftovers += [self.storage.join(self.root, n) for n in sorted(self.names - named)
+                                  if pattern(n)]
 
     def parsed_index(self, name: str, parse: Callable[..., Any]) -> tuple[str, Any]:
         """The index file's path, and ``parse`` of its bytes (``None``, a problem, if it fails)."""
         path = self.storage.join(self.root, name)
-        return path, self.attempt(lambda: parse(
-            self.storage.read(path, 0, self.storage.size(path)), file=path))
+        return path, self.attempt(lambda: parse(read_index(self.storage, path), file=path))
 
     def hf_index(self) -> None:
         self.report.layout = "hf sharded"
@@ -232,23 +243,16 @@ class _Verifier:
         entries, _ = parsed
         named = sorted({s.file for t in entries.values() for s in t.slices})
         headers = self.headers([self.storage.join(self.root, f) for f in named])
-        offsets = {f: self.attempt(lambda f=f: dcp_offsets(h.metadata, file=f)) or {}
-                   for f, h in headers.items()}
         placed = collections.defaultdict(set)
         for name, entry in entries.items():
             for s in entry.slices:
                 file = self.storage.join(self.root, s.file)
                 placed[file].add(name)
-                if file not in headers:
-                    continue
-                info = headers[file].tensors.get(name)
-                if info is None or info.shape != s.shape or info.dtype != entry.dtype:
-                    held = "no such tensor" if info is None else f"{info.dtype.code} {list(info.shape)}"
-                    self.problem(f"the distributed index places a {entry.dtype.code} slice of shape "
-                                 f"{list(s.shape)} here, but the file holds {held}", file, name)
-                elif name in offsets[file] and offsets[file][name] != s.offsets:
-                    self.problem(f"DCP_SHARDING_INFO puts this slice at {list(offsets[file][name])}, "
-                                 f"the distributed index at {list(s.offsets)}", file, name)
+                if file in headers:  # else its file is already reported
+                    problem = self.attempt(lambda: distributed_slice_problem(
+                        name, entry, s, headers[file], file=file))
+                    if problem is not None:
+                        self.problem(problem, file, name)
             self._count([entry.dtype.nbytes(entry.shape)])
         for file, header in headers.items():
             for name in sorted(set(header.tensors) - placed[file]):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import reprlib
 from collections.abc import Mapping
 
 from orbax_safetensors.errors import SafetensorsError
@@ -45,8 +46,54 @@ def is_shard_file_name(name: str) -> bool:
     return _SHARD_NAME.match(name) is not None
 
 
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = 80
+_SHORT.maxlevel = 3
+
+
+def short_repr(value: object) -> str:
+    """``repr`` for messages about untrusted values: bounded in length and in depth.
+
+    A hostile index value can be a megabyte string or a list nested hundreds
+    deep; the message should say what is wrong, not reproduce it.
+    """
+    return _SHORT.repr(value)
+
+
+def is_encodable(text: str) -> bool:
+    """Whether ``text`` has no lone surrogate (Python's JSON accepts them, UTF-8 and the OS do not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def load_json(raw: bytes, *, file: str, what: str) -> object:
+    """Decodes an index file: strict UTF-8 JSON, no duplicate keys, no NaN/Infinity.
+
+    Every failure is a SafetensorsError naming ``file``: deep nesting
+    (RecursionError), numbers past Python's digit limit (ValueError) and
+    invalid bytes included.
+    """
+    try:
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=reject_duplicate_keys,
+                          parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise SafetensorsError(
+            f"{what} is malformed: not valid UTF-8 JSON ({str(e)[:200]})", file=file) from None
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
 def check_file_name(name: object, *, file: str, tensor: str | None = None) -> str:
-    """Returns ``name`` if it is a plain file name; raises otherwise."""
+    """Returns ``name`` if it is a plain file name; raises otherwise.
+
+    A lone surrogate is refused too: no OS call can encode it, so it would
+    surface as a UnicodeEncodeError from deep inside the storage layer.
+    """
     if (
         not isinstance(name, str)
         or not name
@@ -55,27 +102,33 @@ def check_file_name(name: object, *, file: str, tensor: str | None = None) -> st
         or "\\" in name
         or ":" in name
         or "\x00" in name
+        or not is_encodable(name)
     ):
         raise SafetensorsError(
-            f"weight_map entry {name!r} is not a plain file name inside the checkpoint",
+            f"file name {short_repr(name)} is not a plain file name inside the checkpoint",
             file=file, tensor=tensor)
     return name
 
 
 def parse_index(raw: bytes, *, file: str = INDEX_NAME) -> HFIndex:
-    try:
-        document = json.loads(raw.decode("utf-8"), object_pairs_hook=reject_duplicate_keys)
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise SafetensorsError(f"index is not valid UTF-8 JSON ({e})", file=file) from None
+    """Parses an index; the only error it raises is a SafetensorsError naming ``file``.
+
+    ``metadata`` is kept as found (any JSON object): transformers reads only
+    ``weight_map``, hub checkpoints carry assorted extra keys there, and we
+    never act on them.
+    """
+    document = load_json(raw, file=file, what="index")
     if not isinstance(document, dict) or not isinstance(document.get("weight_map"), dict):
         raise SafetensorsError("index has no 'weight_map' object", file=file)
     metadata = document.get("metadata", {})
     if not isinstance(metadata, dict):
         raise SafetensorsError("index 'metadata' is not an object", file=file)
-    weight_map = {
-        name: check_file_name(target, file=file, tensor=name)
-        for name, target in document["weight_map"].items()
-    }
+    weight_map = {}
+    for name, target in document["weight_map"].items():
+        if not is_encodable(name):
+            raise SafetensorsError(
+                f"tensor name {short_repr(name)} holds an unpaired surrogate", file=file)
+        weight_map[name] = check_file_name(target, file=file, tensor=name)
     return HFIndex(weight_map, metadata)
 
 

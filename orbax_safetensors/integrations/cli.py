@@ -66,6 +66,9 @@ def _verify(args: argparse.Namespace) -> int:
     else:
         for problem in report.problems:
             print(problem)
+        for leftover in report.leftovers:
+            print(f"note: file {leftover!r} is not part of the checkpoint (left over from an "
+                  "earlier save?); readers ignore it")
         found = (f"{len(report.problems)} problem{'s' * (len(report.problems) != 1)}"
                  if report.problems else "ok")
         print(f"{found}: {report.layout}, {len(report.files)} file(s), {report.tensors} tensors, "

@@ -36,9 +36,10 @@ class FsspecStorage(Storage):
         self.retries = retries
         # Sizes of the files, and the directories, seen by the last listing of each directory
         # (``scan``/``listdir``): one LIST answers what would be a HEAD per file. Any change we
-        # make forgets them all.
-        self._listed_sizes: dict[str, int] = {}
-        self._listed_dirs: set[str] = set()
+        # make forgets them all, by replacing the pair (never clearing it in place): a reader
+        # on another thread sees one whole generation, old or new, and a listing that started
+        # before a forget fills the generation it started with, which is dropped.
+        self._listed: tuple[dict[str, int], set[str]] = ({}, set())
         protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
         self.cheap_rename = not protocols & {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"}
 
@@ -55,8 +56,9 @@ class FsspecStorage(Storage):
         return posixpath.split(path)
 
     def size(self, path: str) -> int:
-        if path in self._listed_sizes:
-            return self._listed_sizes[path]
+        size = self._listed[0].get(path)
+        if size is not None:
+            return size
         return int(self._call(path, "size", lambda: self.fs.size(path)))
 
     def scan(self, directory: str) -> None:
@@ -66,8 +68,7 @@ class FsspecStorage(Storage):
             pass
 
     def _forget_listings(self) -> None:
-        self._listed_sizes.clear()
-        self._listed_dirs.clear()
+        self._listed = ({}, set())
 
     def read(self, path: str, offset: int, length: int) -> bytes:
         return self._call(path, f"read of bytes [{offset}, {offset + length})",
@@ -157,8 +158,9 @@ class FsspecStorage(Storage):
         return self.fs.open(path, "rb", block_size=_READ_BLOCK)
 
     def exists(self, path: str) -> bool:
-        if posixpath.dirname(path) in self._listed_dirs:
-            return path in self._listed_sizes or path in self._listed_dirs
+        sizes, dirs = self._listed
+        if posixpath.dirname(path) in dirs:
+            return path in sizes or path in dirs
         return bool(self._call(path, "exists", lambda: self.fs.exists(path)))
 
     def isdir(self, path: str) -> bool:
@@ -167,14 +169,15 @@ class FsspecStorage(Storage):
     def listdir(self, path: str) -> list[str]:
         # A listing must not come from a cache filled before another process wrote.
         self.fs.invalidate_cache(path)
+        sizes, dirs = self._listed
         listed = self._call(path, "list", lambda: self.fs.ls(path, detail=True))
         for entry in listed:
             name = entry["name"].rstrip("/")
             if entry.get("type") == "directory":
-                self._listed_dirs.add(name)
+                dirs.add(name)
             else:
-                self._listed_sizes[name] = int(entry["size"])
-        self._listed_dirs.add(path)
+                sizes[name] = int(entry["size"])
+        dirs.add(path)
         return [posixpath.basename(entry["name"].rstrip("/")) for entry in listed]
 
     def makedirs(self, path: str) -> None:
