@@ -28,7 +28,7 @@ from orbax_safetensors.integrations.orbax_version import UnsupportedOrbaxError, 
 __version__ = "0.1.0"
 
 _ORBAX_NAMES = ("SafetensorsCheckpointHandler", "SafetensorsHandler", "SafetensorsLayout",
-                "SafetensorsRestore", "SafetensorsSave")
+                "SafetensorsRestore", "SafetensorsSave", "ConvertStats", "convert")
 try:
     check_orbax_version()
 except UnsupportedOrbaxError as e:
@@ -42,6 +42,8 @@ else:
     from orbax_safetensors.integrations.orbax_items import SafetensorsRestore, SafetensorsSave
     from orbax_safetensors.integrations.orbax_v0 import SafetensorsCheckpointHandler
     from orbax_safetensors.integrations.orbax_v1 import SafetensorsHandler, SafetensorsLayout
+    # Orbax PyTree checkpoint <-> safetensors (also the `orbax-safetensors convert` command).
+    from orbax_safetensors.integrations.orbax_convert import ConvertStats, convert
 
 
 def __getattr__(name: str):
@@ -56,5 +58,5 @@ __all__ = [
     "StorageError", "UnsupportedOrbaxError", "VerifyReport",
     "async_save", "consolidate", "load", "metadata", "save", "verify", "__version__",
     "SafetensorsCheckpointHandler", "SafetensorsHandler", "SafetensorsLayout",
-    "SafetensorsRestore", "SafetensorsSave",
+    "SafetensorsRestore", "SafetensorsSave", "ConvertStats", "convert",
 ]

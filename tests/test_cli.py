@@ -42,7 +42,14 @@ def test_errors_are_one_line_and_non_zero(tmp_path):
 
 def test_help_shows_examples():
     result = _cli("--help")
-    assert result.returncode == 0 and "orbax-safetensors inspect" in result.stdout
+    assert result.returncode == 0
+    for command in ("inspect", "verify", "consolidate", "convert"):
+        assert f"  orbax-safetensors {command} " in result.stdout, command
+        own = _cli(command, "--help")
+        assert own.returncode == 0 and own.stderr == ""
+        assert "examples:" in own.stdout and f"  orbax-safetensors {command} " in own.stdout
+    assert "--overwrite" in _cli("convert", "--help").stdout
+    assert "--flat" in _cli("convert", "--help").stdout
 
 
 def test_demo_runs_end_to_end(tmp_path):
@@ -81,7 +88,96 @@ def test_progress_line_reports_throughput():
     progress.advance(1_000_000_000)
     summary = progress.close()
     assert "job: 1.00/2.00 GB (50%)" in summary and "GB/s" in summary
-    assert stream.getvalue().endswith(summary + "\n")
+    assert "ETA" not in summary  # the final line has no estimate left
+    assert stream.getvalue().endswith("\r" + summary + "\x1b[K\n")
     quiet = io.StringIO()
     Progress("job", 10, enabled=False, stream=quiet).close()
     assert quiet.getvalue() == ""
+
+
+def test_progress_formats():
+    from orbax_safetensors.engine.progress import (
+        Progress, format_bytes, format_rate, format_seconds, summary_line)
+
+    assert format_bytes(999) == "999 B" and format_bytes(1_234_567) == "1.23 MB"
+    assert format_rate(270_000_000) == "0.27 GB/s" and format_rate(5_000) == "5.00 KB/s"
+    assert format_seconds(4.54) == "4.5 s" and format_seconds(125) == "2m05s"
+    assert format_seconds(3725) == "1h02m"
+    assert summary_line(1_230_000_000, "out", 4.5) == "wrote 1.23 GB to out in 4.5 s (0.27 GB/s)"
+    progress = Progress("job", 4_000_000, enabled=False)
+    progress.advance(1_000_000)
+    line = progress._line(progress.started + 2.0)
+    assert line == "job: 1.00/4.00 MB (25%) in 2.0 s, 500.00 KB/s, ETA 6.0 s"
+
+
+def _under_terminal(*args):
+    """Runs the command with stderr on a pseudo-terminal (stdout a pipe): (code, stdout, stderr)."""
+    import pty
+
+    leader, follower = pty.openpty()
+    try:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "orbax_safetensors.integrations.cli", *args],
+            stdout=subprocess.PIPE, stderr=follower, stdin=subprocess.DEVNULL, cwd=_REPO)
+        os.close(follower)
+        terminal = b""
+        while True:
+            try:
+                data = os.read(leader, 4096)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not data:
+                break
+            terminal += data
+        stdout = child.stdout.read().decode()
+        code = child.wait(timeout=120)
+    finally:
+        os.close(leader)
+    return code, stdout, terminal.decode().replace("\r\n", "\n")
+
+
+def test_progress_on_a_terminal_and_quiet_in_a_pipe(tmp_path):
+    values = {"w": np.arange(4096, dtype=np.float32).reshape(64, 64), "b": np.ones(7, np.int8)}
+    ost.save(tmp_path / "dist", values, layout="distributed")
+    code, stdout, terminal = _under_terminal(
+        "consolidate", str(tmp_path / "dist"), str(tmp_path / "hf"), "--block-bytes", "1KB")
+    assert code == 0, terminal
+    # The progress line, drawn at the start and redrawn in place, ends complete.
+    assert f"\rconsolidate {tmp_path / 'dist'} -> {tmp_path / 'hf'}: 0.00/16.39 KB (0%)" in terminal
+    assert "16.39/16.39 KB (100%) in " in terminal and "/s" in terminal
+    assert "ETA" in terminal  # the first drawing has an estimate, the last does not
+    assert terminal.endswith("\x1b[K\n")
+    assert stdout.count("\n") == 1
+    assert stdout.startswith(f"wrote 16.39 KB to {tmp_path / 'hf'} in ") and "/s)" in stdout
+
+    quiet = _cli("consolidate", str(tmp_path / "dist"), str(tmp_path / "hf2"),
+                 "--block-bytes", "1KB")
+    assert quiet.returncode == 0 and quiet.stderr == ""
+    assert quiet.stdout.count("\n") == 1 and quiet.stdout.startswith("wrote 16.39 KB to ")
+
+    silenced = _under_terminal("consolidate", str(tmp_path / "dist"), str(tmp_path / "hf3"),
+                               "--no-progress")
+    assert silenced[0] == 0 and silenced[2] == ""
+    as_json = _under_terminal("consolidate", str(tmp_path / "dist"), str(tmp_path / "hf4"),
+                              "--json")
+    assert as_json[0] == 0 and as_json[2] == ""
+    assert json.loads(as_json[1])["bytes_written"] == 4096 * 4 + 7
+
+    code, stdout, terminal = _under_terminal("verify", str(tmp_path / "hf"))
+    assert code == 0 and stdout.startswith("ok: ")
+    assert terminal.startswith(f"verify {tmp_path / 'hf'}: checking...")
+    assert f"\rverify {tmp_path / 'hf'}: checked 1 file(s) in " in terminal
+
+
+def test_convert_progress_on_a_terminal(tmp_path):
+    ost.save(tmp_path / "hf", {"a.w": np.ones((32, 32), np.float32)})
+    code, stdout, terminal = _under_terminal("convert", str(tmp_path / "hf"), str(tmp_path / "o"))
+    assert code == 0, terminal
+    assert f"\rconvert {tmp_path / 'hf'} -> {tmp_path / 'o'}: 4.10/4.10 KB (100%)" in terminal
+    assert "WARNING" not in terminal  # Orbax's logging stays off the terminal
+    assert stdout.startswith(f"wrote 4.10 KB to {tmp_path / 'o'} in ")
+    assert stdout.rstrip().endswith("1 tensors, safetensors -> orbax")
+    failed = _under_terminal("convert", str(tmp_path / "hf"), str(tmp_path / "o"))
+    assert failed[0] == 1 and failed[1] == ""
+    assert failed[2].count("\n") == 1 and "already exists" in failed[2]
+    assert "Traceback" not in failed[2]

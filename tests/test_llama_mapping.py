@@ -137,6 +137,28 @@ def test_save_through_the_mapping_round_trips_to_transformers(sharded, hf_dir, r
     np.testing.assert_array_equal(round_trip, reference)  # the very same tensors
 
 
+def test_checkpoint_manager_saves_flax_params_as_a_transformers_checkpoint(sharded, hf_dir, reference,
+                                                                          tmp_path):
+    """Through Orbax: each step's item is the HF checkpoint, restored into the Flax tree."""
+    import orbax.checkpoint as ocp
+
+    model, target, params, _ = sharded
+    llama = ost.mappings.llama()
+    with ocp.CheckpointManager(tmp_path / "run", item_names=("params",)) as manager:
+        manager.save(1, args=ocp.args.Composite(params=ost.SafetensorsSave(params, mapping=llama)))
+        manager.wait_until_finished()
+        restored = manager.restore(1, args=ocp.args.Composite(
+            params=ost.SafetensorsRestore(target, mapping=llama)))["params"]
+    item = tmp_path / "run" / "1" / "params"
+    shutil.copy(os.path.join(hf_dir, "config.json"), item)
+    np.testing.assert_array_equal(_torch_logits(str(item)), reference)
+    assert jax.tree.all(jax.tree.map(lambda a, t: a.sharding == t.sharding, restored, target))
+    logits = np.asarray(jax.jit(model.apply)({"params": restored}, _TOKENS))
+    np.testing.assert_allclose(logits, reference, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ost.MappingError):
+        ost.SafetensorsSave({"not.a.llama.name": np.zeros(2)}, mapping=llama)
+
+
 def test_llama_mapping_sizes_come_from_the_config(hf_dir):
     config = transformers.LlamaConfig.from_pretrained(hf_dir)
     loaded = ost.load(hf_dir, mapping=ost.mappings.llama(config))  # no target: sizes from config

@@ -201,3 +201,40 @@ def test_readers_racing_an_overwrite_see_old_or_new_never_a_mix(store, monkeypat
         seen[kind] += 1
     saver.join()
     assert seen["new"] >= 1, seen
+
+
+class _Crash(BaseException):
+    """Stands in for the process dying: no ``except Exception`` cleanup runs."""
+
+
+def test_a_crashed_distributed_overwrite_is_an_interrupted_save_not_a_mix(store, monkeypatch):
+    """On object stores distributed files go straight to their final names (a rename is a
+    copy), where without their index they read as torch DCP output. A save that dies after
+    writing one new file over an old one must read as interrupted, not as old and new mixed."""
+    _, bucket, _ = store
+    url = f"{bucket}/crash-distributed"
+    old = {f"t{i}": np.full((64, 64), i, np.float32) for i in range(6)}
+    new = {f"t{i}": np.full((64, 64), 100 + i, np.float32) for i in range(6)}
+    ost.save(url, old, layout="distributed", max_shard_size=20_000)
+    real_write, shard_writes = FsspecStorage.write, []
+
+    def dying_write(self, path, chunks):
+        if "/shard-" in path:
+            shard_writes.append(path)
+            if len(shard_writes) == 2:
+                raise _Crash()
+        real_write(self, path, chunks)
+
+    monkeypatch.setattr(FsspecStorage, "write", dying_write)
+    with pytest.raises(_Crash):
+        ost.save(url, new, layout="distributed", max_shard_size=20_000, overwrite=True)
+    monkeypatch.setattr(FsspecStorage, "write", real_write)
+    with pytest.raises(ost.SafetensorsError, match="interrupted save"):
+        ost.load(url)
+    assert not ost.verify(url).ok
+    ost.save(url, new, layout="distributed", max_shard_size=20_000, overwrite=True)
+    loaded = ost.load(url)
+    for name in new:
+        np.testing.assert_array_equal(loaded[name], new[name], err_msg=name)
+    fs, root = fsspec.core.url_to_fs(url)
+    assert not [p for p in fs.ls(root, detail=False) if p.rsplit("/", 1)[1].startswith(".")]

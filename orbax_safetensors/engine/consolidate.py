@@ -14,7 +14,7 @@ import concurrent.futures
 import os
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import fsspec
@@ -29,6 +29,7 @@ from orbax_safetensors.engine.shard_reader import execute_read, piece_runs
 from orbax_safetensors.format import TensorInfo
 from orbax_safetensors.index import parse_size
 from orbax_safetensors.planning import (
+    Box,
     FilePlan,
     TensorSpec,
     box_shape,
@@ -76,8 +77,41 @@ def consolidate(
     checkpoint = open_checkpoint(src, storage_options, filesystem)
     names = sorted(checkpoint.tensors)
     specs = [TensorSpec(n, checkpoint.tensors[n].dtype, checkpoint.tensors[n].shape) for n in names]
-    plan = plan_hf_checkpoint(specs, max_shard_size=max_shard_size,
-                              metadata={**checkpoint.metadata, **(metadata or {})})
+    return write_hf_streaming(
+        dst, specs,
+        lambda info, block: _read_block(checkpoint.storage, checkpoint.tensors[info.name], info, block),
+        label=f"consolidate {os.fspath(src)} -> {os.fspath(dst)}", started=started,
+        max_shard_size=max_shard_size, metadata={**checkpoint.metadata, **(metadata or {})},
+        overwrite=overwrite, block_bytes=block_bytes, progress=progress,
+        storage_options=storage_options, filesystem=filesystem)
+
+
+def write_hf_streaming(
+    dst: str | os.PathLike,
+    specs: Sequence[TensorSpec],
+    read_block: Callable[[TensorInfo, Box | None], memoryview],
+    *,
+    label: str,
+    started: float | None = None,
+    max_shard_size: int | str = "5GB",
+    metadata: Mapping[str, str] | None = None,
+    overwrite: bool = False,
+    block_bytes: int | str = "64MB",
+    progress: bool | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    filesystem: fsspec.AbstractFileSystem | None = None,
+) -> SaveStats:
+    """Writes an HF checkpoint at ``dst`` whose tensor bytes come from ``read_block``.
+
+    The writing half of ``consolidate``, shared with the other converters
+    (``ost.convert`` reads Orbax checkpoints through it): any source that can
+    hand over one row block of a tensor at a time (``read_block(info, box)``
+    returns its raw little-endian bytes; ``box`` is ``None`` for a packed
+    tensor, wanted whole) gets the same planning, bounded memory, progress
+    line and commit.
+    """
+    started = time.perf_counter() if started is None else started
+    plan = plan_hf_checkpoint(list(specs), max_shard_size=max_shard_size, metadata=dict(metadata or {}))
     storage, directory = storage_for(dst, storage_options, filesystem)
     committed, previous = directory_files(storage, directory)
     if committed and not overwrite:
@@ -88,12 +122,11 @@ def consolidate(
     stats = SaveStats()
     job = SaveJob(storage, directory, plan, previous, [], key, token, stats, started)
     mine = [f for i, f in enumerate(plan.files) if i % jax.process_count() == jax.process_index()]
-    report = Progress(f"consolidate {os.fspath(src)} -> {os.fspath(dst)}",
-                      sum(t.nbytes for f in mine for t in f.tensors), enabled=progress)
+    report = Progress(label, sum(t.nbytes for f in mine for t in f.tensors),
+                      enabled=progress).start()
     blocks = parse_size(block_bytes)
     with concurrent.futures.ThreadPoolExecutor(_PREFETCH) as pool:
-        job.stream_files(mine, lambda file: _file_chunks(
-            checkpoint.storage, checkpoint.tensors, file, blocks, pool, report))
+        job.stream_files(mine, lambda file: _file_chunks(read_block, file, blocks, pool, report))
     report.close()
     stats.bytes_written, stats.files = report.done, len(mine)
     stats.seconds = time.perf_counter() - started
@@ -101,7 +134,7 @@ def consolidate(
 
 
 def _file_chunks(
-    storage: Storage, tensors: Mapping[str, TensorSource], file: FilePlan, block_bytes: int,
+    read_block: Callable[[TensorInfo, Box | None], memoryview], file: FilePlan, block_bytes: int,
     pool: concurrent.futures.Executor, report: Progress,
 ) -> Iterator[memoryview | bytes]:
     """The output file's bytes in order, blocks read a few ahead of the writer."""
@@ -109,7 +142,7 @@ def _file_chunks(
     pending: list[concurrent.futures.Future] = []
     for info in file.tensors:
         for block in _tensor_blocks(info, block_bytes):
-            pending.append(pool.submit(_read_block, storage, tensors[info.name], info, block))
+            pending.append(pool.submit(read_block, info, block))
             if len(pending) > _PREFETCH:
                 yield _reported(pending.pop(0).result(), report)
     for future in pending:

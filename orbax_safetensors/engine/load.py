@@ -22,7 +22,7 @@ from orbax_safetensors.engine.checkpoint_reader import Checkpoint, TensorSource,
 from orbax_safetensors.engine.tree_names import flatten_with_names
 from orbax_safetensors.engine.shard_reader import Job, LoadStats, host_job, run_jobs, sharded_job
 from orbax_safetensors.errors import SafetensorsError
-from orbax_safetensors.planning.mapping import Mapping as Mapping_
+from orbax_safetensors.planning import mapping as mapping_rules
 from orbax_safetensors.planning.mapping import MappingError, Transform
 from orbax_safetensors.index import parse_size
 
@@ -113,7 +113,7 @@ def load(
     stats: LoadStats | None = None,
     storage_options: Mapping[str, Any] | None = None,
     filesystem: fsspec.AbstractFileSystem | None = None,
-    mapping: Mapping_ | None = None,
+    mapping: mapping_rules.Mapping | None = None,
 ) -> Any:
     """Loads a checkpoint into the structure, dtypes and shardings of ``target``.
 
@@ -203,7 +203,7 @@ def _job(name: str, source: TensorSource, request: _Request, read_once: bool, bo
 
 
 def _map(
-    checkpoint: Checkpoint, mapping: Mapping_, names: list[str], requests: list[_Request],
+    checkpoint: Checkpoint, mapping: mapping_rules.Mapping, names: list[str], requests: list[_Request],
     from_checkpoint: bool, strict: bool,
 ) -> tuple[list[str | None], list[_Request], list[Transform | None]]:
     """Stored names, requests in stored shapes, and transforms of the leaves ``names``.

@@ -2,7 +2,10 @@
 
 Scripts and CI get nothing on stderr but what goes wrong; a person at a
 terminal sees bytes done, throughput and an estimate of the time left,
-redrawn at most a few times a second.
+redrawn at most a few times a second. When the job ends the line is
+redrawn once more, without the estimate, and ``summary_line`` gives the
+one-line result the command prints ("wrote 1.23 GB to DST in 4.5 s
+(0.27 GB/s)"). Sizes are decimal (GB = 10^9 bytes), as in ``max_shard_size``.
 """
 
 from __future__ import annotations
@@ -14,6 +17,10 @@ from typing import TextIO
 
 
 class Progress:
+    # Whether some progress line was drawn and not finished: an error message
+    # then starts on a line of its own.
+    unfinished_line = False
+
     def __init__(self, label: str, total_bytes: int, *, enabled: bool | None = None,
                  stream: TextIO | None = None):
         self.stream = stream or sys.stderr
@@ -30,22 +37,83 @@ class Progress:
                 self._drawn = now
                 self._draw(now, end="")
 
-    def close(self) -> str:
-        """Draws the final line (on a terminal) and returns the summary."""
-        summary = self._line(time.perf_counter())
+    def start(self) -> "Progress":
+        """Draws the line at once (on a terminal), before the first bytes are done."""
         if self.enabled:
-            self.stream.write("\r" + summary + "\n")
-            self.stream.flush()
+            self._draw(time.perf_counter(), end="")
+        return self
+
+    def close(self) -> str:
+        """Draws the final line (on a terminal) and returns it."""
+        with self._lock:
+            summary = self._line(time.perf_counter(), final=True)
+            if self.enabled:
+                self.stream.write("\r" + summary + _CLEAR_TO_END + "\n")
+                self.stream.flush()
+                Progress.unfinished_line = False
         return summary
 
     def _draw(self, now: float, end: str) -> None:
-        self.stream.write("\r" + self._line(now) + end)
+        # Erase what a longer previous line left behind.
+        self.stream.write("\r" + self._line(now) + _CLEAR_TO_END + end)
         self.stream.flush()
+        Progress.unfinished_line = True
 
-    def _line(self, now: float) -> str:
+    def _line(self, now: float, final: bool = False) -> str:
         seconds = max(now - self.started, 1e-9)
         rate = self.done / seconds
         share = self.done / self.total if self.total else 1.0
-        left = (self.total - self.done) / rate if rate > 0 else 0.0
-        return (f"{self.label}: {self.done / 1e9:.2f}/{self.total / 1e9:.2f} GB ({share:.0%}) "
-                f"in {seconds:.1f} s, {rate / 1e9:.2f} GB/s, ~{left:.0f} s left")
+        line = (f"{self.label}: {format_pair(self.done, self.total)} ({share:.0%}) "
+                f"in {format_seconds(seconds)}, {format_rate(rate)}")
+        if final:
+            return line
+        left = (self.total - self.done) / rate if rate > 0 else None
+        return line + (f", ETA {format_seconds(left)}" if left is not None else ", ETA -")
+
+
+_CLEAR_TO_END = "\x1b[K"
+_UNITS = ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "KB"))
+
+
+def _unit(n: float) -> tuple[float, str]:
+    for scale, name in _UNITS:
+        if n >= scale:
+            return scale, name
+    return 1.0, "B"
+
+
+def format_bytes(n: float) -> str:
+    """``1234567`` → ``"1.23 MB"`` (decimal units)."""
+    scale, name = _unit(n)
+    return f"{n:.0f} B" if scale == 1.0 else f"{n / scale:.2f} {name}"
+
+
+def format_pair(done: float, total: float) -> str:
+    """``done/total`` in the total's unit: ``"0.50/2.00 GB"``."""
+    scale, name = _unit(total)
+    if scale == 1.0:
+        return f"{done:.0f}/{total:.0f} B"
+    return f"{done / scale:.2f}/{total / scale:.2f} {name}"
+
+
+def format_rate(bytes_per_second: float) -> str:
+    """GB/s for anything a checkpoint job usually reaches, smaller units below 0.01 GB/s."""
+    if bytes_per_second >= 1e7:
+        return f"{bytes_per_second / 1e9:.2f} GB/s"
+    return format_bytes(bytes_per_second) + "/s"
+
+
+def format_seconds(seconds: float) -> str:
+    """``4.5 s``, ``2m05s``, ``1h02m``."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(int(round(seconds)), 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    return f"{minutes // 60}h{minutes % 60:02d}m"
+
+
+def summary_line(nbytes: int, dst: str, seconds: float, verb: str = "wrote") -> str:
+    """The result of a job, one line: ``wrote 1.23 GB to DST in 4.5 s (0.27 GB/s)``."""
+    return (f"{verb} {format_bytes(nbytes)} to {dst} in {format_seconds(seconds)} "
+            f"({format_rate(nbytes / max(seconds, 1e-9))})")

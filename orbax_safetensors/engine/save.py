@@ -75,7 +75,7 @@ from orbax_safetensors.planning import (
     plan_single_file,
     relative_slices,
 )
-from orbax_safetensors.planning.mapping import Mapping as Mapping_
+from orbax_safetensors.planning import mapping as mapping_rules
 from orbax_safetensors.planning.mapping import Transform
 from orbax_safetensors.storage import Storage, storage_for
 
@@ -124,7 +124,7 @@ def save(
     overwrite: bool = False,
     storage_options: Mapping[str, Any] | None = None,
     filesystem: fsspec.AbstractFileSystem | None = None,
-    mapping: Mapping_ | None = None,
+    mapping: mapping_rules.Mapping | None = None,
 ) -> SaveStats:
     """Saves the arrays of ``tree`` as safetensors, named by their key paths; blocks until committed.
 
@@ -170,7 +170,7 @@ def async_save(
     overwrite: bool = False,
     storage_options: Mapping[str, Any] | None = None,
     filesystem: fsspec.AbstractFileSystem | None = None,
-    mapping: Mapping_ | None = None,
+    mapping: mapping_rules.Mapping | None = None,
 ) -> concurrent.futures.Future[SaveStats]:
     """Like ``save``, but returns once this process's shards are copied to host memory.
 
@@ -198,7 +198,7 @@ def prepare_save(
     new_directory: bool = False,
     storage_options: Mapping[str, Any] | None = None,
     filesystem: fsspec.AbstractFileSystem | None = None,
-    mapping: Mapping_ | None = None,
+    mapping: mapping_rules.Mapping | None = None,
 ) -> SaveJob:
     """Plans and takes this process's shards to the host; ``start()`` on the result writes.
 
@@ -386,6 +386,10 @@ class SaveJob:
         """
         if not self.storage.cheap_rename:
             return self.storage.join(self.directory, name)
+        return self._staged(name)
+
+    def _staged(self, name: str) -> str:
+        """This save's temporary name for ``name`` (removed by the next successful save)."""
         return self.storage.join(self.directory, f".{name}.tmp-{self.token}")
 
     def _begin_direct_writes(self) -> None:
@@ -710,6 +714,16 @@ class DistributedSaveJob(SaveJob):
             future.set_result(self.stats)
         except BaseException as e:
             future.set_exception(e)
+
+    def _begin_direct_writes(self) -> None:
+        """Files go straight to their final names here, where without their index they would
+        read as torch DCP output (some tensors, or old and new files mixed). So before any is
+        written, process 0 leaves the temporary index name that marks them an interrupted save
+        (``is_interrupted_distributed_save``) until the index is in place and it is removed."""
+        if jax.process_index() == 0:
+            self.storage.makedirs(self.directory)
+            self.storage.write(self._staged(DISTRIBUTED_INDEX_NAME), [b"{}"])
+        super()._begin_direct_writes()
 
     def _write_distributed(self) -> None:
         me = jax.process_index()

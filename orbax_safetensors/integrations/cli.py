@@ -2,26 +2,62 @@
 
 Human-readable tables on a terminal, ``--json`` for scripts; failures print one
 line on stderr and exit non-zero, never a traceback for a bad checkpoint.
+Long jobs (``consolidate``, ``convert``) draw a progress line on stderr only
+when it is a terminal, so a script or CI log gets nothing there but errors,
+and stdout holds exactly one line: the human summary, or with ``--json`` a
+JSON object. Orbax and TensorStore are imported by ``convert`` alone, since
+they take seconds to import and the other commands never need them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
+import time
+import warnings
 from collections.abc import Sequence
 
 from orbax_safetensors.engine import consolidate, verify
 from orbax_safetensors.engine import metadata as read_metadata
+from orbax_safetensors.engine.progress import Progress, format_seconds, summary_line
 from orbax_safetensors.errors import SafetensorsError
 from orbax_safetensors.format import dtype_for_numpy
 
-_EXAMPLES = """examples:
+_INSPECT_EXAMPLES = """examples:
   orbax-safetensors inspect ./llama-checkpoint
   orbax-safetensors inspect gs://bucket/run/step_100/params --json
-  orbax-safetensors verify s3://bucket/run/step_100/params   # exit status 1 if anything is wrong
-  orbax-safetensors consolidate ./distributed-ckpt ./hf-ckpt --max-shard-size 2GB
 """
+_VERIFY_EXAMPLES = """examples:
+  orbax-safetensors verify ./llama-checkpoint
+  orbax-safetensors verify s3://bucket/run/step_100/params --json   # exit status 1 if anything is wrong
+"""
+_CONSOLIDATE_EXAMPLES = """examples:
+  orbax-safetensors consolidate ./distributed-ckpt ./hf-ckpt --max-shard-size 2GB
+  orbax-safetensors consolidate ./torch-dcp-out ./hf-ckpt --json --no-progress
+"""
+_CONVERT_EXAMPLES = """examples:
+  orbax-safetensors convert ./orbax/step_1000/default ./hf-ckpt --max-shard-size 2GB
+  orbax-safetensors convert ./hf-ckpt ./orbax-ckpt          # restore: ocp.StandardCheckpointer().restore(...)
+  orbax-safetensors convert ./hf-ckpt ./orbax-ckpt --flat   # keep "a.b.c" names as flat keys
+  orbax-safetensors convert ./orbax-ckpt ./hf-ckpt --overwrite --json
+
+The direction follows SRC: an Orbax PyTree checkpoint (a directory with
+Orbax's _METADATA, or a CheckpointManager step with one item) becomes a
+safetensors checkpoint, and a safetensors checkpoint becomes an Orbax PyTree
+checkpoint. Both stream one row block of one tensor at a time (--block-bytes),
+so memory does not grow with the checkpoint; reading an Orbax checkpoint also
+holds about twice its largest storage chunk (Orbax stores an unsharded array
+as one chunk). Tensor names are key paths joined with "."; an Orbax output
+nests them back into dicts ("model.layers.0.w" -> model/layers/0/w) unless
+--flat, and converting back gives the same names and bytes.
+"""
+_EXAMPLES = ("examples:\n" + "".join(
+    text.split("\n", 1)[1].split("\n\n", 1)[0].rstrip("\n") + "\n"
+    for text in (_INSPECT_EXAMPLES, _VERIFY_EXAMPLES, _CONSOLIDATE_EXAMPLES, _CONVERT_EXAMPLES))
+    + "\nrun 'orbax-safetensors COMMAND --help' for a command's options.\n")
 
 
 def _human_bytes(n: int) -> str:
@@ -59,7 +95,17 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    on_terminal = args.progress and sys.stderr.isatty() and not args.json
+    if on_terminal:  # verify reads every header, which takes a while on an object store
+        sys.stderr.write(f"verify {args.path}: checking...")
+        sys.stderr.flush()
+        Progress.unfinished_line = True
     report = verify(args.path)
+    if on_terminal:
+        sys.stderr.write(f"\rverify {args.path}: checked {len(report.files)} file(s) in "
+                         f"{format_seconds(time.perf_counter() - started)}\x1b[K\n")
+        Progress.unfinished_line = False
     if args.json:
         json.dump(report.to_json(), sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -76,45 +122,104 @@ def _verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _progress(args: argparse.Namespace) -> bool | None:
+    """``None`` (on a terminal only) unless ``--no-progress`` or ``--json`` silence it."""
+    return False if not args.progress or args.json else None
+
+
 def _consolidate(args: argparse.Namespace) -> int:
     stats = consolidate(args.src, args.dst, max_shard_size=args.max_shard_size,
-                        overwrite=args.overwrite, progress=None if args.progress else False)
-    summary = {"bytes_written": stats.bytes_written, "seconds": round(stats.seconds, 3),
+                        block_bytes=args.block_bytes, overwrite=args.overwrite,
+                        progress=_progress(args))
+    summary = {"src": args.src, "dst": args.dst, "bytes_written": stats.bytes_written,
+               "files": stats.files, "seconds": round(stats.seconds, 3),
                "gb_per_s": round(stats.bytes_written / max(stats.seconds, 1e-9) / 1e9, 3)}
     print(json.dumps(summary) if args.json else
-          f"wrote {stats.bytes_written / 1e9:.3f} GB to {args.dst} in {stats.seconds:.2f} s "
-          f"({summary['gb_per_s']:.2f} GB/s)")
+          summary_line(stats.bytes_written, args.dst, stats.seconds))
     return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    _quiet_libraries()
+    from orbax_safetensors.integrations.orbax_convert import convert
+
+    stats = convert(args.src, args.dst, max_shard_size=args.max_shard_size,
+                    block_bytes=args.block_bytes, nest=not args.flat, overwrite=args.overwrite,
+                    progress=_progress(args))
+    if args.json:
+        print(json.dumps({"src": args.src, "dst": args.dst, **stats.to_json()}))
+    else:
+        print(summary_line(stats.bytes_written, args.dst, stats.seconds)
+              + f": {stats.tensors} tensors, {stats.source_format} -> {stats.target_format}")
+    return 0
+
+
+def _quiet_libraries() -> None:
+    """Orbax logs its progress at INFO/WARNING through absl; the command's stderr is for errors."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    logging.getLogger("absl").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", module="orbax")
+
+
+def _add_job_options(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--max-shard-size", default="5GB",
+                         help="bytes per safetensors file, e.g. 2GB or 500MiB (default 5GB)")
+    command.add_argument("--block-bytes", default="64MB",
+                         help="the most bytes of one tensor moved at once; bounds memory "
+                              "(default 64MB)")
+    command.add_argument("--overwrite", action="store_true", help="replace what is at DST")
+    command.add_argument("--no-progress", dest="progress", action="store_false",
+                         help="no progress line (it shows only when stderr is a terminal)")
+    command.add_argument("--json", action="store_true",
+                         help="print one JSON line (bytes, seconds, GB/s) instead of the summary")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="orbax-safetensors",
-        description="Inspect and manage safetensors checkpoints (local paths or fsspec URLs).",
+        description="Inspect, verify and convert safetensors checkpoints "
+                    "(local paths or fsspec URLs), and convert Orbax checkpoints to and from them.",
         epilog=_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    commands = parser.add_subparsers(dest="command", required=True)
-    inspect = commands.add_parser(
-        "inspect", help="list tensors, shapes, dtypes, sizes, files and metadata")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, help: str, examples: str) -> argparse.ArgumentParser:
+        return commands.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".",
+                                   epilog=examples,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    inspect = command("inspect", "list tensors, shapes, dtypes, sizes, files and metadata",
+                      _INSPECT_EXAMPLES)
     inspect.add_argument("path", help="a .safetensors file or a checkpoint directory")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
     inspect.set_defaults(run=_inspect)
-    check = commands.add_parser(
-        "verify", help="check every file against the format and the index; list all problems")
+    check = command("verify",
+                    "check every file against the format and the index; list all problems",
+                    _VERIFY_EXAMPLES)
     check.add_argument("path", help="a .safetensors file or a checkpoint directory")
     check.add_argument("--json", action="store_true", help="machine-readable report")
+    check.add_argument("--no-progress", dest="progress", action="store_false",
+                       help="no status line (it shows only when stderr is a terminal)")
     check.set_defaults(run=_verify)
-    merge = commands.add_parser(
-        "consolidate", help="rewrite a distributed (or torch DCP) checkpoint as an HF checkpoint")
+    merge = command("consolidate",
+                    "rewrite a distributed (or torch DCP) checkpoint as an HF checkpoint",
+                    _CONSOLIDATE_EXAMPLES)
     merge.add_argument("src", help="the distributed checkpoint directory")
     merge.add_argument("dst", help="the HF checkpoint directory to write")
-    merge.add_argument("--max-shard-size", default="5GB", help="bytes per file (default 5GB)")
-    merge.add_argument("--overwrite", action="store_true", help="replace a checkpoint at DST")
-    merge.add_argument("--no-progress", dest="progress", action="store_false",
-                       help="no progress line (it shows only on a terminal anyway)")
-    merge.add_argument("--json", action="store_true", help="machine-readable summary")
+    _add_job_options(merge)
     merge.set_defaults(run=_consolidate)
+    change = command("convert",
+                     "convert an Orbax PyTree checkpoint to safetensors, or safetensors to Orbax",
+                     _CONVERT_EXAMPLES)
+    change.add_argument("src", help="an Orbax PyTree checkpoint directory, or a safetensors "
+                                    "checkpoint (file or directory)")
+    change.add_argument("dst", help="the directory to write (the other format)")
+    _add_job_options(change)
+    change.add_argument("--flat", action="store_true",
+                        help="safetensors -> Orbax: keep the tensor names as flat keys instead "
+                             "of nesting them on '.'")
+    change.set_defaults(run=_convert)
     return parser
 
 
@@ -122,9 +227,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except (SafetensorsError, FileNotFoundError, OSError) as e:
-        print(f"orbax-safetensors {args.command}: {e}", file=sys.stderr)
+    except KeyboardInterrupt:
+        _fail(args, "interrupted")
+        return 130
+    except (SafetensorsError, OSError, ValueError) as e:  # FileNotFound, FileExists, bad sizes
+        _fail(args, str(e) or type(e).__name__)
         return 1
+    except Exception as e:  # anything else still gets one line, with its type to search for
+        _fail(args, f"{type(e).__name__}: {e}")
+        return 1
+
+
+def _fail(args: argparse.Namespace, message: str) -> None:
+    if Progress.unfinished_line:
+        sys.stderr.write("\n")  # below the progress line the failure interrupted
+    line = " ".join(message.split())  # one line, whatever the message holds
+    print(f"orbax-safetensors {args.command}: {line}", file=sys.stderr)
 
 
 if __name__ == "__main__":

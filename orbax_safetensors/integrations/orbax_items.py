@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from orbax_safetensors.engine import ReadOptions, load, metadata
 from orbax_safetensors.engine.save import SaveJob, check_tree, prepare_save
 from orbax_safetensors.index import parse_size
+from orbax_safetensors.planning.mapping import Mapping as NameMapping
 from orbax_safetensors.integrations.orbax_version import check_orbax_version
 
 check_orbax_version()  # before any Orbax import: a clear error instead of an odd one
@@ -42,11 +43,14 @@ class SafetensorsSave(ocp_args.CheckpointArgs):
     metadata: Mapping[str, str] | None = None
     storage_options: Mapping[str, Any] | None = None
     filesystem: fsspec.AbstractFileSystem | None = None
+    mapping: NameMapping | None = None
 
     def __post_init__(self) -> None:
         # A bad item raises here, at the caller's line; from inside the handler
         # Orbax would already have started the step and be left waiting on it.
-        check_tree(self.item, self.layout)
+        _, specs = check_tree(self.item, self.layout)
+        if self.mapping is not None:
+            self.mapping.map_specs(specs)
         parse_size(self.max_shard_size)
 
 
@@ -66,6 +70,7 @@ class SafetensorsRestore(ocp_args.CheckpointArgs):
     options: ReadOptions | None = None
     storage_options: Mapping[str, Any] | None = None
     filesystem: fsspec.AbstractFileSystem | None = None
+    mapping: NameMapping | None = None
 
 
 def _url(path: Any) -> str:
@@ -85,20 +90,22 @@ def prepare_item_save(directory: Any, args: SafetensorsSave) -> SaveJob:
     return prepare_save(_url(directory), args.item, layout=args.layout,
                         max_shard_size=args.max_shard_size, metadata=args.metadata,
                         overwrite=False, copy=True, new_directory=True,
-                        storage_options=args.storage_options, filesystem=args.filesystem)
+                        storage_options=args.storage_options, filesystem=args.filesystem,
+                        mapping=args.mapping)
 
 
 def restore_item(directory: Any, args: SafetensorsRestore | None) -> Any:
     args = args or SafetensorsRestore()
     path = _url(directory)
     target = args.item
-    if target is None and jax.process_count() > 1:
+    if target is None and jax.process_count() > 1 and args.mapping is None:
         replicated = NamedSharding(Mesh(np.array(jax.devices()), ("devices",)), PartitionSpec())
         stored = metadata(path, storage_options=args.storage_options, filesystem=args.filesystem)
         target = {name: jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=replicated)
                   for name, t in stored.tensors.items()}
     return load(path, target, strict=args.strict, options=args.options,
-                storage_options=args.storage_options, filesystem=args.filesystem)
+                storage_options=args.storage_options, filesystem=args.filesystem,
+                mapping=args.mapping)
 
 
 def item_tensors(directory: Any) -> dict[str, jax.ShapeDtypeStruct]:

@@ -1,0 +1,462 @@
+"""``convert``: an Orbax PyTree checkpoint ↔ an HF safetensors checkpoint, streamed.
+
+Both directions move one row block of one tensor at a time, so memory stays
+at a few blocks (``block_bytes``) whatever the model size, with one caveat
+for Orbax sources, below.
+
+Orbax → safetensors. The Orbax tree metadata (``_METADATA``) gives every
+array's key path, shape, dtype and storage chunk; each array is opened on its
+own through TensorStore, with the read spec Orbax itself uses, and read in row
+blocks that the writer ``consolidate`` uses (``write_hf_streaming``: same
+planning, ``max_shard_size`` packing, commit) streams into the output files.
+Tensor names are key paths joined with ``.``, which is both what ``ost.save``
+names a leaf and Orbax's own parameter name. TensorStore decodes whole
+storage chunks, and Orbax stores an unsharded array as a single chunk (it only
+splits arrays above its 2 GB OCDBT target file size). So when a chunk spans
+more rows than a block, the rows it covers are decoded once and the blocks
+cut from them (``_OrbaxArrays``): reading such a checkpoint needs about twice
+its largest chunk (compressed and decoded bytes) plus the blocks, however
+big the checkpoint. (glibc may keep some freed chunk buffers resident, which
+shows as 3-5x the largest chunk in a process's peak RSS unless
+``MALLOC_MMAP_THRESHOLD_`` is set.) Checkpoints this module writes use
+row-block chunks, so for them the bound is the blocks alone.
+
+safetensors → Orbax. Orbax's save takes a tree of in-memory arrays, so the
+tree handed to it holds placeholders (``_StreamedTensor``: shape, dtype and
+where the bytes are) and a ``TypeHandler`` for them that writes each array
+with the TensorStore spec Orbax's ``NumpyHandler`` would use, block by block,
+with chunks of at most ``block_bytes`` rows. It reports the type
+``np.ndarray``, so the result is an ordinary Orbax checkpoint (tree metadata,
+OCDBT, zarr) that ``ocp.StandardCheckpointer().restore(dst)`` reads as numpy
+arrays, with no knowledge of this module. The safetensors ``__metadata__``
+becomes the Orbax ``custom_metadata`` and comes back on the way out.
+
+Tree shape. Names are split on ``.`` into nested dicts
+(``model.layers.0.mlp.weight`` → ``tree["model"]["layers"]["0"]["mlp"]["weight"]``),
+which is what a Flax-style restore wants; sequence indices stay string keys,
+since a safetensors name cannot say whether ``0`` was a list index. Either
+way Orbax names each array by its key path joined with ``.``, so a
+conversion round trip gives back exactly the names (and bytes) it started
+with. ``nest=False`` keeps the flat names as top-level keys instead, and is
+needed when one name is a prefix of another (``a`` and ``a.b``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import fsspec
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import tensorstore as ts
+from etils import epath
+from orbax.checkpoint import future as ocp_future
+from orbax.checkpoint import type_handlers
+
+from orbax_safetensors.engine.checkpoint_reader import TensorSource, open_checkpoint
+from orbax_safetensors.engine.consolidate import _read_block, write_hf_streaming
+from orbax_safetensors.engine.progress import Progress
+from orbax_safetensors.engine.tree_names import flatten_with_names
+from orbax_safetensors.errors import SafetensorsError
+from orbax_safetensors.format import TensorInfo, dtype_for_numpy, from_bytes, to_bytes
+from orbax_safetensors.index import parse_size
+from orbax_safetensors.planning import Box, TensorSpec, box_shape, full_box, row_blocks
+from orbax_safetensors.storage import Storage, storage_for
+
+ORBAX = "orbax"
+SAFETENSORS = "safetensors"
+_TREE_METADATA_FILE = "_METADATA"  # what an Orbax PyTree item directory always holds
+
+
+@dataclasses.dataclass
+class ConvertStats:
+    """What ``convert`` did: the direction, how much it wrote and how long it took."""
+
+    source_format: str  # "orbax" or "safetensors"
+    target_format: str
+    tensors: int = 0
+    bytes_written: int = 0  # tensor bytes (before Orbax's compression)
+    files: int = 0  # safetensors files written (0 for an Orbax target)
+    seconds: float = 0.0
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes_written / max(self.seconds, 1e-9) / 1e9
+
+    def to_json(self) -> dict[str, Any]:
+        return {"source_format": self.source_format, "target_format": self.target_format,
+                "tensors": self.tensors, "bytes_written": self.bytes_written, "files": self.files,
+                "seconds": round(self.seconds, 3), "gb_per_s": round(self.gb_per_s, 3)}
+
+
+def convert(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    max_shard_size: int | str = "5GB",
+    block_bytes: int | str = "64MB",
+    nest: bool = True,
+    metadata: Mapping[str, str] | None = None,
+    overwrite: bool = False,
+    progress: bool | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    filesystem: fsspec.AbstractFileSystem | None = None,
+) -> ConvertStats:
+    """Converts an Orbax PyTree checkpoint to safetensors, or safetensors to Orbax.
+
+    The direction follows ``src``: a directory holding Orbax's ``_METADATA``
+    (what ``StandardCheckpointer``/``PyTreeCheckpointer`` write; also a
+    ``CheckpointManager`` step directory with a single item) becomes an HF
+    checkpoint at ``dst``; anything ``ost.metadata`` opens becomes an Orbax
+    PyTree checkpoint at ``dst``. See the module docstring for the memory
+    bound and the tree shape.
+
+    Args:
+      src: the checkpoint to read.
+      dst: the directory to write.
+      max_shard_size: bytes per output file (safetensors output only).
+      block_bytes: the most bytes of one tensor moved at once; peak memory is
+        a few blocks (for an Orbax source, at least its largest storage chunk).
+      nest: safetensors → Orbax: split names on ``.`` into nested dicts;
+        ``False`` keeps the flat names as keys.
+      metadata: extra str→str for the output (``__metadata__``, or the Orbax
+        ``custom_metadata``), over the source's own.
+      overwrite: replace what is at ``dst``; without it an existing ``dst``
+        is an error.
+      progress: a progress line on stderr; ``None`` shows it on a terminal.
+      storage_options / filesystem: for a safetensors ``src``/``dst`` given
+        as an fsspec URL, as in ``ost.load``. The Orbax side goes through
+        Orbax's own paths (local or ``gs://``).
+
+    Returns:
+      ``ConvertStats``.
+
+    Raises:
+      FileNotFoundError: ``src`` does not exist.
+      FileExistsError: ``dst`` exists and ``overwrite`` is false.
+      SafetensorsError / ValueError: ``src`` is neither format, or holds
+        something the other format cannot (strings; zero-size arrays for Orbax).
+    """
+    started = time.perf_counter()
+    fmt, location = detect_format(src, storage_options, filesystem)
+    if _occupied(dst, storage_options, filesystem) and not overwrite:
+        raise FileExistsError(f"{os.fspath(dst)!r} already exists and is not empty; pass "
+                              "overwrite=True (--overwrite) to replace it")
+    if fmt == ORBAX:
+        return _orbax_to_safetensors(
+            location, dst, started=started, max_shard_size=max_shard_size,
+            block_bytes=block_bytes, metadata=metadata, overwrite=overwrite, progress=progress,
+            storage_options=storage_options, filesystem=filesystem, src=src)
+    return _safetensors_to_orbax(
+        src, dst, started=started, block_bytes=parse_size(block_bytes), nest=nest,
+        metadata=metadata, overwrite=overwrite, progress=progress,
+        storage_options=storage_options, filesystem=filesystem)
+
+
+def detect_format(
+    src: str | os.PathLike,
+    storage_options: Mapping[str, Any] | None = None,
+    filesystem: fsspec.AbstractFileSystem | None = None,
+) -> tuple[str, str]:
+    """``("orbax", item directory)`` or ``("safetensors", src)``; raises for anything else."""
+    text = os.fspath(src)
+    item = _orbax_item_dir(text)
+    if item is not None:
+        return ORBAX, item
+    try:
+        open_checkpoint(src, storage_options, filesystem)
+    except (FileNotFoundError, SafetensorsError) as e:
+        if not _exists(text):
+            raise FileNotFoundError(f"{text!r} does not exist") from None
+        detail = ("neither a directory nor a .safetensors file"
+                  if isinstance(e, FileNotFoundError) else str(e))
+        raise SafetensorsError(
+            f"{text!r} is neither an Orbax PyTree checkpoint (no {_TREE_METADATA_FILE}) "
+            f"nor a safetensors checkpoint ({detail})") from None
+    return SAFETENSORS, text
+
+
+def _occupied(dst: str | os.PathLike, storage_options: Mapping[str, Any] | None,
+              filesystem: fsspec.AbstractFileSystem | None) -> bool:
+    """Whether ``dst`` is a file or a non-empty directory (an empty one may be written into)."""
+    storage, path = storage_for(dst, storage_options, filesystem)
+    if not storage.exists(path):
+        return False
+    return not storage.isdir(path) or bool(storage.listdir(path))
+
+
+def _exists(path: str) -> bool:
+    try:
+        return epath.Path(path).exists()
+    except Exception:  # an fsspec-only URL epath cannot handle: let the reader's error stand
+        return True
+
+
+def _orbax_item_dir(path: str) -> str | None:
+    """The Orbax PyTree item directory at ``path``: itself, or a step's only item."""
+    if path.endswith(".safetensors"):
+        return None
+    try:
+        root = epath.Path(path)
+        if (root / _TREE_METADATA_FILE).exists():
+            return os.fspath(root)
+        if not root.is_dir():
+            return None
+        items = sorted(p for p in root.iterdir() if (p / _TREE_METADATA_FILE).exists())
+    except Exception:  # not a path Orbax can open (an fsspec-only URL): not an Orbax checkpoint
+        return None
+    if len(items) > 1:
+        raise ValueError(
+            f"{path!r} is a checkpoint step with several Orbax items "
+            f"({', '.join(p.name for p in items)}): convert one of them")
+    return os.fspath(items[0]) if items else None
+
+
+# ---------------------------------------------------------------- Orbax → safetensors
+
+
+def _orbax_to_safetensors(
+    item_dir: str, dst: str | os.PathLike, *, started: float, max_shard_size: int | str,
+    block_bytes: int | str, metadata: Mapping[str, str] | None, overwrite: bool,
+    progress: bool | None, storage_options: Mapping[str, Any] | None,
+    filesystem: fsspec.AbstractFileSystem | None, src: str | os.PathLike,
+) -> ConvertStats:
+    item_dir = os.path.abspath(item_dir) if "://" not in item_dir else item_dir
+    tree_metadata = ocp.PyTreeCheckpointHandler().metadata(epath.Path(item_dir))
+    tree = getattr(tree_metadata, "tree", tree_metadata)
+    names, leaves, _ = flatten_with_names(tree)
+    arrays: dict[str, Any] = {}
+    for name, leaf in zip(names, leaves):
+        if not isinstance(leaf, ocp.metadata.ArrayMetadata):
+            raise ValueError(
+                f"{name!r} is a {type(leaf).__name__.removesuffix('Metadata').lower()}: "
+                "safetensors holds only arrays")
+        arrays[name] = leaf
+    specs = [TensorSpec(n, dtype_for_numpy(arrays[n].dtype), tuple(arrays[n].shape))
+             for n in sorted(arrays)]
+    use_ocdbt = type_handlers.is_ocdbt_checkpoint(epath.Path(item_dir))
+    use_zarr3 = bool(getattr(tree_metadata, "use_zarr3", False))
+    context = ts.Context({"cache_pool#ocdbt": {"total_bytes_limit": 100_000_000},
+                          "file_io_concurrency": {"limit": 32}})
+    opened = {name: ts.open(_read_spec(item_dir, meta.name, use_ocdbt, use_zarr3), open=True,
+                            context=context) for name, meta in arrays.items()}
+    source = _OrbaxArrays({name: future.result() for name, future in opened.items()})
+    custom = getattr(tree_metadata, "custom_metadata", None)
+    carried = {k: v for k, v in (custom or {}).items() if isinstance(v, str)} \
+        if isinstance(custom, Mapping) else {}
+    stats = write_hf_streaming(
+        dst, specs, source.read_block, label=f"convert {os.fspath(src)} -> {os.fspath(dst)}",
+        started=started, max_shard_size=max_shard_size, metadata={**carried, **(metadata or {})},
+        overwrite=overwrite, block_bytes=block_bytes, progress=progress,
+        storage_options=storage_options, filesystem=filesystem)
+    return ConvertStats(ORBAX, SAFETENSORS, len(specs), stats.bytes_written, stats.files,
+                        stats.seconds)
+
+
+@dataclasses.dataclass
+class _Band:
+    """The decoded rows of one chunk band of a tensor, from row ``start``; ``left`` of them
+    have not been handed out in a block yet."""
+
+    start: int
+    left: int
+    rows: np.ndarray
+
+
+class _OrbaxArrays:
+    """Row blocks of an Orbax checkpoint's arrays, each storage chunk decoded once.
+
+    TensorStore decodes whole chunks, and Orbax stores an unsharded array as
+    one chunk: reading a row block of it on its own would decode the whole
+    array once per block. So when a tensor's chunks span more rows than a
+    block, the band of rows one chunk row covers is read once, serves the
+    blocks inside it (from the writer's few threads), and is dropped as soon
+    as all its rows have been served. Bands are decoded one at a time, also
+    across tensors, since decoding one briefly needs its compressed bytes too.
+    """
+
+    def __init__(self, stores: Mapping[str, ts.TensorStore]):
+        self._stores = stores
+        self._lock = threading.Lock()  # one band decoded at a time, across tensors
+        self._bands: dict[str, _Band] = {}
+
+    def read_block(self, info: TensorInfo, block: Box | None) -> memoryview:
+        store = self._stores[info.name]
+        if block is None or not block:
+            return to_bytes(np.asarray(store.read().result()))
+        start, stop = block[0]
+        band_rows = store.chunk_layout.read_chunk.shape[0] or store.shape[0]
+        band_start = start // band_rows * band_rows
+        band_stop = min(band_start + band_rows, store.shape[0])
+        if band_rows <= stop - start or stop > band_stop:  # whole chunks, or across two bands
+            return to_bytes(np.asarray(store[start:stop].read().result()))
+        with self._lock:
+            band = self._bands.get(info.name)
+            if band is None or band.start != band_start:
+                self._bands.pop(info.name, None)  # freed before the next one is read
+                band = _Band(band_start, band_stop - band_start,
+                             np.asarray(store[band_start:band_stop].read().result()))
+                self._bands[info.name] = band
+            rows = band.rows[start - band_start:stop - band_start]
+            band.left -= stop - start
+            if band.left <= 0:
+                del self._bands[info.name]
+            return to_bytes(rows.copy())
+
+
+def _read_spec(item_dir: str, param_name: str, use_ocdbt: bool, use_zarr3: bool) -> dict:
+    """Orbax's own TensorStore read spec for one array of the checkpoint."""
+    info = type_handlers.ParamInfo(name=param_name, parent_dir=epath.Path(item_dir),
+                                   is_ocdbt_checkpoint=use_ocdbt, use_zarr3=use_zarr3)
+    spec = type_handlers.get_json_tspec_read(info, use_ocdbt=use_ocdbt)
+    return spec
+
+
+# ---------------------------------------------------------------- safetensors → Orbax
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _StreamedTensor:
+    """A leaf of the tree handed to Orbax: a safetensors tensor, not yet read.
+
+    Orbax asks a leaf for little more than its shape and dtype before handing
+    it to its ``TypeHandler``; ``_StreamedTensorHandler`` then reads the bytes.
+    """
+
+    name: str
+    source: TensorSource
+    storage: Storage
+    block_bytes: int
+    report: Progress
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.source.shape)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.source.dtype.numpy
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        return self.source.nbytes
+
+
+class _StreamedTensorHandler(type_handlers.NumpyHandler):
+    """Writes a ``_StreamedTensor`` as Orbax writes a numpy array, one row block at a time.
+
+    The type string stays ``np.ndarray``, so the checkpoint's metadata is that
+    of a plain numpy save and any Orbax restore reads it with its own handler.
+    Chunks are row blocks of at most ``block_bytes`` (Orbax would make the
+    whole array one chunk), so each block written completes whole chunks:
+    nothing is read back and merged, and readers can stream them too.
+    """
+
+    async def serialize(self, values: Sequence[_StreamedTensor], infos: Sequence[Any],
+                        args: Sequence[Any] | None = None) -> list[Any]:
+        return [ocp_future.CommitFutureAwaitingContractedSignals(
+            self._write_all(values, infos), name="orbax_safetensors_convert")]
+
+    async def _write_all(self, values: Sequence[_StreamedTensor], infos: Sequence[Any]) -> None:
+        for value, info in zip(values, infos):
+            await info.await_path_creation()
+            if jax.process_index() == 0:
+                await self._write_one(value, info)
+
+    async def _write_one(self, value: _StreamedTensor, info: Any) -> None:
+        dtype = value.source.dtype
+        if dtype.is_packed:
+            raise ValueError(f"tensor {value.name!r}: Orbax cannot store {dtype.code} "
+                             "(sub-byte) arrays")
+        blocks = row_blocks(full_box(value.shape), dtype.bits // 8, value.block_bytes)
+        spec = type_handlers.get_json_tspec_write(
+            info, use_ocdbt=info.is_ocdbt_checkpoint, global_shape=value.shape,
+            local_shape=value.shape, dtype=value.dtype,
+            process_index=jax.process_index() if info.is_ocdbt_checkpoint else None)
+        _set_chunk_shape(spec, box_shape(blocks[0]) if value.shape else ())
+        store = await ts.open(ts.Spec(spec), create=True, open=True, context=info.ts_context)
+        tensor = TensorInfo(value.name, dtype, value.shape, 0, value.nbytes)
+        for block in blocks:
+            raw = await asyncio.to_thread(_read_block, value.storage, value.source, tensor, block)
+            array = from_bytes(raw, dtype, box_shape(block))
+            await store[tuple(slice(a, b) for a, b in block)].write(array)
+            value.report.advance(len(raw))
+            del raw, array
+
+
+def _set_chunk_shape(spec: dict, chunk: tuple[int, ...]) -> None:
+    """Row-block chunks in Orbax's zarr metadata (zarr v2, or v3's sharding codec)."""
+    while "metadata" not in spec and "base" in spec:  # through a ``cast`` driver
+        spec = spec["base"]
+    metadata = spec["metadata"]
+    if "chunks" in metadata:  # zarr v2
+        metadata["chunks"] = list(chunk)
+    else:  # zarr v3: the storage chunk is the shard; its inner chunks follow
+        metadata["chunk_grid"]["configuration"]["chunk_shape"] = list(chunk)
+        for codec in metadata.get("codecs", []):
+            if codec.get("name") == "sharding_indexed":
+                codec["configuration"]["chunk_shape"] = list(chunk)
+
+
+def _safetensors_to_orbax(
+    src: str | os.PathLike, dst: str | os.PathLike, *, started: float, block_bytes: int,
+    nest: bool, metadata: Mapping[str, str] | None, overwrite: bool, progress: bool | None,
+    storage_options: Mapping[str, Any] | None, filesystem: fsspec.AbstractFileSystem | None,
+) -> ConvertStats:
+    checkpoint = open_checkpoint(src, storage_options, filesystem)
+    target = epath.Path(os.path.abspath(os.fspath(dst)) if "://" not in os.fspath(dst)
+                        else os.fspath(dst))
+    names = sorted(checkpoint.tensors)
+    for name in names:
+        if 0 in checkpoint.tensors[name].shape:
+            raise ValueError(f"tensor {name!r} has zero size, which Orbax cannot save")
+    report = Progress(f"convert {os.fspath(src)} -> {os.fspath(dst)}",
+                      sum(checkpoint.tensors[n].nbytes for n in names), enabled=progress).start()
+    leaves = [_StreamedTensor(n, checkpoint.tensors[n], checkpoint.storage, block_bytes, report)
+              for n in names]
+    tree = nest_names(names, leaves) if nest else dict(zip(names, leaves))
+    registry = type_handlers.create_type_handler_registry(
+        (_StreamedTensor, _StreamedTensorHandler()))
+    custom = {**checkpoint.metadata, **(metadata or {})}
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(type_handler_registry=registry)) as saver:
+        saver.save(target, args=ocp.args.PyTreeSave(tree, custom_metadata=custom or None),
+                   force=target.exists())  # non-empty only with overwrite: checked above
+    report.close()
+    return ConvertStats(SAFETENSORS, ORBAX, len(names), report.done, 0,
+                        time.perf_counter() - started)
+
+
+def nest_names(names: Sequence[str], leaves: Sequence[Any]) -> dict[str, Any]:
+    """``{"a.b": x}`` → ``{"a": {"b": x}}``; raises when one name is a prefix of another."""
+    tree: dict[str, Any] = {}
+    for name, leaf in zip(names, leaves):
+        parts = name.split(".")
+        if "" in parts:
+            raise ValueError(f"tensor name {name!r} has an empty part: convert with "
+                             "nest=False (--flat) to keep the names as they are")
+        node = tree
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                break
+        if not isinstance(node, dict) or parts[-1] in node:
+            raise ValueError(
+                f"tensor {name!r} and another whose name it prefixes (or that prefixes it) "
+                "cannot both be nested: convert with nest=False (--flat)")
+        node[parts[-1]] = leaf
+    return tree
