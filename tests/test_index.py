@@ -309,3 +309,14 @@ def test_interrupted_save_is_reported_not_half_loaded(tmp_path):
     for api in (ost.load, ost.metadata):
         with pytest.raises(SafetensorsError, match="interrupted"):
             api(ckpt)
+
+
+def test_a_single_file_save_leaves_its_neighbours_temporaries_alone(tmp_path):
+    """Saving ``dir/a.safetensors`` cleans up a crashed earlier save of ``a`` but not the
+    in-progress temporary of a concurrent save of ``dir/b.safetensors``."""
+    crashed_a = tmp_path / ".a.safetensors.tmp-0123456789ab"
+    writing_b = tmp_path / ".b.safetensors.tmp-ba9876543210"
+    crashed_a.write_bytes(b"partial")
+    writing_b.write_bytes(b"partial")
+    ost.save(tmp_path / "a.safetensors", {"w": np.arange(4, dtype=np.float32)})
+    assert sorted(os.listdir(tmp_path)) == [writing_b.name, "a.safetensors"]

@@ -242,7 +242,8 @@ def prepare_save(
             specs={s.name: s for s in specs}, max_shard_size=max_shard_size,
             metadata=dict(metadata or {}))
     else:
-        job = SaveJob(storage, directory, plan, previous, pieces, key, token, stats, started)
+        job = SaveJob(storage, directory, plan, previous, pieces, key, token, stats, started,
+                      single_file=is_single_file(path))
     return job
 
 
@@ -355,6 +356,8 @@ class SaveJob:
     token: str
     stats: SaveStats
     started: float
+    single_file: bool = False
+    """A ``.safetensors`` path: the directory is shared with other files (and other saves)."""
 
     def start(self) -> concurrent.futures.Future[SaveStats]:
         """Writes and commits on a background thread; the future gives the stats or the error."""
@@ -611,11 +614,16 @@ class SaveJob:
                 self.storage.remove(index_path)
 
     def _remove_stale(self, kept: set[str]) -> None:
-        """Deletes the replaced checkpoint's files and temporaries of crashed saves."""
+        """Deletes the replaced checkpoint's files and temporaries of crashed saves.
+
+        A checkpoint directory is the checkpoint's own; next to a single file, only that
+        file's temporaries are ours (another save may be writing its neighbour right now).
+        """
         storage, directory = self.storage, self.directory
+        ours = {f.name for f in self.plan.files}
         leftovers = {
-            storage.join(directory, name)
-            for name in storage.listdir(directory) if _TEMPORARY.match(name)}
+            storage.join(directory, name) for name in storage.listdir(directory)
+            if (match := _TEMPORARY.match(name)) and (not self.single_file or match[1] in ours)}
         for stale in (self.previous - kept) | leftovers:
             storage.remove(stale)
 

@@ -83,7 +83,7 @@ def _inspect(args: argparse.Namespace) -> int:
     width = max((len(r["name"]) for r in rows), default=4)
     print(f"{'name':<{width}}  {'dtype':<16} {'shape':<20} {'size':>10}  file(s)")
     for r in rows:
-        shape = "(" + ", ".join(map(str, r["shape"])) + ")"
+        shape = str(tuple(r["shape"]))
         print(f"{r['name']:<{width}}  {r['dtype']:<16} {shape:<20} "
               f"{_human_bytes(r['bytes']):>10}  {', '.join(r['files'])}")
     files = {f for names in info.files.values() for f in names}
