@@ -172,6 +172,21 @@ def test_save_peak_stays_within_tree_plus_margin(tmp_path, case):
     assert m["peak"] - m["baseline"] <= bound, message
 
 
+@pytest.mark.timeout(300)
+def test_distributed_save_gathers_one_tensor_at_a_time(tmp_path):
+    """Column shards of each tensor on one process are stored as one slice (a file holds at most
+    one slice of a tensor), so they are copied together, one tensor at a time as its file is
+    written: the peak above the tree is about the largest tensor, not the tree."""
+    m = _run("save", {"path": str(tmp_path / "saved"), "spec": SPEC_A, "sharding": "-,x",
+                      "layout": "distributed", "max_shard_size": "100MB"})
+    largest = max(_nbytes([s]) for s in SPEC_A)
+    assert _nbytes(SPEC_A) >= 8 * largest  # gathering the whole tree first would break the bound
+    bound = 2 * largest + MARGIN
+    message = _describe(m, bound, tree=m["tree_bytes"], largest_tensor=largest)
+    print(message)
+    assert m["peak"] - m["baseline"] <= bound, message
+
+
 def _consolidate(checkpoints, tmp_path, block: int) -> dict:
     return _run("consolidate", {"src": checkpoints["C"], "dst": str(tmp_path / f"hf-{block}"),
                                 "spec": SPEC_C, "block_bytes": block, "max_shard_size": "100MB"})

@@ -65,6 +65,7 @@ from orbax_safetensors.planning import (
     SavePlan,
     SliceSpec,
     TensorSpec,
+    box_shape,
     byte_runs,
     coalesce,
     full_box,
@@ -695,16 +696,39 @@ def _merge_pieces(pieces: list[_Piece], specs: Mapping[str, TensorSpec]) -> list
         if all(p.box[1:] == box[1:] for p in rows):  # row blocks: concatenation in order
             merged.append(_Piece(name, box, tuple(p.data for p in rows)))
             continue
-        data = np.empty(tuple(b - a for a, b in box), group[0].data.dtype)
-        for piece in group:
-            data[relative_slices(piece.box, box)] = piece.data
-        merged.append(_Piece(name, box, data))
+        merged.append(_Piece(name, box, _Gathered(box, tuple(group))))
     return merged
 
 
-def _payload(data: np.ndarray | tuple[np.ndarray, ...]) -> list[memoryview]:
-    """The on-disk bytes of a piece: one array, or row blocks back to back."""
+@dataclasses.dataclass(frozen=True)
+class _Gathered:
+    """Shards that together form one slice, copied into it only when the slice is written:
+    a file's tensors are gathered one at a time as the file streams out, not the whole
+    tree up front (column shards of a tensor on one process, say)."""
+
+    box: Box
+    shards: tuple[_Piece, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.data.nbytes for p in self.shards)
+
+    def array(self) -> np.ndarray:
+        data = np.empty(box_shape(self.box), self.shards[0].data.dtype)
+        for piece in self.shards:
+            data[relative_slices(piece.box, self.box)] = piece.data
+        return data
+
+
+def _payload(data: np.ndarray | tuple[np.ndarray, ...] | _Gathered) -> list[memoryview]:
+    """The on-disk bytes of a piece: one array, row blocks back to back, or gathered shards."""
+    if isinstance(data, _Gathered):
+        return [to_bytes(data.array())]
     return [to_bytes(a) for a in (data if isinstance(data, tuple) else (data,))]
+
+
+def _payload_nbytes(data: np.ndarray | tuple[np.ndarray, ...] | _Gathered) -> int:
+    return data.nbytes if isinstance(data, _Gathered) else sum(len(b) for b in _payload(data))
 
 
 @dataclasses.dataclass
@@ -753,7 +777,8 @@ class DistributedSaveJob(SaveJob):
             for file, slices in files:
                 order = {s.name: data[(s.name, s.box)] for s in slices}
                 self.storage.write(self._temporary(file.name), itertools.chain(
-                    [file.header], *(_payload(order[t.name]) for t in file.tensors)))
+                    [file.header],
+                    itertools.chain.from_iterable(_payload(order[t.name]) for t in file.tensors)))
         except Exception as e:
             problem = f"process {me}: {type(e).__name__}: {e}"
         report = json.dumps({"problem": problem, "slices": [
@@ -780,7 +805,7 @@ class DistributedSaveJob(SaveJob):
         if me == 0:
             self._write_index(entries, commit=True)
         barrier(f"{self.key}/committed")
-        self.stats.bytes_written = sum(len(b) for p in self.pieces for b in _payload(p.data))
+        self.stats.bytes_written = sum(_payload_nbytes(p.data) for p in self.pieces)
         self.stats.requests = self.stats.files = len(files)
 
     def _write_index(self, entries: list[list], *, commit: bool) -> None:
