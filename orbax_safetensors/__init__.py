@@ -19,7 +19,12 @@ from orbax_safetensors.engine import (
     save,
     verify,
 )
-from orbax_safetensors.errors import SafetensorsError
+from orbax_safetensors.errors import (
+    CheckpointBusyError,
+    DistributedError,
+    ProcessFailure,
+    SafetensorsError,
+)
 from orbax_safetensors.planning.mapping import Mapping, MappingError, Rule, Transform
 from orbax_safetensors import mappings
 from orbax_safetensors.storage import StorageError
@@ -54,7 +59,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "Mapping", "MappingError", "Rule", "Transform", "mappings",
-    "CheckpointMetadata", "LoadStats", "Problem", "ReadOptions", "SafetensorsError", "SaveStats",
+    "CheckpointBusyError", "CheckpointMetadata", "DistributedError", "LoadStats", "ProcessFailure", "Problem", "ReadOptions", "SafetensorsError", "SaveStats",
     "StorageError", "UnsupportedOrbaxError", "VerifyReport",
     "async_save", "consolidate", "load", "metadata", "save", "verify", "__version__",
     "SafetensorsCheckpointHandler", "SafetensorsHandler", "SafetensorsLayout",

@@ -7,6 +7,10 @@ message always names the file, and the tensor when one is involved.
 
 from __future__ import annotations
 
+import dataclasses
+import errno
+import json
+
 
 class SafetensorsError(ValueError):
     """A file, index or request that does not follow the safetensors rules."""
@@ -23,3 +27,57 @@ class SafetensorsError(ValueError):
         if tensor is not None:
             where.append(f"tensor {tensor!r}")
         super().__init__(f"{', '.join(where)}: {message}" if where else message)
+
+
+class CheckpointBusyError(OSError):
+    """Another live writer holds the location: one writer per checkpoint at a time."""
+
+    def __init__(self, path: str, holder: str):
+        super().__init__(errno.EBUSY, f"another save is writing this checkpoint ({holder})", path)
+        self.holder = holder
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessFailure:
+    """What one process of a multi-process operation raised, as it crossed to the others."""
+
+    process: int
+    type: str
+    errno: int | None
+    filename: str | None
+    message: str
+
+    @classmethod
+    def of(cls, process: int, error: BaseException) -> ProcessFailure:
+        return cls(process, type(error).__name__, getattr(error, "errno", None),
+                   _filename(error), str(error))
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: str) -> ProcessFailure:
+        return cls(**json.loads(raw))
+
+    def __str__(self) -> str:
+        return f"process {self.process}: {self.type}: {self.message}"
+
+
+class DistributedError(OSError):
+    """Processes of one save failed; ``failures`` keeps each one's error (type, errno, file).
+
+    Raised on every process of a multi-process operation, so they all stop
+    together; on a process that failed itself, ``__cause__`` is its original
+    exception. ``errno`` and ``filename`` are those of the first failure.
+    """
+
+    def __init__(self, what: str, failures: dict[int, ProcessFailure]):
+        first = failures[min(failures)]
+        super().__init__(first.errno, f"{what}: " + "; ".join(str(f) for f in failures.values()),
+                         first.filename)
+        self.failures = failures
+
+
+def _filename(error: BaseException) -> str | None:
+    name = getattr(error, "filename", None) or getattr(error, "file", None)
+    return None if name is None else str(name)

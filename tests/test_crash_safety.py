@@ -10,9 +10,10 @@ forked worker and kills it with SIGKILL
 * from outside, after a seeded random wall-clock delay within the duration of
   an unkilled run.
 
-After every kill the directory must hold either no loadable checkpoint
-(``ost.load`` raises ``FileNotFoundError`` or an "interrupted save"
-``SafetensorsError``) or exactly the old or the new values -- never a mix,
+After every kill the directory must hold exactly the old or the new values
+when the save was an overwrite (an overwrite is atomic: never neither), and
+otherwise either those or no loadable checkpoint (``ost.load`` raises
+``FileNotFoundError`` or an "interrupted save" ``SafetensorsError``) -- never a mix,
 never a subset, never garbage -- and every file under a final name must be a
 valid safetensors file for the Rust reference implementation. Then the same
 save run again must succeed: without ``overwrite=True`` exactly when nothing
@@ -49,7 +50,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 OLD, NEW = 1, 2  # tree versions: same names, shapes and dtypes; different values
 BIG, MEDIUM, SMALL = "1GB", 9000, 5000  # one file; 3 files; 4 files (hf) of ~17 KB of tensors
 WALL_CLOCK_KILLS = 6  # per scenario, on top of a kill before every counted operation
-_TEMPORARY = re.compile(r"^\..+\.(tmp-[0-9a-f]{12}|part-[0-9a-f]{12}-\d{20})$")
+_TEMPORARY = re.compile(r"^\..+\.(tmp-[0-9a-f]{12}|old-[0-9a-f]{12}|part-[0-9a-f]{12}-\d{20})$|"
+                        r"^\..+\.lock$|^\.orbax_safetensors\.commit-[0-9a-f]{12}\.json$")
 _FINAL = re.compile(r"^(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|"
                     r"shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors|orbax_safetensors\.distributed\.json)$")
 
@@ -268,6 +270,8 @@ def test_sigkill_anywhere_leaves_old_new_or_nothing_and_a_rerun_succeeds(
         state = _observe(scenario, path)
         if kill.get("kill_at") == 1:  # before anything changed
             assert state == ("old" if scenario.overwrite else "no checkpoint (FileNotFoundError)")
+        if scenario.overwrite:  # an overwrite is atomic: never neither
+            assert state in ("old", "new"), (kill, state)
         states[state if result["signal"] == signal.SIGKILL else "(not killed) " + state] += 1
         _rerun(command, state)
         assert _observe(scenario, path) == "new", kill

@@ -391,7 +391,7 @@ def _crash_child(directory, kill_point, marker):
                 announce_and_hang()
         LocalStorage.write_at = write_at
     else:
-        real_commit = SaveJob._commit
+        real_commit = SaveJob._commit_plan
 
         def commit(self):
             if armed and kill_point == "before_commit":
@@ -399,7 +399,7 @@ def _crash_child(directory, kill_point, marker):
             real_commit(self)
             if armed:
                 announce_and_hang()
-        SaveJob._commit = commit
+        SaveJob._commit_plan = commit
 
     armed = False
     values = _expected(1)[0]

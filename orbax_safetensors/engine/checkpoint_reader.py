@@ -17,7 +17,8 @@ import collections
 import concurrent.futures
 import dataclasses
 import os
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import fsspec
@@ -39,10 +40,12 @@ from orbax_safetensors.index import (
 )
 from orbax_safetensors.index.distributed_index import DCP_SHARDING_INFO, DCP_VERSION
 from orbax_safetensors.storage import Storage, storage_for
+from orbax_safetensors.storage.commit import DirectoryView, is_interrupted_direct_save, read_view
 
 _FIRST_READ = 1 << 16  # one request usually covers the whole header
 MAX_INDEX_SIZE = 1 << 30  # an index lists names and slices: megabytes even for huge models
 _HEADER_THREADS = 16
+_OPEN_ATTEMPTS = 50  # an overwrite commits in milliseconds; fifty looks span seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +88,8 @@ class TensorSource:
 
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
+    """A committed checkpoint's tensors and headers; ``storage`` reads its files as one snapshot."""
+
     storage: Storage
     tensors: dict[str, TensorSource]
     headers: dict[str, Header]  # file path → header, in file order
@@ -100,19 +105,18 @@ class Checkpoint:
                     merged.setdefault(key, value)
         return merged
 
+    def close(self) -> None:
+        self.storage.close()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
 
 def is_single_file(url: str | os.PathLike) -> bool:
     return os.fspath(url).endswith(".safetensors")
-
-
-def is_interrupted_distributed_save(names: Iterable[str]) -> bool:
-    """Whether a directory's names include the temporary distributed index of a save of ours.
-
-    Without their index our distributed files read as torch DCP output, so the index is
-    staged under this name before they are renamed in: while it is there, the files
-    beside it are a save that never committed (some tensors, or old and new files mixed).
-    """
-    return any(n.startswith(f".{DISTRIBUTED_INDEX_NAME}.tmp-") for n in names)
 
 
 def read_index(storage: Storage, path: str) -> bytes:
@@ -166,16 +170,131 @@ def _read_headers(storage: Storage, files: list[str]) -> dict[str, Header]:
 
 def open_checkpoint(url: str | os.PathLike, storage_options: Mapping[str, Any] | None = None,
                     filesystem: fsspec.AbstractFileSystem | None = None) -> Checkpoint:
+    """The committed checkpoint at ``url``, every file it needs opened as one snapshot.
+
+    A directory is resolved through ``read_view`` (a commit in progress leaves
+    the old checkpoint visible), each file is pinned on its first read, and the
+    result is kept only if the view and every pinned name are unchanged after
+    all headers are read: otherwise an overwrite committed meanwhile, and the
+    checkpoint is opened again. Close the result (it is a context manager).
+    """
     storage, path = storage_for(url, storage_options, filesystem)
-    if is_single_file(url):
-        return _whole_tensors(storage, [path], None)
-    storage.scan(path)
-    if storage.exists(storage.join(path, DISTRIBUTED_INDEX_NAME)):
-        return _distributed_checkpoint(storage, path)
-    files, weight_map = _resolve_directory(storage, path, os.fspath(url))
-    if weight_map is None and not files:
-        return _dcp_checkpoint(storage, path, os.fspath(url))
-    return _whole_tensors(storage, files, weight_map)
+    if is_single_file(url):  # one file pinned by one descriptor is its own snapshot
+        snapshot = storage.snapshot()
+        return _closing_on_error(snapshot, lambda: _whole_tensors(snapshot, [path], None))
+    for attempt in range(_OPEN_ATTEMPTS):
+        view = _view(storage, path, os.fspath(url))
+        snapshot = storage.snapshot()
+        try:
+            checkpoint = _open_directory(snapshot, path, view, os.fspath(url))
+        except Exception:
+            snapshot.close()
+            if _view_or_none(storage, path) != view:
+                continue  # an overwrite moved files under us: look again
+            raise
+        if snapshot.unchanged() and _view_or_none(storage, path) == view:
+            return checkpoint
+        snapshot.close()
+        time.sleep(min(0.001 * 2 ** attempt, 0.05))
+    raise SafetensorsError(
+        f"the checkpoint kept changing while it was being opened ({_OPEN_ATTEMPTS} attempts)",
+        file=os.fspath(url))
+
+
+def _closing_on_error(snapshot: Storage, build: Callable[[], Checkpoint]) -> Checkpoint:
+    try:
+        return build()
+    except BaseException:
+        snapshot.close()
+        raise
+
+
+def _view(storage: Storage, path: str, url: str) -> DirectoryView:
+    try:
+        return read_view(storage, path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no safetensors checkpoint at {url!r}: it does not exist") from None
+    except NotADirectoryError:
+        raise SafetensorsError("is a file, not a checkpoint directory (a single-file checkpoint "
+                               "is named *.safetensors)", file=url) from None
+
+
+def _view_or_none(storage: Storage, path: str) -> DirectoryView | None:
+    try:
+        return read_view(storage, path)
+    except OSError:
+        return None
+
+
+def existing_checkpoint(storage: Storage, directory: str) -> tuple[set[str], set[str]]:
+    """``(committed, present)`` names in ``directory``: the files of the checkpoint there, if
+    one is committed, and every checkpoint file there (committed or left by a crash).
+
+    What a save replaces and, with ``committed``, whether it may without
+    ``overwrite``. An index that does not parse still counts as a committed
+    checkpoint (so ``overwrite=True`` replaces it), whose files are then every
+    file named like a shard.
+    """
+    try:
+        view = read_view(storage, directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return set(), set()
+    names = view.names
+    shards = {n for n in names if is_shard_file_name(n) or is_distributed_file_name(n)}
+    committed: set[str] = set()
+    for index_name in (INDEX_NAME, DISTRIBUTED_INDEX_NAME):
+        if index_name not in names:
+            continue
+        committed.add(index_name)
+        index_path = view.path(storage, directory, index_name)
+        try:
+            raw = read_index(storage, index_path)
+            if index_name == INDEX_NAME:
+                committed |= set(parse_index(raw, file=index_path).files)
+            else:
+                tensors, _ = parse_distributed_index(raw, file=index_path)
+                committed |= {s.file for t in tensors.values() for s in t.slices}
+        except (SafetensorsError, OSError):
+            committed |= shards
+    if SINGLE_FILE_NAME in names:
+        committed.add(SINGLE_FILE_NAME)
+    if not committed and not any(is_shard_file_name(n) for n in names) \
+            and not is_interrupted_direct_save(view.listing, DISTRIBUTED_INDEX_NAME):
+        # torch DCP output, which ``load`` reads, unless a save of ours was interrupted
+        committed = {n for n in names if is_distributed_file_name(n)}
+    return committed, committed | shards
+
+
+def _open_directory(storage: Storage, path: str, view: DirectoryView, url: str) -> Checkpoint:
+    def located(name: str) -> str:
+        return view.path(storage, path, name)
+    names = view.names
+    if DISTRIBUTED_INDEX_NAME in names:
+        return _distributed_checkpoint(storage, located)
+    if INDEX_NAME in names:
+        index_path = located(INDEX_NAME)
+        index = parse_index(read_index(storage, index_path), file=index_path)
+        files = {name: located(name) for name in index.files}
+        return _whole_tensors(storage, list(files.values()),
+                              {t: files[f] for t, f in index.weight_map.items()})
+    if SINGLE_FILE_NAME in names:
+        return _whole_tensors(storage, [located(SINGLE_FILE_NAME)], None)
+    if any(is_shard_file_name(n) for n in names):
+        raise SafetensorsError(
+            f"holds shard files but no {INDEX_NAME}: an interrupted save? "
+            "(the index is written last, so this checkpoint was never committed)",
+            file=url)
+    if any(is_distributed_file_name(n) for n in names):
+        if is_interrupted_direct_save(view.listing, DISTRIBUTED_INDEX_NAME):
+            raise SafetensorsError(
+                f"holds shard files and a temporary {DISTRIBUTED_INDEX_NAME} but not the index: "
+                "an interrupted save (the index is put in place last, so this checkpoint was "
+                "never committed)", file=url)
+        return _dcp_checkpoint(storage, [located(n) for n in sorted(names)
+                                         if is_distributed_file_name(n)], url)
+    raise SafetensorsError(
+        f"no {INDEX_NAME}, {DISTRIBUTED_INDEX_NAME} or {SINGLE_FILE_NAME} in this directory",
+        file=url)
 
 
 def _whole_tensors(storage: Storage, files: list[str], weight_map: dict[str, str] | None) -> Checkpoint:
@@ -196,17 +315,17 @@ def _whole_tensors(storage: Storage, files: list[str], weight_map: dict[str, str
     return Checkpoint(storage, tensors, headers)
 
 
-def _distributed_checkpoint(storage: Storage, path: str) -> Checkpoint:
+def _distributed_checkpoint(storage: Storage, located: Callable[[str], str]) -> Checkpoint:
     """Our distributed layout: the index says where every slice is."""
-    index_path = storage.join(path, DISTRIBUTED_INDEX_NAME)
+    index_path = located(DISTRIBUTED_INDEX_NAME)
     entries, metadata = parse_distributed_index(read_index(storage, index_path), file=index_path)
-    files = sorted({storage.join(path, s.file) for t in entries.values() for s in t.slices})
+    files = sorted({located(s.file) for t in entries.values() for s in t.slices})
     headers = _read_headers(storage, files)
     tensors = {}
     for name, entry in entries.items():
         pieces = []
         for s in entry.slices:
-            file = storage.join(path, s.file)
+            file = located(s.file)
             problem = distributed_slice_problem(name, entry, s, headers[file], file=file)
             if problem is not None:
                 raise SafetensorsError(problem, file=file, tensor=name)
@@ -216,9 +335,8 @@ def _distributed_checkpoint(storage: Storage, path: str) -> Checkpoint:
     return Checkpoint(storage, tensors, headers, metadata)
 
 
-def _dcp_checkpoint(storage: Storage, path: str, url: str) -> Checkpoint:
+def _dcp_checkpoint(storage: Storage, files: list[str], url: str) -> Checkpoint:
     """torch DCP ``save_sharded`` output: slices and offsets from every file's header."""
-    files = sorted(storage.join(path, n) for n in storage.listdir(path) if is_distributed_file_name(n))
     headers = _read_headers(storage, files)
     found: dict[str, list[StoredTensor]] = collections.defaultdict(list)
     for file, header in headers.items():
@@ -240,34 +358,3 @@ def _dcp_checkpoint(storage: Storage, path: str, url: str) -> Checkpoint:
         check_slices(name, shape, [SliceEntry(p.file, p.origin, p.info.shape) for p in pieces], file=url)
         tensors[name] = TensorSource(pieces[0].info.dtype, shape, tuple(pieces))
     return Checkpoint(storage, tensors, headers)
-
-
-def _resolve_directory(
-    storage: Storage, path: str, url: str
-) -> tuple[list[str], dict[str, str] | None]:
-    index_path = storage.join(path, INDEX_NAME)
-    if storage.exists(index_path):
-        index = parse_index(read_index(storage, index_path), file=index_path)
-        files = {name: storage.join(path, name) for name in index.files}
-        return list(files.values()), {t: files[f] for t, f in index.weight_map.items()}
-    single = storage.join(path, SINGLE_FILE_NAME)
-    if storage.exists(single):
-        return [single], None
-    if not storage.isdir(path):
-        raise FileNotFoundError(f"no safetensors checkpoint at {url!r}: it does not exist")
-    names = storage.listdir(path)
-    if any(is_shard_file_name(n) for n in names):
-        raise SafetensorsError(
-            f"holds shard files but no {INDEX_NAME}: an interrupted save? "
-            "(the index is written last, so this checkpoint was never committed)",
-            file=url)
-    if any(is_distributed_file_name(n) for n in names):
-        if is_interrupted_distributed_save(names):
-            raise SafetensorsError(
-                f"holds shard files and a temporary {DISTRIBUTED_INDEX_NAME} but not the index: "
-                "an interrupted save (the index is put in place last, so this checkpoint was "
-                "never committed)", file=url)
-        return [], None  # torch DCP sharded output (ours always has its index)
-    raise SafetensorsError(
-        f"no {INDEX_NAME}, {DISTRIBUTED_INDEX_NAME} or {SINGLE_FILE_NAME} in this directory",
-        file=url)

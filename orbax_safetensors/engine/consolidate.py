@@ -13,7 +13,6 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import time
-import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -22,9 +21,9 @@ import jax
 import numpy as np
 
 from orbax_safetensors.engine.checkpoint_reader import TensorSource, open_checkpoint
-from orbax_safetensors.engine.coordination import next_operation_key, share_from_primary
+from orbax_safetensors.engine.coordination import next_operation_key
 from orbax_safetensors.engine.progress import Progress
-from orbax_safetensors.engine.save import SaveStats, directory_files, SaveJob
+from orbax_safetensors.engine.save import SaveJob, SaveStats, take_location
 from orbax_safetensors.engine.shard_reader import execute_read, piece_runs
 from orbax_safetensors.format import TensorInfo
 from orbax_safetensors.index import parse_size
@@ -74,16 +73,16 @@ def consolidate(
       storage_options / filesystem: for both ``src`` and ``dst``, as in ``ost.load``.
     """
     started = time.perf_counter()
-    checkpoint = open_checkpoint(src, storage_options, filesystem)
-    names = sorted(checkpoint.tensors)
-    specs = [TensorSpec(n, checkpoint.tensors[n].dtype, checkpoint.tensors[n].shape) for n in names]
-    return write_hf_streaming(
+    with open_checkpoint(src, storage_options, filesystem) as checkpoint:
+        names = sorted(checkpoint.tensors)
+        specs = [TensorSpec(n, checkpoint.tensors[n].dtype, checkpoint.tensors[n].shape) for n in names]
+        return write_hf_streaming(
         dst, specs,
-        lambda info, block: _read_block(checkpoint.storage, checkpoint.tensors[info.name], info, block),
-        label=f"consolidate {os.fspath(src)} -> {os.fspath(dst)}", started=started,
-        max_shard_size=max_shard_size, metadata={**checkpoint.metadata, **(metadata or {})},
-        overwrite=overwrite, block_bytes=block_bytes, progress=progress,
-        storage_options=storage_options, filesystem=filesystem)
+            lambda info, block: _read_block(checkpoint.storage, checkpoint.tensors[info.name], info, block),
+            label=f"consolidate {os.fspath(src)} -> {os.fspath(dst)}", started=started,
+            max_shard_size=max_shard_size, metadata={**checkpoint.metadata, **(metadata or {})},
+            overwrite=overwrite, block_bytes=block_bytes, progress=progress,
+            storage_options=storage_options, filesystem=filesystem)
 
 
 def write_hf_streaming(
@@ -113,20 +112,20 @@ def write_hf_streaming(
     started = time.perf_counter() if started is None else started
     plan = plan_hf_checkpoint(list(specs), max_shard_size=max_shard_size, metadata=dict(metadata or {}))
     storage, directory = storage_for(dst, storage_options, filesystem)
-    committed, previous = directory_files(storage, directory)
-    if committed and not overwrite:
-        raise FileExistsError(
-            f"{os.fspath(dst)!r} already holds a checkpoint; pass overwrite=True to replace it")
     key = next_operation_key("consolidate")
-    token = share_from_primary(f"{key}/token", uuid.uuid4().hex[:12])
+    commit = take_location(storage, directory, key, single_file=None, overwrite=overwrite,
+                           url=os.fspath(dst))
     stats = SaveStats()
-    job = SaveJob(storage, directory, plan, previous, [], key, token, stats, started)
+    job = SaveJob(commit, plan, [], key, stats, started)
     mine = [f for i, f in enumerate(plan.files) if i % jax.process_count() == jax.process_index()]
     report = Progress(label, sum(t.nbytes for f in mine for t in f.tensors),
                       enabled=progress).start()
     blocks = parse_size(block_bytes)
-    with concurrent.futures.ThreadPoolExecutor(_PREFETCH) as pool:
-        job.stream_files(mine, lambda file: _file_chunks(read_block, file, blocks, pool, report))
+    try:
+        with concurrent.futures.ThreadPoolExecutor(_PREFETCH) as pool:
+            job.stream_files(mine, lambda file: _file_chunks(read_block, file, blocks, pool, report))
+    finally:
+        commit.release()
     report.close()
     stats.bytes_written, stats.files = report.done, len(mine)
     stats.seconds = time.perf_counter() - started

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from orbax_safetensors.engine.checkpoint_reader import Checkpoint, TensorSource, open_checkpoint
+from orbax_safetensors.engine.coordination import gather_to_all, next_operation_key
 from orbax_safetensors.engine.tree_names import flatten_with_names
 from orbax_safetensors.engine.shard_reader import Job, LoadStats, host_job, run_jobs, sharded_job
 from orbax_safetensors.errors import SafetensorsError
@@ -30,6 +31,9 @@ _LOG = logging.getLogger("orbax_safetensors")
 # Strided shards are served through bounce buffers of this size, one per read thread:
 # small enough that they add little to the result, big enough to amortise a request.
 _BOUNCE_BYTES = 4 << 20
+# Where a backend cannot pin what a load reads (object stores), a load that read a file changed
+# meanwhile is read again; a commit takes milliseconds to seconds, a retry as long as a load.
+_READ_ATTEMPTS = 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +64,11 @@ def metadata(
 
     ``storage_options``/``filesystem`` as in ``load``.
     """
-    checkpoint = open_checkpoint(path, storage_options, filesystem)
+    with open_checkpoint(path, storage_options, filesystem) as checkpoint:
+        return _metadata_of(checkpoint)
+
+
+def _metadata_of(checkpoint: Checkpoint) -> CheckpointMetadata:
     return CheckpointMetadata(
         tensors={
             name: jax.ShapeDtypeStruct(t.shape, t.dtype.numpy)
@@ -145,7 +153,51 @@ def load(
     started = time.perf_counter()
     options = options or ReadOptions()
     stats = stats if stats is not None else LoadStats()
-    checkpoint = open_checkpoint(path, storage_options, filesystem)
+    key = next_operation_key("load")
+    for attempt in range(_READ_ATTEMPTS):
+        with open_checkpoint(path, storage_options, filesystem) as checkpoint:
+            if not _same_everywhere(f"{key}/{attempt}", checkpoint):
+                continue
+            try:
+                result = _load(checkpoint, path, target, strict, options, stats, mapping, started)
+            except Exception:
+                # A file that vanished or changed under a backend that cannot pin it: read again.
+                if jax.process_count() > 1 or checkpoint.storage.pins_versions \
+                        or checkpoint.storage.unchanged():
+                    raise
+                time.sleep(min(0.01 * 2 ** attempt, 0.2))
+                continue
+            read_one_version = checkpoint.storage.pins_versions or checkpoint.storage.unchanged()
+            if _all_processes(f"{key}/{attempt}/read", read_one_version):
+                return result
+        _LOG.info("%s changed while it was read (an overwrite committed); reading it again",
+                  os.fspath(path))
+        time.sleep(min(0.01 * 2 ** attempt, 0.2))
+    raise SafetensorsError(f"the checkpoint kept changing while it was read ({_READ_ATTEMPTS} "
+                           "attempts)", file=os.fspath(path))
+
+
+def _same_everywhere(key: str, checkpoint: Checkpoint) -> bool:
+    """Whether every process opened the same version of the checkpoint.
+
+    Each process opens its files on its own; an overwrite committing in
+    between would give processes different checkpoints, and the global arrays
+    would mix them. Every process learns every other's version and all open
+    again together unless they agree.
+    """
+    if jax.process_count() == 1:
+        return True
+    versions = gather_to_all(key, checkpoint.storage.version())
+    return len(set(versions)) == 1
+
+
+def _all_processes(key: str, value: bool) -> bool:
+    return all(v == "1" for v in gather_to_all(key, "1" if value else "0"))
+
+
+def _load(checkpoint: Checkpoint, path: str | os.PathLike, target: Any, strict: bool,
+          options: ReadOptions, stats: LoadStats, mapping: mapping_rules.Mapping | None,
+          started: float) -> Any:
     if target is None:
         names = sorted(checkpoint.tensors)
         requests = [_Request(None, None, None)] * len(names)

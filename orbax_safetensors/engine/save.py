@@ -1,16 +1,10 @@
 """``save``: a PyTree of arrays → an HF-compatible safetensors checkpoint.
 
-Commit protocol, the same on every backend: each data file is written under a
-temporary name and renamed into place, and the index (for sharded
-checkpoints) is written last. A reader therefore sees either the previous
-committed checkpoint or the new one, never a half-written file under a final
-name. The one exception is a crash in the short window of an *overwrite*
-after the old index is removed: then no checkpoint is visible, which the
-reader reports as an interrupted save rather than mixing old and new shards.
-The distributed layout's files would read as torch DCP output without their
-index, so its index is written under its temporary name *before* they are
-renamed in, and renamed last: the reader takes shard files next to that
-temporary for an interrupted save.
+Every process computes the same plan and writes the bytes it owns; process 0
+then commits through the location's ``Commit`` strategy (``storage/commit.py``
+knows the temporary names, the journal, the lock and the cleanup). Every step
+that can fail ends in an agreement between the processes, so they stop
+together and each raises its own original error.
 """
 
 from __future__ import annotations
@@ -18,10 +12,11 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import errno
 import itertools
 import json
+import logging
 import os
-import re
 import threading
 import time
 import uuid
@@ -32,29 +27,20 @@ import fsspec
 import jax
 import numpy as np
 
-from orbax_safetensors.engine.checkpoint_reader import (
-    is_interrupted_distributed_save,
-    is_single_file,
-    read_index,
-)
+from orbax_safetensors.engine.checkpoint_reader import existing_checkpoint, is_single_file
 from orbax_safetensors.engine.coordination import (
-    barrier,
     gather_to_all,
     next_operation_key,
     share_from_primary,
 )
+from orbax_safetensors.errors import DistributedError, ProcessFailure
 from orbax_safetensors.engine.tree_names import flatten_with_names
 from orbax_safetensors.format import dtype_for_numpy, to_bytes
 from orbax_safetensors.index import (
     DISTRIBUTED_INDEX_NAME,
     INDEX_NAME,
-    SINGLE_FILE_NAME,
     DistributedTensor,
     SliceEntry,
-    is_distributed_file_name,
-    is_shard_file_name,
-    parse_distributed_index,
-    parse_index,
     serialize_distributed_index,
 )
 from orbax_safetensors.planning import (
@@ -79,14 +65,15 @@ from orbax_safetensors.planning import (
 from orbax_safetensors.planning import mapping as mapping_rules
 from orbax_safetensors.planning.mapping import Transform
 from orbax_safetensors.storage import Storage, storage_for
+from orbax_safetensors.storage.commit import Commit
 
+_LOG = logging.getLogger("orbax_safetensors")
 LAYOUTS = ("hf", "distributed")
 _WRITE_CHUNK_BYTES = 64 << 20
 _WRITE_THREADS = 8
 _MAX_PARTS_PER_FILE = 64  # beyond this a process packs its small ranges of a file into one object
 _SMALL_PART = 4 << 20  # a part smaller than this costs more in requests than it moves
 _VIEWS_PER_WRITE = 1024  # buffers per pwritev (Linux's IOV_MAX)
-_TEMPORARY = re.compile(r"^\.(.+\.safetensors|.+\.json)\.(tmp-[0-9a-f]{12}|part-[0-9a-f]{12}-\d{20})$")
 
 
 @dataclasses.dataclass
@@ -155,10 +142,36 @@ def save(
         each leaf is stored under its mapped name, each shard transposed or
         reshaped on the host into the stored box(es) it covers.
     """
-    return prepare_save(path, tree, layout=layout, max_shard_size=max_shard_size,
-                        metadata=metadata, overwrite=overwrite, copy=False,
-                        storage_options=storage_options, filesystem=filesystem,
-                        mapping=mapping).start().result()
+    job = prepare_save(path, tree, layout=layout, max_shard_size=max_shard_size,
+                       metadata=metadata, overwrite=overwrite, copy=False,
+                       storage_options=storage_options, filesystem=filesystem, mapping=mapping)
+    return wait_interruptibly(job, job.start())
+
+
+def wait_interruptibly(job: SaveJob, future: concurrent.futures.Future[SaveStats]) -> SaveStats:
+    """The job's result; Ctrl-C cancels it and raises ``KeyboardInterrupt`` once it has stopped.
+
+    The writer checks for cancellation before every chunk and right before
+    the commit point, so it stops within a chunk's write, rolls back and
+    removes its temporaries; only then does the interrupt reach the caller,
+    so a caller that sees ``KeyboardInterrupt`` knows nothing new was
+    committed. An interrupt that arrives after the commit point is too late
+    to undo it: the save returns normally, with a warning.
+    """
+    try:
+        return future.result()
+    except KeyboardInterrupt:
+        job.cancel()
+        while True:  # leaving before the writer stops could leave a commit running
+            try:
+                failed = future.exception() is not None
+                break
+            except KeyboardInterrupt:
+                continue
+        if failed:
+            raise
+        _LOG.warning("interrupted after %s was committed: the save is complete", job.directory)
+        return future.result()
 
 
 def async_save(
@@ -201,7 +214,8 @@ def prepare_save(
     filesystem: fsspec.AbstractFileSystem | None = None,
     mapping: mapping_rules.Mapping | None = None,
 ) -> SaveJob:
-    """Plans and takes this process's shards to the host; ``start()`` on the result writes.
+    """Plans, takes the location, and copies this process's shards to the host; ``start()`` on
+    the result writes.
 
     The split lets a caller hold the writes back until the directory may be
     touched (Orbax creates a step's directories in the background, after the
@@ -209,9 +223,9 @@ def prepare_save(
     ``copy=False`` (the blocking ``save``) views the shards where the platform
     allows (on CPU, the device buffers themselves): the caller waits for the
     writer, so its arrays cannot change underneath it, and a gigabyte memcpy
-    is saved. ``new_directory``: the caller creates ``path`` for this save
-    (Orbax's step temporary, which Orbax may still be clearing out of a crashed
-    attempt), so nothing already there is looked at.
+    is saved. ``new_directory``: the caller creates ``path`` for this save and
+    owns it (Orbax's step temporary, which Orbax may still be clearing out of a
+    crashed attempt), so nothing already there is looked at, locked or removed.
     """
     started = time.perf_counter()
     arrays, specs = check_tree(tree, layout)
@@ -219,33 +233,70 @@ def prepare_save(
     if mapping is not None:  # plan in stored names and shapes; pieces are mapped below
         specs, transforms = mapping.map_specs(specs)
     storage, target = storage_for(path, storage_options, filesystem)
+    plan: SavePlan | None = None
     if is_single_file(path):
         if layout == "distributed":
             raise ValueError(f"{os.fspath(path)!r}: the distributed layout is a directory of files")
         directory, file_name = storage.split(target)
         plan = plan_single_file(file_name, specs, metadata)
-        committed = previous = {target} if storage.exists(target) else set()
     else:
-        directory = target
-        plan = plan_hf_checkpoint(specs, max_shard_size=max_shard_size, metadata=metadata)
-        committed, previous = (set(), set()) if new_directory else directory_files(storage, directory)
-    if committed and not overwrite:
-        raise FileExistsError(
-            f"{os.fspath(path)!r} already holds a checkpoint; pass overwrite=True to replace it")
-    pieces = _host_pieces(arrays, {s.name: s for s in tree_specs}, copy=copy, transforms=transforms)
+        directory, file_name = target, None
+        if layout == "hf":
+            plan = plan_hf_checkpoint(specs, max_shard_size=max_shard_size, metadata=metadata)
     key = next_operation_key("save")
-    token = share_from_primary(f"{key}/token", uuid.uuid4().hex[:12])
+    commit = take_location(storage, directory, key, single_file=file_name, overwrite=overwrite,
+                           url=os.fspath(path), fresh=new_directory)
+    try:
+        pieces = _host_pieces(arrays, {s.name: s for s in tree_specs}, copy=copy, transforms=transforms)
+    except BaseException:
+        commit.release()
+        raise
     stats = SaveStats(blocking_seconds=time.perf_counter() - started)
     if layout == "distributed":
-        pieces = _merge_pieces(pieces, {s.name: s for s in specs})
-        job: SaveJob = DistributedSaveJob(
-            storage, directory, plan, previous, pieces, key, token, stats, started,
+        return DistributedSaveJob(
+            commit, plan, _merge_pieces(pieces, {s.name: s for s in specs}), key, stats, started,
             specs={s.name: s for s in specs}, max_shard_size=max_shard_size,
             metadata=dict(metadata or {}))
-    else:
-        job = SaveJob(storage, directory, plan, previous, pieces, key, token, stats, started,
-                      single_file=is_single_file(path))
-    return job
+    return SaveJob(commit, plan, pieces, key, stats, started)
+
+
+def take_location(storage: Storage, directory: str, key: str, *, single_file: str | None,
+                  overwrite: bool, url: str, fresh: bool = False) -> Commit:
+    """Process 0 locks the location and looks at what is there; every process gets the same
+    ``Commit`` (token, the files it replaces), or every process raises.
+
+    Refuses to replace a committed checkpoint unless ``overwrite``; debris of a
+    save that never committed is no reason to refuse.
+    """
+    token = uuid.uuid4().hex[:12]
+    commit = Commit.for_storage(storage, directory, token, (), single_file)
+    error, old = None, set()
+    if jax.process_index() == 0 and not fresh:
+        try:
+            commit.acquire()
+            if single_file is not None:
+                old = committed = {single_file} if storage.exists(commit.path(single_file)) else set()
+            else:
+                committed, old = existing_checkpoint(storage, directory)
+            if committed and not overwrite:
+                raise FileExistsError(errno.EEXIST, "already holds a checkpoint; pass "
+                                      "overwrite=True to replace it", url)
+            commit.clear_leftovers()
+        except BaseException as e:
+            commit.release()
+            error = e
+    shared = json.loads(share_from_primary(f"{key}/location", json.dumps({
+        "token": token, "old": sorted(old),
+        "error": "" if error is None else ProcessFailure.of(0, error).to_json()})))
+    if error is not None:
+        raise error
+    if shared["error"]:
+        raise DistributedError(f"{url}: process 0 could not begin the save",
+                               {0: ProcessFailure.from_json(shared["error"])})
+    if jax.process_index() == 0:
+        commit.old = frozenset(old)
+        return commit
+    return Commit.for_storage(storage, directory, shared["token"], shared["old"], single_file)
 
 
 def check_tree(tree: Any, layout: str = "hf") -> tuple[dict[str, Any], list[TensorSpec]]:
@@ -346,19 +397,27 @@ class SaveJob:
 
     The half of a save that runs after the host copies (on a background thread
     for ``async_save``); ``consolidate`` uses its streaming writer and commit.
+    Every step that can fail ends in an agreement (``_agree``): all processes
+    learn of any failure and stop together, each raising its own original
+    error where it had one.
     """
 
-    storage: Storage
-    directory: str
+    commit: Commit
     plan: SavePlan
-    previous: set[str]
     pieces: list[_Piece]
     key: str
-    token: str
     stats: SaveStats
     started: float
-    single_file: bool = False
-    """A ``.safetensors`` path: the directory is shared with other files (and other saves)."""
+    cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+    """Set by ``cancel``: the writers stop at their next chunk and nothing is committed."""
+
+    @property
+    def storage(self) -> Storage:
+        return self.commit.storage
+
+    @property
+    def directory(self) -> str:
+        return self.commit.directory
 
     def start(self) -> concurrent.futures.Future[SaveStats]:
         """Writes and commits on a background thread; the future gives the stats or the error."""
@@ -366,68 +425,103 @@ class SaveJob:
         threading.Thread(target=self.run, args=(future,), name="orbax_safetensors-save").start()
         return future
 
+    def cancel(self) -> None:
+        """Stops the writes and the commit where they are (see ``save`` on Ctrl-C)."""
+        self.cancelled.set()
+
     def run(self, future: concurrent.futures.Future) -> None:
         try:
-            if self.storage.supports_offset_writes:
-                self._write_in_place()
-            elif jax.process_count() > 1 or not self.storage.cheap_rename:
-                self._write_in_parts()
-            else:
-                self._write_streaming()
+            try:
+                self._write()
+            finally:
+                self.commit.release()
             self.stats.seconds = time.perf_counter() - self.started
             future.set_result(self.stats)
         except BaseException as e:  # the caller sees it through the future
             future.set_exception(e)
 
-    def _temporary(self, name: str) -> str:
-        """Where a file is written before the commit.
+    def _write(self) -> None:
+        if self.storage.supports_offset_writes:
+            self._write_in_place()
+        elif jax.process_count() > 1 or not self.storage.cheap_rename:
+            self._write_in_parts()
+        else:
+            self._write_streaming()
 
-        A temporary name where renaming is cheap. On object stores a rename is
-        a full copy, so files go straight to their final names: the old
-        checkpoint is uncommitted first (``_begin_direct_writes``) and the
-        index, written last, is still the commit marker (a single-file
-        checkpoint appears atomically when its one object is complete).
-        """
-        if not self.storage.cheap_rename:
-            return self.storage.join(self.directory, name)
-        return self._staged(name)
+    def _check_cancelled(self) -> None:
+        if self.cancelled.is_set():
+            raise KeyboardInterrupt("save cancelled")
 
-    def _staged(self, name: str) -> str:
-        """This save's temporary name for ``name`` (removed by the next successful save)."""
-        return self.storage.join(self.directory, f".{name}.tmp-{self.token}")
+    def _cancellable(self, chunks: Iterable[memoryview | bytes]) -> Iterator[memoryview | bytes]:
+        for chunk in chunks:
+            self._check_cancelled()
+            yield chunk
 
-    def _begin_direct_writes(self) -> None:
-        """Process 0 uncommits the old checkpoint before final names are overwritten."""
-        if not self.storage.cheap_rename and jax.process_index() == 0:
-            self._uncommit()
+    def _agree(self, step: str, error: BaseException | None,
+               clean_up: Callable[[], None] = lambda: None) -> None:
+        """Every process learns whether any failed at ``step``; then, if one did, all clean up
+        and raise: the original exception where there is one (alone in one process), else a
+        ``DistributedError`` keeping every process's failure."""
+        me = jax.process_index()
+        raw = gather_to_all(f"{self.key}/{step}",
+                            "" if error is None else ProcessFailure.of(me, error).to_json())
+        failures = {f.process: f for f in map(ProcessFailure.from_json, filter(None, raw))}
+        if not failures:
+            return
+        clean_up()
+        if error is not None and (len(failures) == 1 or isinstance(error, KeyboardInterrupt)):
+            raise error
+        raise DistributedError(f"{self.directory}: save failed, nothing was committed",
+                               failures) from error
+
+    def _primary(self, step: str, action: Callable[[], None],
+                 clean_up: Callable[[], None] = lambda: None) -> None:
+        """``action`` on process 0, then ``_agree`` on its outcome."""
+        error = None
+        if jax.process_index() == 0:
+            try:
+                action()
+            except BaseException as e:
+                error = e
+        self._agree(step, error, clean_up)
+
+    def _begin(self, **kwargs: Any) -> None:
+        def begin() -> None:
+            self.storage.makedirs(self.directory)
+            self.commit.begin(**kwargs)
+        self._primary("begun", begin)
+
+    def _commit_files(self, names: Sequence[str], index: tuple[str, bytes] | None) -> None:
+        """Process 0 commits; on a failure it has rolled back, and the files are discarded."""
+        def commit() -> None:
+            try:
+                self.commit.commit(names, index, self.cancelled.is_set)
+            except BaseException:
+                self.commit.discard(list(names) + ([index[0]] if index else []))
+                raise
+        self._primary("committed", commit)
+
+    def _commit_plan(self) -> None:
+        index = (INDEX_NAME, self.plan.index) if self.plan.index is not None else None
+        self._commit_files([f.name for f in self.plan.files], index)
 
     def _write_in_place(self) -> None:
         """Process 0 creates every file at its final size; each process fills its runs."""
-        primary = jax.process_index() == 0
-        created = ""
-        if primary:
-            try:
-                self.storage.makedirs(self.directory)
-                for file in self.plan.files:
-                    self.storage.create_sized(self._temporary(file.name), file.size, file.header)
-            except Exception as e:
-                created = f"process 0 could not create the files: {type(e).__name__}: {e}"
-        created = share_from_primary(f"{self.key}/created", created)
-        if created:
-            raise OSError(created)
-        problem = ""
+        def create() -> None:
+            self.storage.makedirs(self.directory)
+            self.commit.begin()
+            for file in self.plan.files:
+                self._check_cancelled()
+                self.storage.create_sized(self.commit.temporary(file.name), file.size, file.header)
+        discard_all = lambda: self.commit.discard(f.name for f in self.plan.files)  # noqa: E731
+        self._primary("created", create, discard_all)
+        error = None
         try:
             self._write_pieces()
-        except Exception as e:
-            problem = f"process {jax.process_index()}: {type(e).__name__}: {e}"
-        problems = [p for p in gather_to_all(f"{self.key}/written", problem) if p]
-        if problems:
-            if primary:
-                self.storage.discard(self._temporary(file.name) for file in self.plan.files)
-            raise OSError("save failed, nothing was committed: " + "; ".join(problems))
-        if primary:
-            self._commit()
-        barrier(f"{self.key}/committed")
+        except BaseException as e:
+            error = e
+        self._agree("written", error, discard_all if jax.process_index() == 0 else lambda: None)
+        self._commit_plan()
 
     def _owned_ranges(self, chunk_bytes: int) -> tuple[list[memoryview], list[tuple[str, ReadOp]]]:
         """This process's bytes per file as contiguous ranges (split at ``chunk_bytes``).
@@ -464,16 +558,17 @@ class SaveJob:
             # and a memoryview per run for a whole 64 MB range costs more than its bytes.
             offset = op.offset
             for start in range(0, len(op.pieces), _VIEWS_PER_WRITE):
+                self._check_cancelled()
                 batch = op.pieces[start:start + _VIEWS_PER_WRITE]
-                self.storage.write_at(self._temporary(file_name), offset, [
+                self.storage.write_at(self.commit.temporary(file_name), offset, [
                     payloads[p.target][p.offset:p.offset + p.length] for p in batch])
                 offset += sum(p.length for p in batch)
 
         files = sorted({name for name, _ in writes})
         with concurrent.futures.ThreadPoolExecutor(_WRITE_THREADS) as pool:
-            for done in [pool.submit(write, name, op) for name, op in writes]:
-                done.result()
-            list(pool.map(lambda name: self.storage.sync(self._temporary(name)), files))
+            _all_or_first_error([pool.submit(write, name, op) for name, op in writes])
+            _all_or_first_error([pool.submit(self.storage.sync, self.commit.temporary(name))
+                                       for name in files])
         self.stats.bytes_written = sum(len(p) for p in payloads)
         self.stats.requests = len(writes)
         self.stats.files = len(files)
@@ -503,47 +598,42 @@ class SaveJob:
         for name, spans in by_file.items():
             spans = _join_small_neighbours(sorted(spans, key=lambda span: span[0]))
             if len(spans) <= _MAX_PARTS_PER_FILE or sum(n for _, n, _ in spans) >= len(spans) * _SMALL_PART:
-                parts += [(name, o, n, self._part(name, o), 0, views) for o, n, views in spans]
+                parts += [(name, o, n, self.commit.part(name, o), 0, views) for o, n, views in spans]
             else:
-                packed, position = self._part(name, spans[0][0]), 0
+                packed, position = self.commit.part(name, spans[0][0]), 0
                 for o, n, views in spans:
                     parts.append((name, o, n, packed, position, views))
                     position += n
         uploads: dict[str, list[memoryview]] = collections.defaultdict(list)
         for part in parts:
             uploads[part[3]].extend(part[5])
-        problem = ""
+        self._begin()
+        error = None
         try:
-            self.storage.makedirs(self.directory)
-            self._begin_direct_writes()
             with concurrent.futures.ThreadPoolExecutor(_WRITE_THREADS) as pool:
-                list(pool.map(lambda item: self.storage.write(*item), uploads.items()))
-        except Exception as e:
-            problem = f"process {jax.process_index()}: {type(e).__name__}: {e}"
-        report = json.dumps({"problem": problem, "parts": [p[:5] for p in parts]})
-        reports = [json.loads(r) for r in gather_to_all(f"{self.key}/parts", report)]
-        problems = [r["problem"] for r in reports if r["problem"]]
-        if jax.process_index() == 0:
-            every = [p for r in reports for p in r["parts"]]
+                def upload(item: tuple[str, list[memoryview]]) -> None:
+                    self._check_cancelled()
+                    self.storage.write(*item)
+                _all_or_first_error([pool.submit(upload, item) for item in uploads.items()])
+        except BaseException as e:
+            error = e
+        every = [p for r in gather_to_all(f"{self.key}/parts", json.dumps([p[:5] for p in parts]))
+                 for p in json.loads(r)]
+        part_objects = {p[3] for p in every}
+        self._agree("uploaded", error, lambda: self.storage.discard(part_objects)
+                    if jax.process_index() == 0 else None)
+
+        def assemble() -> None:
             try:
-                if not problems:
-                    self._assemble_parts(every)
-            except Exception as e:
-                problems.append(f"process 0 could not assemble the files: {type(e).__name__}: {e}")
-            part_objects = {p[3] for p in every}
-            if problems:
+                self._assemble_parts(every)
+            except BaseException:
                 self.storage.discard(part_objects)
-            else:
-                with concurrent.futures.ThreadPoolExecutor(_WRITE_THREADS) as pool:
-                    list(pool.map(self.storage.remove, part_objects))
-        problems = [p for p in gather_to_all(f"{self.key}/merged", "; ".join(problems)) if p]
-        if problems:
-            if jax.process_index() == 0:
-                self.storage.discard(self._temporary(file.name) for file in self.plan.files)
-            raise OSError("save failed, nothing was committed: " + problems[0])
-        if jax.process_index() == 0:
-            self._commit()
-        barrier(f"{self.key}/committed")
+                self.commit.discard(f.name for f in self.plan.files)
+                raise
+            with concurrent.futures.ThreadPoolExecutor(_WRITE_THREADS) as pool:
+                list(pool.map(self.storage.remove, part_objects))
+        self._primary("merged", assemble)
+        self._commit_plan()
         self.stats.bytes_written = sum(len(p) for p in payloads)
         self.stats.requests = len(uploads)
         self.stats.files = len(by_file)
@@ -554,18 +644,16 @@ class SaveJob:
         for name, offset, length, path, position in parts:
             by_file[name].append((offset, length, path, position))
         for file in self.plan.files:
+            self._check_cancelled()
             spans = sorted(by_file[file.name])
             covered = sum(n for _, n, _, _ in spans)
             if covered != file.size or any(a[0] + a[1] != b[0] for a, b in zip(spans, spans[1:])):
                 raise OSError(f"{file.name}: the processes' parts do not tile the file")
             if len({path for _, _, path, _ in spans}) == len(spans):
-                self.storage.merge(self._temporary(file.name), [p for _, _, p, _ in spans],
+                self.storage.merge(self.commit.temporary(file.name), [p for _, _, p, _ in spans],
                                    [n for _, n, _, _ in spans])
             else:  # packed parts: read each object front to back, in file order
-                self.storage.write(self._temporary(file.name), _read_spans(self.storage, spans))
-
-    def _part(self, name: str, offset: int) -> str:
-        return self.storage.join(self.directory, f".{name}.part-{self.token}-{offset:020d}")
+                self.storage.write(self.commit.temporary(file.name), _read_spans(self.storage, spans))
 
     def _write_streaming(self) -> None:
         """One process, no offset writes nor server-side concatenation (memory://): each file
@@ -586,64 +674,27 @@ class SaveJob:
     def stream_files(self, mine: Sequence[FilePlan],
                      chunks: Callable[[FilePlan], Iterable[memoryview | bytes]]) -> None:
         """Writes this process's files front to back; then all agree and process 0 commits."""
-        problem = ""
+        self._begin()
+        error = None
         try:
-            self.storage.makedirs(self.directory)
-            self._begin_direct_writes()
-        except Exception as e:
-            problem = f"process {jax.process_index()}: {type(e).__name__}: {e}"
-        barrier(f"{self.key}/uncommitted")  # nobody overwrites a file the old index names
-        if not problem:
-            try:
-                for file in mine:
-                    self.storage.write(self._temporary(file.name), chunks(file))
-            except Exception as e:
-                problem = f"process {jax.process_index()}: {type(e).__name__}: {e}"
-        problems = [p for p in gather_to_all(f"{self.key}/written", problem) if p]
-        if problems:
-            self.storage.discard(self._temporary(file.name) for file in mine)
-            raise OSError("nothing was committed: " + "; ".join(problems))
-        if jax.process_index() == 0:
-            self._commit()
-        barrier(f"{self.key}/committed")
+            for file in mine:
+                self.storage.write(self.commit.temporary(file.name), self._cancellable(chunks(file)))
+        except BaseException as e:
+            error = e
+        self._agree("written", error, lambda: self.commit.discard(f.name for f in mine))
+        self._commit_plan()
 
-    def _uncommit(self) -> None:
-        """Removes the old checkpoint's commit markers before any of its files change."""
-        for name in (INDEX_NAME, DISTRIBUTED_INDEX_NAME):
-            index_path = self.storage.join(self.directory, name)
-            if index_path in self.previous:
-                self.storage.remove(index_path)
 
-    def _remove_stale(self, kept: set[str]) -> None:
-        """Deletes the replaced checkpoint's files and temporaries of crashed saves.
-
-        A checkpoint directory is the checkpoint's own; next to a single file, only that
-        file's temporaries are ours (another save may be writing its neighbour right now).
-        """
-        storage, directory = self.storage, self.directory
-        ours = {f.name for f in self.plan.files}
-        leftovers = {
-            storage.join(directory, name) for name in storage.listdir(directory)
-            if (match := _TEMPORARY.match(name)) and (not self.single_file or match[1] in ours)}
-        for stale in (self.previous - kept) | leftovers:
-            storage.remove(stale)
-
-    def _commit(self) -> None:
-        """Renames the files into place and writes the index last, replacing ``previous``."""
-        storage, directory = self.storage, self.directory
-        final = {f.name: storage.join(directory, f.name) for f in self.plan.files}
-        index_path = storage.join(directory, INDEX_NAME)
-        self._uncommit()
-        for name, path in final.items():
-            if self._temporary(name) != path:
-                storage.rename(self._temporary(name), path)
-        if self.plan.index is not None:
-            index_temporary = self._temporary(INDEX_NAME)
-            storage.write(index_temporary, [self.plan.index])
-            if index_temporary != index_path:
-                storage.rename(index_temporary, index_path)
-        self._remove_stale(
-            set(final.values()) | ({index_path} if self.plan.index is not None else set()))
+def _all_or_first_error(
+    futures: list[concurrent.futures.Future]) -> None:
+    """Waits for ``futures``; on the first error cancels the rest and raises it as it was."""
+    for future in futures:
+        try:
+            future.result()
+        except BaseException:
+            for pending in futures:
+                pending.cancel()
+            raise
 
 
 def _read_spans(storage: Storage, spans: list[tuple[int, int, str, int]]) -> Iterator[bytes]:
@@ -733,103 +784,47 @@ def _payload_nbytes(data: np.ndarray | tuple[np.ndarray, ...] | _Gathered) -> in
 
 @dataclasses.dataclass
 class DistributedSaveJob(SaveJob):
-    """Each process writes whole files of its own slices; process 0 writes the index last."""
+    """Each process writes whole files of its own slices; process 0 commits them with the index."""
 
     specs: Mapping[str, TensorSpec] = dataclasses.field(default_factory=dict)
     max_shard_size: int | str = "5GB"
     metadata: dict[str, str] = dataclasses.field(default_factory=dict)
 
-    def run(self, future: concurrent.futures.Future) -> None:
-        try:
-            self._write_distributed()
-            self.stats.seconds = time.perf_counter() - self.started
-            future.set_result(self.stats)
-        except BaseException as e:
-            future.set_exception(e)
-
-    def _begin_direct_writes(self) -> None:
-        """Files go straight to their final names here, where without their index they would
-        read as torch DCP output (some tensors, or old and new files mixed). So before any is
-        written, process 0 leaves the temporary index name that marks them an interrupted save
-        (``is_interrupted_distributed_save``) until the index is in place and it is removed."""
-        if jax.process_index() == 0:
-            self.storage.makedirs(self.directory)
-            self.storage.write(self._staged(DISTRIBUTED_INDEX_NAME), [b"{}"])
-        super()._begin_direct_writes()
-
-    def _write_distributed(self) -> None:
+    def _write(self) -> None:
         me = jax.process_index()
         data = {(p.name, p.box): p.data for p in self.pieces}
         files = plan_distributed_files(
             me, [SliceSpec(p.name, self.specs[p.name].dtype, p.box) for p in self.pieces],
             max_shard_size=self.max_shard_size, metadata=self.metadata)
-        problem = ""
-        if not self.storage.cheap_rename:  # files go to final names: uncommit the old first
-            try:
-                self._begin_direct_writes()
-            except Exception as e:
-                problem = f"process {me}: {type(e).__name__}: {e}"
-            barrier(f"{self.key}/direct")
+        # Without their index these files read as torch DCP output: where they go straight
+        # to their final names, a marker says they are a save in progress until it commits.
+        self._begin(marks_files=DISTRIBUTED_INDEX_NAME)
+        error = None
         try:
-            if problem:
-                raise OSError(problem)
-            self.storage.makedirs(self.directory)
             for file, slices in files:
                 order = {s.name: data[(s.name, s.box)] for s in slices}
-                self.storage.write(self._temporary(file.name), itertools.chain(
+                self.storage.write(self.commit.temporary(file.name), self._cancellable(itertools.chain(
                     [file.header],
-                    itertools.chain.from_iterable(_payload(order[t.name]) for t in file.tensors)))
-        except Exception as e:
-            problem = f"process {me}: {type(e).__name__}: {e}"
-        report = json.dumps({"problem": problem, "slices": [
-            [s.name, file.name, [a for a, _ in s.box], list(s.shape)]
-            for file, slices in files for s in slices]})
-        reports = [json.loads(r) for r in gather_to_all(f"{self.key}/written", report)]
-        problems = [r["problem"] for r in reports if r["problem"]]
-        if problems:
-            self.storage.discard(self._temporary(file.name) for file, _ in files)
-            raise OSError("save failed, nothing was committed: " + "; ".join(problems))
-        entries = [entry for r in reports for entry in r["slices"]]
-        if me == 0:
-            # The index first, under its temporary name: while it is there, the shard files being
-            # renamed in are an uncommitted save, which a reader must not take for torch DCP
-            # output (some of the tensors, or old and new files mixed).
-            self._write_index(entries, commit=False)
-            self._uncommit()
-        barrier(f"{self.key}/uncommitted")
-        for file, _ in files:
-            final = self.storage.join(self.directory, file.name)
-            if self._temporary(file.name) != final:
-                self.storage.rename(self._temporary(file.name), final)
-        barrier(f"{self.key}/renamed")
-        if me == 0:
-            self._write_index(entries, commit=True)
-        barrier(f"{self.key}/committed")
+                    itertools.chain.from_iterable(_payload(order[t.name]) for t in file.tensors))))
+        except BaseException as e:
+            error = e
+        self._agree("written", error, lambda: self.commit.discard(f.name for f, _ in files))
+        mine = [[s.name, file.name, [a for a, _ in s.box], list(s.shape)]
+                for file, slices in files for s in slices]
+        entries = [e for r in gather_to_all(f"{self.key}/slices", json.dumps(mine)) for e in json.loads(r)]
+        self._commit_files(sorted({file for _, file, _, _ in entries}),
+                           (DISTRIBUTED_INDEX_NAME, self._index(entries)))
         self.stats.bytes_written = sum(_payload_nbytes(p.data) for p in self.pieces)
         self.stats.requests = self.stats.files = len(files)
 
-    def _write_index(self, entries: list[list], *, commit: bool) -> None:
-        """``commit=False``: the index under its temporary name (where renames are cheap);
-        ``commit=True``: the index in place, then the replaced files removed."""
+    def _index(self, entries: list[list]) -> bytes:
         slices: dict[str, list[SliceEntry]] = collections.defaultdict(list)
         for name, file, offsets, shape in entries:
             slices[name].append(SliceEntry(file, tuple(offsets), tuple(shape)))
         tensors = {
             name: DistributedTensor(spec.dtype, spec.shape, tuple(slices[name]))
             for name, spec in self.specs.items()}
-        index_path = self.storage.join(self.directory, DISTRIBUTED_INDEX_NAME)
-        index_temporary = self._temporary(DISTRIBUTED_INDEX_NAME)
-        staged = index_temporary != index_path  # object stores write the final name directly
-        if not commit:
-            if staged:
-                self.storage.write(index_temporary, [serialize_distributed_index(tensors, self.metadata)])
-            return
-        if staged:
-            self.storage.rename(index_temporary, index_path)
-        else:
-            self.storage.write(index_path, [serialize_distributed_index(tensors, self.metadata)])
-        self._remove_stale({index_path} | {
-            self.storage.join(self.directory, s.file) for t in tensors.values() for s in t.slices})
+        return serialize_distributed_index(tensors, self.metadata)
 
 
 def _assemble(info, pieces: list[_Piece]) -> np.ndarray:
@@ -840,32 +835,3 @@ def _assemble(info, pieces: list[_Piece]) -> np.ndarray:
     for piece in pieces:
         whole[tuple(slice(a, b) for a, b in piece.box)] = piece.data
     return whole
-
-
-def directory_files(storage: Storage, directory: str) -> tuple[set[str], set[str]]:
-    """``(committed, present)``: the files of the checkpoint in ``directory``, if one is
-    committed, and every checkpoint file there (committed or left by a crash)."""
-    if not storage.isdir(directory):
-        return set(), set()
-    names = set(storage.listdir(directory))
-    committed: set[str] = set()
-    for index_name, parse in ((INDEX_NAME, parse_index), (DISTRIBUTED_INDEX_NAME, None)):
-        if index_name in names:
-            committed.add(index_name)
-            index_path = storage.join(directory, index_name)
-            raw = read_index(storage, index_path)
-            if parse is not None:
-                committed |= set(parse(raw, file=index_path).files)
-            else:
-                tensors, _ = parse_distributed_index(raw, file=index_path)
-                committed |= {s.file for t in tensors.values() for s in t.slices}
-    if SINGLE_FILE_NAME in names:
-        committed.add(SINGLE_FILE_NAME)
-    if not committed and not any(is_shard_file_name(n) for n in names) \
-            and not is_interrupted_distributed_save(names):
-        # torch DCP output, which ``load`` reads, unless a save of ours was interrupted
-        committed = {n for n in names if is_distributed_file_name(n)}
-    present = committed | {
-        n for n in names if is_shard_file_name(n) or is_distributed_file_name(n)}
-    return ({storage.join(directory, n) for n in committed},
-            {storage.join(directory, n) for n in present})

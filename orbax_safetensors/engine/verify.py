@@ -23,7 +23,6 @@ import fsspec
 
 from orbax_safetensors.engine.checkpoint_reader import (
     distributed_slice_problem,
-    is_interrupted_distributed_save,
     is_single_file,
     read_header,
     read_index,
@@ -43,6 +42,13 @@ from orbax_safetensors.index import (
     parse_index,
 )
 from orbax_safetensors.storage import Storage, storage_for
+from orbax_safetensors.storage.commit import (
+    LOCK_NAME,
+    DirectoryView,
+    is_interrupted_direct_save,
+    is_transient,
+    read_view,
+)
 
 _HEADER_THREADS = 16
 
@@ -114,27 +120,28 @@ def verify(
             raise FileNotFoundError(f"no safetensors file at {url!r}")
         _Verifier(storage, report).single_file(root)
         return report
-    storage.scan(root)
     try:
-        names = set(storage.listdir(root))
+        view = read_view(storage, root)
     except FileNotFoundError:
         raise FileNotFoundError(f"no safetensors checkpoint at {url!r}: it does not exist") from None
-    if not names and not storage.isdir(root):
-        raise FileNotFoundError(f"no safetensors checkpoint at {url!r}: it does not exist")
-    verifier = _Verifier(storage, VerifyReport(url, "unknown"), root, names)
+    names = set(view.names)
+    verifier = _Verifier(storage, VerifyReport(url, "unknown"), root, names, view)
+    verifier.report.leftovers += [storage.join(root, n) for n in sorted(view.listing)
+                                  if is_transient(n) and n != LOCK_NAME]
     if DISTRIBUTED_INDEX_NAME in names:
         verifier.distributed()
     elif INDEX_NAME in names:
         verifier.hf_index()
     elif SINGLE_FILE_NAME in names:
         verifier.report.layout = "hf single file"
-        verifier.single_file(storage.join(root, SINGLE_FILE_NAME))
+        verifier.single_file(verifier.located(SINGLE_FILE_NAME))
         verifier.strays(set(), is_shard_file_name)
     elif any(is_shard_file_name(n) for n in names):
         verifier.report.layout = "hf sharded"
         verifier.problem(f"holds shard files but no {INDEX_NAME}: an interrupted save? (the "
                          "index is written last, so this checkpoint was never committed)", url)
-    elif any(is_distributed_file_name(n) for n in names) and is_interrupted_distributed_save(names):
+    elif any(is_distributed_file_name(n) for n in names) \
+            and is_interrupted_direct_save(view.listing, DISTRIBUTED_INDEX_NAME):
         verifier.report.layout = "distributed"
         verifier.problem(f"holds shard files and a temporary {DISTRIBUTED_INDEX_NAME} but not the "
                          "index: an interrupted save (never committed)", url)
@@ -150,11 +157,16 @@ class _Verifier:
     """The checks of one checkpoint, filling one report."""
 
     def __init__(self, storage: Storage, report: VerifyReport, root: str = "",
-                 names: set[str] | None = None):
+                 names: set[str] | None = None, view: DirectoryView | None = None):
         self.storage = storage
         self.report = report
         self.root = root
         self.names = names or set()
+        self.view = view or DirectoryView(frozenset(self.names))
+
+    def located(self, name: str) -> str:
+        """Where the checkpoint's file ``name`` is read from (a backup while a commit is open)."""
+        return self.view.path(self.storage, self.root, name)
 
     def problem(self, message: str, file: str | None = None, tensor: str | None = None) -> None:
         self.report.problems.append(Problem(message, file, tensor))
@@ -200,7 +212,7 @@ class _Verifier:
 
     def parsed_index(self, name: str, parse: Callable[..., Any]) -> tuple[str, Any]:
         """The index file's path, and ``parse`` of its bytes (``None``, a problem, if it fails)."""
-        path = self.storage.join(self.root, name)
+        path = self.located(name)
         return path, self.attempt(lambda: parse(read_index(self.storage, path), file=path))
 
     def hf_index(self) -> None:
@@ -208,8 +220,8 @@ class _Verifier:
         index_path, index = self.parsed_index(INDEX_NAME, parse_index)
         if index is None:
             return
-        headers = self.headers([self.storage.join(self.root, f) for f in index.files])
-        listed = {name: self.storage.join(self.root, f) for name, f in index.weight_map.items()}
+        headers = self.headers([self.located(f) for f in index.files])
+        listed = {name: self.located(f) for name, f in index.weight_map.items()}
         sizes = {}
         for name, file in listed.items():
             if file not in headers:
@@ -242,11 +254,11 @@ class _Verifier:
             return
         entries, _ = parsed
         named = sorted({s.file for t in entries.values() for s in t.slices})
-        headers = self.headers([self.storage.join(self.root, f) for f in named])
+        headers = self.headers([self.located(f) for f in named])
         placed = collections.defaultdict(set)
         for name, entry in entries.items():
             for s in entry.slices:
-                file = self.storage.join(self.root, s.file)
+                file = self.located(s.file)
                 placed[file].add(name)
                 if file in headers:  # else its file is already reported
                     problem = self.attempt(lambda: distributed_slice_problem(
@@ -262,7 +274,7 @@ class _Verifier:
     def dcp(self) -> None:
         """torch DCP ``save_sharded`` output: no index, the headers say where slices go."""
         self.report.layout = "torch dcp"
-        files = sorted(self.storage.join(self.root, n) for n in self.names if is_distributed_file_name(n))
+        files = sorted(self.located(n) for n in self.names if is_distributed_file_name(n))
         pieces: dict[str, list[tuple[SliceEntry, DType]]] = collections.defaultdict(list)
         for file, header in self.headers(files).items():
             offsets = self.attempt(lambda: dcp_offsets(header.metadata, file=file)) or {}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 import concurrent.futures
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import BinaryIO
 
 _LOG = logging.getLogger("orbax_safetensors")
@@ -107,6 +107,43 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def remove(self, path: str) -> None:
         """Deletes a file; a missing file is not an error."""
+
+    def snapshot(self) -> Storage:
+        """A view of this storage whose reads of each file all see one version of it.
+
+        Locally a file is opened once, at its first read, and every later read
+        goes to that open file, so a rename over its name (an overwrite
+        committing) does not switch files under a reader; ``unchanged`` then
+        tells whether every name still points at the file that was read.
+        Backends that cannot pin a version return themselves.
+        """
+        return self
+
+    pins_versions: bool = False
+    """Whether a snapshot's reads all see the version of a file its first read saw (locally:
+    one open descriptor). Where not, a reader checks ``unchanged`` after reading."""
+
+    def unchanged(self) -> bool:
+        """On a snapshot: whether every file read through it is still the one at its name."""
+        return True
+
+    def version(self) -> str:
+        """On a snapshot: what identifies the versions of the files read so far (equal on two
+        processes exactly when they read the same files)."""
+        return ""
+
+    def close(self) -> None:
+        """Releases what a snapshot holds open; a plain storage holds nothing."""
+
+    def lock(self, path: str, holder: str) -> Callable[[], None]:
+        """Takes the writer lock ``path`` (a file next to the checkpoint) for ``holder``.
+
+        Returns the release function. Raises ``CheckpointBusyError`` naming the
+        current holder when another live writer has it; a dead holder's lock is
+        free again. Backends without a way to lock (object stores, for now)
+        return a no-op: there, one writer per location is the caller's to keep.
+        """
+        return lambda: None
 
     def scan(self, directory: str) -> None:
         """Learns the names and sizes under ``directory`` at once, where that saves a request

@@ -40,6 +40,7 @@ class FsspecStorage(Storage):
         # on another thread sees one whole generation, old or new, and a listing that started
         # before a forget fills the generation it started with, which is dropped.
         self._listed: tuple[dict[str, int], set[str]] = ({}, set())
+        self._versions: dict[str, tuple] = {}  # what identifies the object each listing saw
         protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
         self.cheap_rename = not protocols & {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"}
 
@@ -160,6 +161,9 @@ class FsspecStorage(Storage):
     def open_read(self, path: str) -> BinaryIO:
         return self.fs.open(path, "rb", block_size=_READ_BLOCK)
 
+    def snapshot(self) -> FsspecSnapshot:
+        return FsspecSnapshot(self)
+
     def exists(self, path: str) -> bool:
         sizes, dirs = self._listed
         if posixpath.dirname(path) in dirs:
@@ -180,6 +184,7 @@ class FsspecStorage(Storage):
                 dirs.add(name)
             else:
                 sizes[name] = int(entry["size"])
+                self._versions[name] = _version(entry)
         dirs.add(path)
         return [posixpath.basename(entry["name"].rstrip("/")) for entry in listed]
 
@@ -200,3 +205,62 @@ class FsspecStorage(Storage):
             self.fs.rm(path)
         except FileNotFoundError:
             pass  # already gone, maybe by an earlier attempt whose answer was lost
+
+
+def _version(entry: dict) -> tuple:
+    """What tells two versions of an object apart in a listing or ``info``: S3's ETag, GCS's
+    generation, ``memory://``'s creation time (and the size, everywhere)."""
+    return tuple(str(entry.get(k)) for k in ("size", "ETag", "generation", "created", "mtime"))
+
+
+class FsspecSnapshot(FsspecStorage):
+    """Remembers the version of each file it reads (see ``Storage.snapshot``).
+
+    An object store cannot pin a version for later ranged reads, so a reader
+    finds out afterwards: ``unchanged`` lists the directories again (one
+    request each) and compares versions, and a load that read a changed file
+    is read again. Shares the listing caches of the storage it came from, so
+    the listing a load starts with also answers its sizes.
+    """
+
+    def __init__(self, storage: FsspecStorage):
+        super().__init__(storage.fs, storage.retries)
+        self._listed, self._versions, self.cheap_rename = (
+            storage._listed, storage._versions, storage.cheap_rename)
+        self._seen: dict[str, tuple | None] = {}
+
+    def _remember(self, path: str) -> None:
+        if path not in self._seen:
+            self._seen[path] = self._versions.get(path) or self._info_version(path)
+
+    def _info_version(self, path: str) -> tuple | None:
+        try:
+            return _version(self._call(path, "info", lambda: self.fs.info(path)))
+        except FileNotFoundError:
+            return None
+
+    def size(self, path: str) -> int:
+        self._remember(path)
+        return super().size(path)
+
+    def read(self, path: str, offset: int, length: int) -> bytes:
+        self._remember(path)
+        return super().read(path, offset, length)
+
+    def open_read(self, path: str) -> BinaryIO:
+        self._remember(path)
+        return super().open_read(path)
+
+    def version(self) -> str:
+        return repr(sorted(self._seen.items()))
+
+    def unchanged(self) -> bool:
+        seen = dict(self._seen)
+        for directory in {posixpath.dirname(p) for p in seen}:
+            try:
+                self.listdir(directory)
+            except FileNotFoundError:
+                return False
+        return all((self._versions[path] if path in self._versions else self._info_version(path))
+                   == version for path, version in seen.items())
+

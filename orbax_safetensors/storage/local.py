@@ -3,19 +3,58 @@
 Reads use ``os.preadv`` straight into the caller's buffer: no intermediate
 ``bytes``, no second copy, and safe to call from many threads on one file.
 Writes ``fsync`` before returning so a rename that follows commits durable
-data, not a promise.
+data, not a promise. Every ``OSError`` leaving this module names its file
+(``os.write`` alone would report ENOSPC without one), and only regular files
+are ever opened for reading: a FIFO named like a shard would block an
+``open`` forever, a device would read without end.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import os
-from collections.abc import Iterable, Sequence
+import stat
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import BinaryIO
 
+from orbax_safetensors.errors import CheckpointBusyError, SafetensorsError
 from orbax_safetensors.storage.base import Storage
 
 
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+          stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a directory"}
+
+
+@contextlib.contextmanager
+def _naming(path: str) -> Iterator[None]:
+    """Gives an ``OSError`` raised without a file name (``os.write``, ``os.fsync``) ``path``."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None and e.errno is not None:
+            raise type(e)(e.errno, e.strerror or os.strerror(e.errno), path) from e
+        raise
+
+
+def _check_regular(mode: int, path: str) -> None:
+    if not stat.S_ISREG(mode):
+        kind = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+        raise SafetensorsError(f"is {kind}, not a safetensors file", file=path)
+
+
+def _open_regular(path: str) -> int:
+    """A read descriptor of ``path``, refused unless it is a regular file (never blocks)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        _check_regular(os.fstat(fd).st_mode, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 class LocalStorage(Storage):
@@ -29,57 +68,73 @@ class LocalStorage(Storage):
         return os.path.split(path)
 
     def size(self, path: str) -> int:
-        return os.stat(path).st_size
+        info = os.stat(path)
+        _check_regular(info.st_mode, path)
+        return info.st_size
 
     def read(self, path: str, offset: int, length: int) -> bytes:
-        with open(path, "rb", buffering=0) as f:
-            return os.pread(f.fileno(), length, offset)
+        fd = _open_regular(path)
+        try:
+            with _naming(path):
+                return os.pread(fd, length, offset)
+        finally:
+            os.close(fd)
 
     def read_scatter(self, path: str, offset: int, buffers: Sequence[memoryview]) -> None:
-        fd = os.open(path, os.O_RDONLY)
+        fd = _open_regular(path)
         try:
             _vectored(os.preadv, fd, buffers, offset, path)
         finally:
             os.close(fd)
 
     def write(self, path: str, chunks: Iterable[memoryview | bytes]) -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         try:
-            for chunk in chunks:
-                view = memoryview(chunk).cast("B")
-                while len(view):
-                    view = view[os.write(fd, view):]
-            os.fsync(fd)
+            with _naming(path):
+                for chunk in chunks:
+                    view = memoryview(chunk).cast("B")
+                    while len(view):
+                        view = view[os.write(fd, view):]
+                os.fsync(fd)
         finally:
             os.close(fd)
 
     supports_offset_writes = True
 
     def create_sized(self, path: str, size: int, head: bytes) -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         try:
-            os.pwrite(fd, head, 0)
-            os.ftruncate(fd, size)
-            os.fsync(fd)
+            with _naming(path):
+                os.pwrite(fd, head, 0)
+                # Reserve the blocks now where the filesystem can: a full disk fails here,
+                # before any process writes, not halfway through the data.
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as e:
+                    if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                        raise
+                    os.ftruncate(fd, size)
+                os.fsync(fd)
         finally:
             os.close(fd)
 
     def write_at(self, path: str, offset: int, buffers: Sequence[memoryview]) -> None:
-        fd = os.open(path, os.O_WRONLY)
+        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
         try:
             _vectored(os.pwritev, fd, buffers, offset, path)
         finally:
             os.close(fd)
 
     def sync(self, path: str) -> None:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            os.fsync(fd)
+            with _naming(path):
+                os.fsync(fd)
         finally:
             os.close(fd)
 
     def open_read(self, path: str) -> BinaryIO:
-        return open(path, "rb")
+        return os.fdopen(_open_regular(path), "rb")
 
     def exists(self, path: str) -> bool:
         return os.path.exists(path)
@@ -103,6 +158,105 @@ class LocalStorage(Storage):
         except FileNotFoundError:
             pass
 
+    def snapshot(self) -> LocalSnapshot:
+        return LocalSnapshot()
+
+    def lock(self, path: str, holder: str) -> Callable[[], None]:
+        """``flock`` on ``path``: the kernel frees it when its holder dies, on any host for NFS
+        (where Linux maps it onto POSIX locks), and it conflicts between two descriptors of
+        one process too, so two threads of one process are two writers as well."""
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                try:
+                    current = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
+                finally:
+                    os.close(fd)
+                raise CheckpointBusyError(path, current or "holder not yet recorded") from None
+            except BaseException:
+                os.close(fd)
+                raise
+            try:  # a releasing holder unlinks the file: a lock on an unlinked file locks nothing
+                if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        with _naming(path):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, holder.encode(), 0)
+
+        def release() -> None:
+            try:
+                os.unlink(path)  # while still holding it: nobody can lock this inode again
+            finally:
+                os.close(fd)
+        return release
+
+
+class LocalSnapshot(LocalStorage):
+    """Reads each file through one descriptor opened at its first use (see ``Storage.snapshot``).
+
+    An overwrite renames new files over the old names; an open descriptor keeps
+    reading the old file, so a load that opened everything it needs before the
+    commit reads only the old checkpoint, and ``unchanged`` tells it whether the
+    names it resolved still point at what it opened.
+    """
+
+    pins_versions = True
+
+    def __init__(self):
+        self._open: dict[str, tuple[int, tuple[int, int, int, int]]] = {}
+        self._guard = threading.Lock()
+
+    def _fd(self, path: str) -> int:
+        with self._guard:
+            if path not in self._open:
+                fd = _open_regular(path)
+                info = os.fstat(fd)
+                self._open[path] = (fd, (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns))
+            return self._open[path][0]
+
+    def version(self) -> str:
+        with self._guard:
+            return repr(sorted((path, identity) for path, (_, identity) in self._open.items()))
+
+    def size(self, path: str) -> int:
+        return os.fstat(self._fd(path)).st_size
+
+    def read(self, path: str, offset: int, length: int) -> bytes:
+        with _naming(path):
+            return os.pread(self._fd(path), length, offset)
+
+    def read_scatter(self, path: str, offset: int, buffers: Sequence[memoryview]) -> None:
+        _vectored(os.preadv, self._fd(path), buffers, offset, path)
+
+    def open_read(self, path: str) -> BinaryIO:
+        return os.fdopen(os.dup(self._fd(path)), "rb")
+
+    def unchanged(self) -> bool:
+        with self._guard:
+            pinned = list(self._open.items())
+        for path, (_, identity) in pinned:
+            try:
+                info = os.stat(path)
+            except FileNotFoundError:
+                return False
+            if (info.st_dev, info.st_ino) != identity[:2]:
+                return False
+        return True
+
+    def close(self) -> None:
+        with self._guard:
+            pinned, self._open = self._open, {}
+        for fd, _ in pinned.values():
+            os.close(fd)
+
+    def __del__(self):
+        self.close()
+
 
 def _vectored(call, fd: int, buffers: Sequence[memoryview], offset: int, path: str) -> None:
     """``preadv``/``pwritev`` of all ``buffers`` from ``offset``, resuming after short transfers."""
@@ -110,7 +264,8 @@ def _vectored(call, fd: int, buffers: Sequence[memoryview], offset: int, path: s
     position, start = offset, 0
     while start < len(views):
         batch = views[start:start + _IOV_MAX]
-        done = call(fd, batch, position)
+        with _naming(path):
+            done = call(fd, batch, position)
         if done == 0 and any(len(v) for v in batch):
             raise EOFError(f"{path}: file ended at byte {position}")
         position += done
@@ -123,8 +278,9 @@ def _vectored(call, fd: int, buffers: Sequence[memoryview], offset: int, path: s
 
 def _fsync_directory(directory: str) -> None:
     """Makes a rename durable: the new directory entry survives a power cut."""
-    fd = os.open(directory, os.O_RDONLY)
+    fd = os.open(directory, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        os.fsync(fd)
+        with _naming(directory):
+            os.fsync(fd)
     finally:
         os.close(fd)

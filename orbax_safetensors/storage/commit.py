@@ -1,0 +1,347 @@
+"""Making a checkpoint visible, and keeping the old one whole until then.
+
+The one place that knows temporary names, the order of uncommit and commit,
+the lock against a second writer, rollback and cleanup. Two strategies,
+chosen once from what the backend can do (``Storage.cheap_rename``):
+
+* ``StagedCommit`` -- renames are metadata (local disks, NFS, ``memory://``).
+  Every file is written under a temporary name. The commit writes a journal
+  naming the old checkpoint's files and the new ones, moves the old index and
+  every old file a new one replaces to a backup name, renames the new files in
+  (the index last) and removes the journal: that removal is the commit point.
+  Until it, the old checkpoint is the committed one -- a reader that finds a
+  journal reads the old files from their backups (``read_view``) -- so a
+  crash, an error or Ctrl-C at any step leaves the old checkpoint loadable; an
+  error or Ctrl-C also rolls back (backups renamed back, temporaries removed),
+  and the next writer rolls back what a crashed one left. One file replacing
+  itself (``x.safetensors``, or ``model.safetensors`` over ``model.safetensors``)
+  is a single atomic rename and needs no journal. Readers that do not know the
+  journal (transformers) see the old index, then no index, then the new one:
+  never old and new files mixed under one index.
+* ``DirectCommit`` -- a rename is a copy of the bytes (object stores). Files
+  are written under their final names: the old index is removed before the
+  first of them changes, and the new index, written last, is the commit marker.
+  A crash or failure in between leaves no checkpoint (reported as an
+  interrupted save), never a mix. No lock: object stores have none here yet.
+
+Only the writer holding the lock (``lock_name``) removes temporaries, so it
+never removes a live writer's; a dead writer's lock is free again (the kernel
+drops it with its process) and its debris is removed by the next writer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import socket
+import threading
+from collections.abc import Callable, Collection, Iterable, Sequence
+
+from orbax_safetensors.index import DISTRIBUTED_INDEX_NAME, INDEX_NAME
+from orbax_safetensors.storage.base import Storage
+
+_LOG = logging.getLogger("orbax_safetensors")
+
+LOCK_NAME = ".orbax_safetensors.lock"
+_JOURNAL = re.compile(r"^\.orbax_safetensors\.commit-([0-9a-f]{12})\.json$")
+# .NAME.tmp-TOKEN (a file before its commit), .NAME.part-TOKEN-OFFSET (a part of one, object
+# stores), .NAME.old-TOKEN (an old file replaced by a commit in progress)
+_TRANSIENT = re.compile(r"^\.(?P<name>.+)\.(?:tmp|part|old)-(?P<token>[0-9a-f]{12})(?:-\d{20})?$")
+_MAX_JOURNAL_BYTES = 64 << 20
+_INDEX_NAMES = frozenset({INDEX_NAME, DISTRIBUTED_INDEX_NAME})  # what marks a directory committed
+
+
+def temporary_name(name: str, token: str) -> str:
+    return f".{name}.tmp-{token}"
+
+
+def part_name(name: str, token: str, offset: int) -> str:
+    return f".{name}.part-{token}-{offset:020d}"
+
+
+def backup_name(name: str, token: str) -> str:
+    return f".{name}.old-{token}"
+
+
+def journal_name(token: str) -> str:
+    return f".orbax_safetensors.commit-{token}.json"
+
+
+def lock_name(single_file: str | None) -> str:
+    return LOCK_NAME if single_file is None else f".{single_file}.lock"
+
+
+def is_transient(name: str, single_file: str | None = None) -> bool:
+    """Whether ``name`` is a temporary, part, backup, journal or lock of ours (of the file
+    ``single_file`` only, when a directory is shared with other files)."""
+    if single_file is not None:
+        match = _TRANSIENT.match(name)
+        return name == lock_name(single_file) or bool(match and match["name"] == single_file)
+    return name == LOCK_NAME or bool(_TRANSIENT.match(name) or _JOURNAL.match(name))
+
+
+def is_interrupted_direct_save(names: Iterable[str], index_name: str) -> bool:
+    """Whether a directory's names include the marker a ``DirectCommit`` of a distributed save
+    leaves while its files go to their final names (without their index they would read as
+    torch DCP output: some tensors, or old and new files mixed)."""
+    return any(n.startswith(f".{index_name}.tmp-") for n in names)
+
+
+@dataclasses.dataclass(frozen=True)
+class DirectoryView:
+    """What a reader takes for the checkpoint in a directory at one moment.
+
+    ``names`` are the entries to consider (hidden ones excluded); ``moved``
+    maps a name to the backup it is read from while a commit is in progress;
+    ``listing`` is everything the directory held. Two views compare equal when a
+    reader resolving names through either opens the same files.
+    """
+
+    names: frozenset[str]
+    moved: tuple[tuple[str, str], ...] = ()
+    listing: frozenset[str] = frozenset()
+
+    def path(self, storage: Storage, directory: str, name: str) -> str:
+        return storage.join(directory, dict(self.moved).get(name, name))
+
+
+def read_view(storage: Storage, directory: str) -> DirectoryView:
+    """The committed checkpoint's names in ``directory`` (FileNotFoundError if it is absent).
+
+    With a journal present, a commit is in progress or its writer died in it:
+    the old checkpoint is the committed one, its files where the journal's
+    writer left them (moved to backups, or not yet).
+    """
+    listing = frozenset(storage.listdir(directory))
+    journals = sorted(n for n in listing if _JOURNAL.match(n))
+    if not journals:
+        return DirectoryView(frozenset(n for n in listing if not n.startswith(".")), (), listing)
+    journal = _read_journal(storage, storage.join(directory, journals[0]))
+    moved = tuple(sorted((n, backup_name(n, journal.token)) for n in journal.old
+                         if backup_name(n, journal.token) in listing))
+    return DirectoryView(frozenset(journal.old), moved, listing)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Journal:
+    token: str
+    old: tuple[str, ...]  # the files of the checkpoint being replaced
+    new: tuple[str, ...]  # the files being put in place, the index last
+    replaced: tuple[str, ...]  # the new names that held a file before (moved to backups)
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self)).encode()
+
+
+def _read_journal(storage: Storage, path: str) -> _Journal:
+    size = storage.size(path)
+    if size > _MAX_JOURNAL_BYTES:
+        raise OSError(f"{path}: commit journal of {size} bytes is not ours")
+    raw = json.loads(storage.read(path, 0, size))
+    return _Journal(raw["token"], tuple(raw["old"]), tuple(raw["new"]), tuple(raw["replaced"]))
+
+
+def holder_description() -> str:
+    """Who takes a lock: enough for a user to find the process that holds their path."""
+    return f"pid {os.getpid()} on {socket.gethostname()}, thread {threading.current_thread().name}"
+
+
+class Commit:
+    """One save's commit protocol over one location (a directory, or one file in a directory).
+
+    ``old`` are the names of what is there now (the committed checkpoint and
+    checkpoint files left beside it), replaced by the commit; ``single_file``
+    the file name when the location is one file in a directory shared with
+    other files.
+    """
+
+    def __init__(self, storage: Storage, directory: str, token: str, old: Collection[str],
+                 single_file: str | None = None):
+        self.storage = storage
+        self.directory = directory
+        self.token = token
+        self.old = frozenset(old)
+        self.single_file = single_file
+        self._release: Callable[[], None] | None = None
+
+    @staticmethod
+    def for_storage(storage: Storage, directory: str, token: str, old: Collection[str],
+                    single_file: str | None = None) -> Commit:
+        strategy = StagedCommit if storage.cheap_rename else DirectCommit
+        return strategy(storage, directory, token, old, single_file)
+
+    def path(self, name: str) -> str:
+        return self.storage.join(self.directory, name)
+
+    def temporary(self, name: str) -> str:
+        """Where this save writes the file ``name`` before its commit."""
+        raise NotImplementedError
+
+    def part(self, name: str, offset: int) -> str:
+        """Where a part of ``name`` starting at ``offset`` is uploaded before being merged."""
+        return self.path(part_name(name, self.token, offset))
+
+    def acquire(self) -> None:
+        """Takes the location's lock (fails fast naming the holder) and rolls back a commit a
+        dead writer left half done: from here on every temporary there is ours to remove."""
+        self.storage.makedirs(self.directory)
+        self._release = self.storage.lock(self.path(lock_name(self.single_file)),
+                                          holder_description())
+        try:
+            self._recover()
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+    def _recover(self) -> None:
+        """Rolls back commits a dead writer left half done."""
+
+    def clear_leftovers(self) -> None:
+        """Removes what dead writers left (once the caller has looked at what is there)."""
+
+    def begin(self, *, marks_files: str | None = None) -> None:
+        """Before any process writes: what must happen before files change.
+
+        ``marks_files``: the index name of a layout whose files read as another
+        checkpoint kind without it (the distributed layout: torch DCP output).
+        """
+
+    def commit(self, new: Sequence[str], index: tuple[str, bytes] | None,
+               cancelled: Callable[[], bool] = lambda: False) -> None:
+        """Puts ``new`` (written to ``temporary``) and the index in place, replacing ``old``.
+
+        ``cancelled`` is asked right before the commit point: when it says yes,
+        nothing is committed and ``KeyboardInterrupt`` is raised.
+        """
+        raise NotImplementedError
+
+    def discard(self, names: Iterable[str]) -> None:
+        """After a failure: removes this save's files of ``names`` (best effort)."""
+        self.storage.discard(self.temporary(n) for n in names)
+
+    def _leftovers(self, listing: Iterable[str]) -> list[str]:
+        own = lock_name(self.single_file)
+        return [self.path(n) for n in listing if n != own and is_transient(n, self.single_file)]
+
+
+class StagedCommit(Commit):
+    __doc__ = __doc__
+
+    def temporary(self, name: str) -> str:
+        return self.path(temporary_name(name, self.token))
+
+    def _recover(self) -> None:
+        if self.single_file is None:
+            for name in sorted(n for n in self.storage.listdir(self.directory) if _JOURNAL.match(n)):
+                self._roll_back(_read_journal(self.storage, self.path(name)))
+
+    def clear_leftovers(self) -> None:
+        if self._release is None:
+            return  # only the lock's holder knows no live writer owns them
+        for path in self._leftovers(self.storage.listdir(self.directory)):
+            self.storage.remove(path)
+
+    def commit(self, new: Sequence[str], index: tuple[str, bytes] | None,
+               cancelled: Callable[[], bool] = lambda: False) -> None:
+        storage = self.storage
+        names = list(new)
+        if index is not None:
+            storage.write(self.temporary(index[0]), [index[1]])
+            names.append(index[0])
+        if cancelled():
+            raise KeyboardInterrupt
+        if len(names) == 1 and self.old <= {names[0]}:  # one file replacing itself: atomic
+            storage.rename(self.temporary(names[0]), self.path(names[0]))
+            return
+        replaced = tuple(n for n in names if storage.exists(self.path(n)))
+        journal = _Journal(self.token, tuple(sorted(self.old)), tuple(names), replaced)
+        journal_path = self.path(journal_name(self.token))
+        storage.write(self.temporary(journal_name(self.token)), [journal.to_bytes()])
+        storage.rename(self.temporary(journal_name(self.token)), journal_path)
+        try:
+            # The old commit markers first: no reader that ignores the journal may find an
+            # old index next to new files.
+            old_indexes = sorted(self.old & _INDEX_NAMES)
+            for name in old_indexes:
+                storage.rename(self.path(name), self.path(backup_name(name, self.token)))
+            for name in names:  # the index last
+                if name in replaced and name not in old_indexes:
+                    storage.rename(self.path(name), self.path(backup_name(name, self.token)))
+                storage.rename(self.temporary(name), self.path(name))
+            if cancelled():
+                raise KeyboardInterrupt
+            storage.remove(journal_path)  # the commit point
+        except BaseException as failure:
+            try:
+                self._roll_back(journal)
+            except Exception as e:  # the old checkpoint still loads through the journal
+                _LOG.warning("could not roll back the commit of %s (the previous checkpoint still "
+                             "loads; the next save finishes the rollback): %s", self.directory, e)
+                failure.add_note(f"rolling back failed too: {e}")
+            raise
+        self._clean_up(set(names))
+
+    def _roll_back(self, journal: _Journal) -> None:
+        """Puts the old checkpoint's files back and removes the new ones, then the journal."""
+        storage = self.storage
+        for name in reversed(journal.new):
+            backup = self.path(backup_name(name, journal.token))
+            if storage.exists(backup):
+                storage.rename(backup, self.path(name))
+            elif name not in journal.replaced:  # nothing was there: what is there now is ours
+                storage.remove(self.path(name))
+            storage.remove(self.path(temporary_name(name, journal.token)))
+        for name in journal.old:
+            backup = self.path(backup_name(name, journal.token))
+            if storage.exists(backup):
+                storage.rename(backup, self.path(name))
+        storage.remove(self.path(journal_name(journal.token)))
+
+    def _clean_up(self, kept: set[str]) -> None:
+        """After the commit point: the backups, then the old files the new checkpoint does not
+        reuse. A failure here is no failure of the save (it is committed): the next one retries."""
+        stale = [self.path(backup_name(n, self.token)) for n in kept | self.old]
+        stale += [self.path(n) for n in self.old - kept]
+        for path in stale:
+            try:
+                self.storage.remove(path)
+            except OSError as e:
+                _LOG.warning("committed, but could not remove %s (the next save will): %s", path, e)
+
+
+class DirectCommit(Commit):
+    __doc__ = __doc__
+
+    def temporary(self, name: str) -> str:
+        return self.path(name)
+
+    def begin(self, *, marks_files: str | None = None) -> None:
+        if marks_files is not None:
+            self.storage.write(self.path(temporary_name(marks_files, self.token)), [b"{}"])
+        for name in sorted(self.old & _INDEX_NAMES):
+            self.storage.remove(self.path(name))
+
+    def commit(self, new: Sequence[str], index: tuple[str, bytes] | None,
+               cancelled: Callable[[], bool] = lambda: False) -> None:
+        if cancelled():
+            raise KeyboardInterrupt
+        if index is not None:
+            self.storage.write(self.path(index[0]), [index[1]])
+        kept = set(new) | ({index[0]} if index is not None else set())
+        stale = [self.path(n) for n in self.old - kept]
+        for path in stale + self._leftovers(self.storage.listdir(self.directory)):
+            self.storage.remove(path)
+
+    def discard(self, names: Iterable[str]) -> None:
+        """Files here are already under their final names, where the old index no longer
+        names anything: remove ours and the marker, so nothing half-written remains."""
+        self.storage.discard([self.path(n) for n in names] + self._leftovers(
+            n for n in self.storage.listdir(self.directory) if self.token in n))

@@ -1,0 +1,217 @@
+"""The commit protocol through the public API: replacing damaged checkpoints, what verify lists,
+what a reader sees while a commit is open or after its writer died in it, snapshot reads on
+``memory://``, and errors that keep their type."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import orbax_safetensors as ost
+from orbax_safetensors.storage import commit as commit_module
+from orbax_safetensors.storage import local as local_storage
+
+USER_FILES = {"config.json": b'{"model_type": "llama"}', "README.md": b"# mine",
+              "notes/x.txt": b"keep me"}
+
+
+def _tree(value: float, n: int = 4) -> dict[str, np.ndarray]:
+    return {f"layer{i}.w": np.full((64, 32), value + i, np.float32) for i in range(n)}
+
+
+def _same(loaded: dict, expected: dict) -> bool:
+    return sorted(loaded) == sorted(expected) and all(
+        np.array_equal(loaded[k], expected[k]) for k in expected)
+
+
+def _with_user_files(path) -> None:
+    for name, data in USER_FILES.items():
+        (path / name).parent.mkdir(parents=True, exist_ok=True)
+        (path / name).write_bytes(data)
+
+
+def _user_files_intact(path) -> bool:
+    return all((path / n).read_bytes() == data for n, data in USER_FILES.items())
+
+
+def _hidden(path) -> list[str]:
+    return sorted(n for n in os.listdir(path) if n.startswith("."))
+
+
+@pytest.mark.parametrize("damage", [b"", b"{not json", b'{"weight_map": 3}'])
+def test_overwrite_replaces_a_checkpoint_whose_index_is_damaged(tmp_path, damage):
+    path = tmp_path / "ckpt"
+    ost.save(path, _tree(1), max_shard_size=20000)
+    _with_user_files(path)
+    (path / "model.safetensors.index.json").write_bytes(damage)
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        ost.save(path, _tree(2), max_shard_size=20000)
+    ost.save(path, _tree(2), max_shard_size=50000, overwrite=True)
+    assert _same(ost.load(path), _tree(2))
+    assert _user_files_intact(path) and not _hidden(path)
+    assert ost.verify(path).ok and not ost.verify(path).leftovers
+
+
+def test_verify_lists_leftover_temporaries_and_the_next_save_removes_them(tmp_path):
+    path = tmp_path / "ckpt"
+    ost.save(path, _tree(1))
+    debris = [".model.safetensors.tmp-0123456789ab", ".model-00001-of-00002.safetensors.part-"
+              "0123456789ab-00000000000000000000", ".model.safetensors.old-0123456789ab"]
+    for name in debris:
+        (path / name).write_bytes(b"x" * 100)
+    report = ost.verify(path)
+    assert report.ok
+    assert sorted(os.path.basename(p) for p in report.leftovers) == sorted(debris)
+    ost.save(path, _tree(2), overwrite=True)
+    assert not _hidden(path)
+
+
+def _interrupted_commit(tmp_path, dies_at: str):
+    """A sharded checkpoint being overwritten whose writer dies (no rollback, as under SIGKILL)
+    in its commit: right after writing the journal (``"journal written"``), or right before
+    removing it, the commit point, with every new file already in place (``"commit point"``).
+    Returns (path, old tree, new tree)."""
+    path = tmp_path / "ckpt"
+    old, new = _tree(1), _tree(2, n=5)
+    ost.save(path, old, max_shard_size=20000)
+    _with_user_files(path)
+
+    class Died(BaseException):
+        pass
+
+    def is_journal(p) -> bool:
+        return ".orbax_safetensors.commit-" in str(p) and ".tmp-" not in str(p)
+
+    rename, remove = local_storage.LocalStorage.rename, local_storage.LocalStorage.remove
+
+    def renaming(self, source, destination):
+        if dies_at == "journal written" and is_journal(source) is False and any(
+                is_journal(os.path.join(path, n)) for n in os.listdir(path)):
+            raise Died
+        return rename(self, source, destination)
+
+    def removing(self, target):
+        if dies_at == "commit point" and is_journal(target):
+            raise Died
+        return remove(self, target)
+
+    roll_back = commit_module.StagedCommit._roll_back
+    try:
+        local_storage.LocalStorage.rename, local_storage.LocalStorage.remove = renaming, removing
+        commit_module.StagedCommit._roll_back = lambda self, journal: None
+        with pytest.raises(Died):
+            ost.save(path, new, max_shard_size=30000, overwrite=True)
+    finally:
+        local_storage.LocalStorage.rename, local_storage.LocalStorage.remove = rename, remove
+        commit_module.StagedCommit._roll_back = roll_back
+    return path, old, new
+
+
+@pytest.mark.parametrize("dies_at", ["journal written", "commit point"])
+def test_a_commit_its_writer_died_in_still_loads_the_old_checkpoint_and_is_rolled_back(
+        tmp_path, dies_at):
+    path, old, new = _interrupted_commit(tmp_path, dies_at)
+    assert any(n.startswith(".orbax_safetensors.commit-") for n in os.listdir(path))
+    assert _same(ost.load(path), old)
+    assert ost.verify(path).ok
+    assert sorted(ost.metadata(path).tensors) == sorted(old)
+    with pytest.raises(FileExistsError):  # the old checkpoint is the committed one
+        ost.save(path, new, overwrite=False)
+    ost.save(path, new, max_shard_size=30000, overwrite=True)
+    assert _same(ost.load(path), new)
+    assert _user_files_intact(path) and not _hidden(path)
+
+
+def test_loads_on_memory_fs_see_one_checkpoint_while_another_thread_overwrites(tmp_path):
+    """``memory://`` cannot pin a file: a load that read a file replaced meanwhile reads again."""
+    url = f"memory://snapshot-{os.getpid()}/ckpt"
+    versions = [_tree(1), _tree(2)]
+    ost.save(url, versions[0], max_shard_size=20000)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def writer():
+        i = 0
+        while not stop.is_set():
+            i += 1
+            time.sleep(0.01)  # a training loop saves now and then, not back to back
+            try:
+                ost.save(url, versions[i % 2], max_shard_size=20000, overwrite=True)
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+                return
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    seen = {0: 0, 1: 0}
+    try:
+        for _ in range(150):
+            loaded = ost.load(url)
+            matches = [i for i, v in enumerate(versions) if _same(loaded, v)]
+            assert matches, "a load mixed two checkpoints"
+            seen[matches[0]] += 1
+    finally:
+        stop.set()
+        thread.join(30)
+    assert not errors, errors
+    assert seen[0] and seen[1], seen
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_failed_save_raises_the_original_error_with_its_errno_and_file(
+        tmp_path, monkeypatch, persistent):
+    """ENOSPC renaming the new index in. Once: the commit rolls back and leaves nothing. Every
+    time (the rollback's own rename back fails too): the old checkpoint still loads, through the
+    journal, and the next save finishes the rollback."""
+    path = tmp_path / "ckpt"
+    ost.save(path, _tree(1), max_shard_size=20000)
+    original = local_storage.LocalStorage.rename
+    failures = []
+
+    def no_space(self, source, destination):
+        if destination.endswith(".index.json") and (persistent or not failures):
+            failures.append(destination)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), destination)
+        return original(self, source, destination)
+
+    monkeypatch.setattr(local_storage.LocalStorage, "rename", no_space)
+    with pytest.raises(OSError) as raised:
+        ost.save(path, _tree(2), max_shard_size=20000, overwrite=True)
+    assert type(raised.value) is OSError and raised.value.errno == errno.ENOSPC
+    assert raised.value.filename.endswith("model.safetensors.index.json")
+    monkeypatch.undo()
+    assert _same(ost.load(path), _tree(1))
+    assert ost.verify(path).ok
+    assert bool(_hidden(path)) == persistent
+    ost.save(path, _tree(3), max_shard_size=20000, overwrite=True)
+    assert _same(ost.load(path), _tree(3)) and not _hidden(path)
+
+
+def test_os_errors_name_their_file(tmp_path, monkeypatch):
+    """``os`` calls on descriptors report ENOSPC without a file name; the error that reaches the
+    caller has it."""
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(local_storage.os, "posix_fallocate", full)
+    with pytest.raises(OSError) as raised:
+        ost.save(tmp_path / "x.safetensors", _tree(1))
+    assert raised.value.errno == errno.ENOSPC and "x.safetensors" in raised.value.filename
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_the_journal_is_json_naming_old_and_new_files(tmp_path):
+    """What a reader relies on while a commit is open (see docs/concepts.md)."""
+    path, old, _ = _interrupted_commit(tmp_path, "commit point")
+    journal = next(n for n in os.listdir(path) if n.startswith(".orbax_safetensors.commit-"))
+    content = json.loads((path / journal).read_text())
+    assert set(content) == {"token", "old", "new", "replaced"}
+    assert content["new"][-1] == "model.safetensors.index.json"
+    assert "model.safetensors.index.json" in content["old"]
