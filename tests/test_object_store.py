@@ -6,6 +6,8 @@ on a bucket, consolidate bucket → bucket, storage options passed explicitly,
 and readers racing a save never seeing a half-written checkpoint.
 """
 
+import errno
+import json
 import threading
 import time
 
@@ -239,3 +241,25 @@ def test_a_crashed_distributed_overwrite_is_an_interrupted_save_not_a_mix(store,
         np.testing.assert_array_equal(loaded[name], new[name], err_msg=name)
     fs, root = fsspec.core.url_to_fs(url)
     assert not [p for p in fs.ls(root, detail=False) if p.rsplit("/", 1)[1].startswith(".")]
+
+
+def test_one_writer_per_location_with_a_conditional_lock_object(store):
+    """A live writer's lock object refuses a second save, naming the holder; a lock object
+    nobody has refreshed for minutes is a dead writer's and is replaced."""
+    protocol, bucket, _ = store
+    if protocol == "gs":
+        pytest.skip("the GCS emulator ignores ifGenerationMatch=0 (real GCS honours it)")
+    url = f"{bucket}/locked"
+    fs, root = fsspec.core.url_to_fs(url)
+    lock = f"{root}/.orbax_safetensors.lock"
+    values = {"w": np.arange(64, dtype=np.float32)}
+    fs.pipe_file(lock, json.dumps({"holder": "pid 7 on trainer-3", "at": time.time()}).encode())
+    with pytest.raises(ost.CheckpointBusyError, match="pid 7 on trainer-3") as raised:
+        ost.save(url, values)
+    assert raised.value.errno == errno.EBUSY
+    assert [p.rsplit("/", 1)[1] for p in fs.ls(root, detail=False)] == [".orbax_safetensors.lock"]
+    fs.pipe_file(lock, json.dumps({"holder": "pid 7 on trainer-3", "at": time.time() - 3600}).encode())
+    ost.save(url, values)
+    np.testing.assert_array_equal(ost.load(url)["w"], values["w"])
+    fs.invalidate_cache()
+    assert [p.rsplit("/", 1)[1] for p in fs.ls(root, detail=False)] == ["model.safetensors"]

@@ -8,12 +8,18 @@ marker last, which the engine does for every backend alike.
 
 from __future__ import annotations
 
+import json
+import logging
 import posixpath
+import threading
+import time
+import uuid
 from collections.abc import Callable, Iterable, Sequence
 from typing import BinaryIO, TypeVar
 
 import fsspec
 
+from orbax_safetensors.errors import CheckpointBusyError
 from orbax_safetensors.storage import retry
 from orbax_safetensors.storage.base import Storage
 
@@ -22,6 +28,9 @@ T = TypeVar("T")
 _COMPOSE_MAX = 32  # GCS compose sources per call
 _S3_MIN_PART = 5 << 20  # S3 multipart parts, all but the last
 _READ_BLOCK = 16 << 20  # buffered sequential reads
+_LOCK_REFRESH = 20.0  # seconds between rewrites of a held lock
+_LOCK_STALE = 120.0  # a lock not rewritten for this long belongs to a dead writer
+_LOG = logging.getLogger("orbax_safetensors")
 
 
 class FsspecStorage(Storage):
@@ -163,6 +172,61 @@ class FsspecStorage(Storage):
 
     def snapshot(self) -> FsspecSnapshot:
         return FsspecSnapshot(self)
+
+    def lock(self, path: str, holder: str) -> Callable[[], None]:
+        """An object created only where none exists (S3 ``If-None-Match: *``, GCS
+        ``ifGenerationMatch=0``, through fsspec's ``mode="create"``), rewritten every
+        ``_LOCK_REFRESH`` seconds while held. One not rewritten for ``_LOCK_STALE`` seconds
+        belongs to a dead writer and is replaced. Where a store ignores the condition (some
+        emulators) two writers can both believe they hold it: see docs/concepts.md."""
+        me = f"{holder}, lock {uuid.uuid4().hex[:12]}"
+
+        def body() -> bytes:
+            return json.dumps({"holder": me, "at": time.time()}).encode()
+
+        for _ in range(2):
+            try:
+                self._call(path, "exclusive create", lambda: self.fs.pipe_file(path, body(), mode="create"))
+                break
+            except FileExistsError:
+                current = self._lock_content(path)
+                if current.get("holder") == me:  # our own create, its answer lost and retried
+                    break
+                if time.time() - float(current.get("at", 0)) < _LOCK_STALE:
+                    raise CheckpointBusyError(path, str(current.get("holder", "unknown"))) from None
+                _LOG.warning("replacing the lock of a writer silent for %.0f s: %s",
+                             time.time() - float(current.get("at", 0)), current.get("holder"))
+                self.remove(path)
+        else:
+            raise CheckpointBusyError(path, "another writer took it as a dead writer's was replaced")
+        self._forget_listings()
+        stop = threading.Event()
+
+        def refresh() -> None:
+            while not stop.wait(_LOCK_REFRESH):
+                try:
+                    self.fs.pipe_file(path, body())
+                except Exception as e:  # the next refresh tries again; the save goes on
+                    _LOG.warning("could not refresh the lock %s: %s", path, e)
+
+        thread = threading.Thread(target=refresh, name="orbax_safetensors-lock", daemon=True)
+        thread.start()
+
+        def release() -> None:
+            stop.set()
+            thread.join()
+            self.remove(path)
+        return release
+
+    def _lock_content(self, path: str) -> dict:
+        try:
+            raw = self._call(path, "read", lambda: self.fs.cat_file(path))
+            content = json.loads(raw)
+            return content if isinstance(content, dict) else {}
+        except FileNotFoundError:
+            return {"at": 0}  # released meanwhile: stale, so the next create may take it
+        except ValueError:
+            return {}
 
     def exists(self, path: str) -> bool:
         sizes, dirs = self._listed

@@ -97,7 +97,7 @@ def call(policy: RetryPolicy, url: str, operation: str, fn: Callable[[], T],
     while True:
         try:
             return fn()
-        except (FileNotFoundError, PermissionError):
+        except (FileNotFoundError, FileExistsError, PermissionError):
             raise
         except Exception as e:
             if not is_transient(e):
