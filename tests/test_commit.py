@@ -7,6 +7,8 @@ from __future__ import annotations
 import errno
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -215,3 +217,60 @@ def test_the_journal_is_json_naming_old_and_new_files(tmp_path):
     assert set(content) == {"token", "old", "new", "replaced"}
     assert content["new"][-1] == "model.safetensors.index.json"
     assert "model.safetensors.index.json" in content["old"]
+
+
+def test_a_second_writer_fails_fast_naming_the_path_and_the_holder(tmp_path):
+    """Two saves of one directory from two threads: the second fails at once, the first
+    commits whole, nobody's temporaries are removed under it."""
+    path = tmp_path / "ckpt"
+    big = {f"t{i}": np.full(4 << 20, i, np.float32) for i in range(8)}  # 128 MB: a slow save
+    first = ost.async_save(path, big, max_shard_size="40MB")
+    started = time.monotonic()
+    with pytest.raises(ost.CheckpointBusyError) as raised:
+        ost.save(path, _tree(2), overwrite=True)
+    assert time.monotonic() - started < 1.0
+    assert raised.value.errno == errno.EBUSY and raised.value.filename.startswith(str(path))
+    assert f"pid {os.getpid()}" in str(raised.value) and "another save" in str(raised.value)
+    first.result()
+    loaded = ost.load(path)
+    assert sorted(loaded) == sorted(big) and all(np.array_equal(loaded[k], big[k]) for k in big)
+    assert not _hidden(path)
+    ost.save(path, _tree(2), overwrite=True)  # the lock is free again
+    assert _same(ost.load(path), _tree(2))
+
+
+def test_a_dead_writers_lock_and_debris_do_not_block_the_next_save(tmp_path):
+    """A writer SIGKILLed mid-save leaves its lock file and temporaries; the kernel dropped its
+    lock, so the next save goes ahead and removes what it left."""
+    path = tmp_path / "ckpt"
+    ost.save(path, _tree(1))
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import sys, numpy as np, orbax_safetensors as ost\n"
+        "from orbax_safetensors.storage.local import LocalStorage\n"
+        "real = LocalStorage.write_at\n"
+        "def hang(self, *a):\n"
+        "    real(self, *a); print('hanging', flush=True); import time; time.sleep(600)\n"
+        "LocalStorage.write_at = hang\n"
+        "ost.save(sys.argv[1], {'w': np.ones(1 << 20, np.float32)}, overwrite=True)\n"), str(path)],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    try:
+        assert child.stdout.readline().strip() == "hanging"
+        with pytest.raises(ost.CheckpointBusyError, match=f"pid {child.pid} "):
+            ost.save(path, _tree(2), overwrite=True)
+    finally:
+        child.kill()
+        child.wait()
+    assert _hidden(path)  # its lock file and temporary
+    assert _same(ost.load(path), _tree(1))
+    ost.save(path, _tree(2), overwrite=True)
+    assert _same(ost.load(path), _tree(2)) and not _hidden(path)
+
+
+def test_saves_of_two_files_in_one_directory_do_not_touch_each_other(tmp_path):
+    trees = {"x.safetensors": _tree(1), "y.safetensors": _tree(2)}
+    futures = [ost.async_save(tmp_path / name, tree) for name, tree in trees.items()]
+    for future in futures:
+        future.result()
+    for name, tree in trees.items():
+        assert _same(ost.load(tmp_path / name), tree)
+    assert sorted(os.listdir(tmp_path)) == sorted(trees)

@@ -68,6 +68,8 @@ from orbax_safetensors.storage import Storage, storage_for
 from orbax_safetensors.storage.commit import Commit
 
 _LOG = logging.getLogger("orbax_safetensors")
+_CANCEL_WAIT = 2.0  # seconds a cancelled save's clean-up may hold the caller
+_POLL = 0.05  # seconds between looks at the cancel flag while writes are in flight
 LAYOUTS = ("hf", "distributed")
 _WRITE_CHUNK_BYTES = 64 << 20
 _WRITE_THREADS = 8
@@ -149,29 +151,27 @@ def save(
 
 
 def wait_interruptibly(job: SaveJob, future: concurrent.futures.Future[SaveStats]) -> SaveStats:
-    """The job's result; Ctrl-C cancels it and raises ``KeyboardInterrupt`` once it has stopped.
+    """The job's result; Ctrl-C cancels it and raises ``KeyboardInterrupt`` promptly.
 
-    The writer checks for cancellation before every chunk and right before
-    the commit point, so it stops within a chunk's write, rolls back and
-    removes its temporaries; only then does the interrupt reach the caller,
-    so a caller that sees ``KeyboardInterrupt`` knows nothing new was
-    committed. An interrupt that arrives after the commit point is too late
-    to undo it: the save returns normally, with a warning.
+    A caller that sees ``KeyboardInterrupt`` knows nothing new was committed:
+    cancelling and committing exclude each other (``SaveJob.cancel``). The
+    writers stop at their next chunk and roll back; the caller waits for that
+    up to ``_CANCEL_WAIT`` seconds (a disk may hold an uninterruptible ``fsync``
+    longer), after which the clean-up finishes in the background, still
+    holding the location's lock. An interrupt that comes after the commit point
+    is too late to undo the save: it returns normally, with a warning.
     """
     try:
         return future.result()
     except KeyboardInterrupt:
-        job.cancel()
-        while True:  # leaving before the writer stops could leave a commit running
-            try:
-                failed = future.exception() is not None
-                break
-            except KeyboardInterrupt:
-                continue
-        if failed:
-            raise
-        _LOG.warning("interrupted after %s was committed: the save is complete", job.directory)
-        return future.result()
+        if not job.cancel():
+            _LOG.warning("interrupted after %s was committed: the save is complete", job.directory)
+            return future.result()
+        try:
+            future.exception(timeout=_CANCEL_WAIT)
+        except (concurrent.futures.TimeoutError, KeyboardInterrupt):
+            pass
+        raise
 
 
 def async_save(
@@ -410,6 +410,8 @@ class SaveJob:
     started: float
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
     """Set by ``cancel``: the writers stop at their next chunk and nothing is committed."""
+    committing: bool = False
+    _guard: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     @property
     def storage(self) -> Storage:
@@ -425,9 +427,18 @@ class SaveJob:
         threading.Thread(target=self.run, args=(future,), name="orbax_safetensors-save").start()
         return future
 
-    def cancel(self) -> None:
-        """Stops the writes and the commit where they are (see ``save`` on Ctrl-C)."""
-        self.cancelled.set()
+    def cancel(self) -> bool:
+        """Stops the writes and the commit where they are; False if it is too late (the
+        commit point has been passed)."""
+        with self._guard:
+            if not self.committing:
+                self.cancelled.set()
+            return not self.committing
+
+    def _at_commit_point(self) -> None:
+        with self._guard:
+            self._check_cancelled()
+            self.committing = True
 
     def run(self, future: concurrent.futures.Future) -> None:
         try:
@@ -456,6 +467,19 @@ class SaveJob:
         for chunk in chunks:
             self._check_cancelled()
             yield chunk
+
+    def _wait_all(self, futures: list[concurrent.futures.Future]) -> None:
+        """Waits for ``futures``, raising the first error as it was, or ``KeyboardInterrupt``
+        as soon as the save is cancelled (a write in flight cannot be interrupted; its
+        outcome no longer matters)."""
+        pending = set(futures)
+        while pending:
+            done, pending = concurrent.futures.wait(
+                pending, timeout=_POLL, return_when=concurrent.futures.FIRST_EXCEPTION)
+            for future in done:
+                if future.exception() is not None:
+                    raise future.exception()
+            self._check_cancelled()
 
     def _agree(self, step: str, error: BaseException | None,
                clean_up: Callable[[], None] = lambda: None) -> None:
@@ -495,7 +519,7 @@ class SaveJob:
         """Process 0 commits; on a failure it has rolled back, and the files are discarded."""
         def commit() -> None:
             try:
-                self.commit.commit(names, index, self.cancelled.is_set)
+                self.commit.commit(names, index, self._at_commit_point)
             except BaseException:
                 self.commit.discard(list(names) + ([index[0]] if index else []))
                 raise
@@ -565,10 +589,13 @@ class SaveJob:
                 offset += sum(p.length for p in batch)
 
         files = sorted({name for name, _ in writes})
-        with concurrent.futures.ThreadPoolExecutor(_WRITE_THREADS) as pool:
-            _all_or_first_error([pool.submit(write, name, op) for name, op in writes])
-            _all_or_first_error([pool.submit(self.storage.sync, self.commit.temporary(name))
-                                       for name in files])
+        pool = concurrent.futures.ThreadPoolExecutor(_WRITE_THREADS)
+        try:
+            self._wait_all([pool.submit(write, name, op) for name, op in writes])
+            self._wait_all([pool.submit(self.storage.sync, self.commit.temporary(name))
+                            for name in files])
+        finally:  # after a failure or a cancel, writes in flight finish on their own
+            pool.shutdown(wait=False, cancel_futures=True)
         self.stats.bytes_written = sum(len(p) for p in payloads)
         self.stats.requests = len(writes)
         self.stats.files = len(files)
@@ -614,7 +641,7 @@ class SaveJob:
                 def upload(item: tuple[str, list[memoryview]]) -> None:
                     self._check_cancelled()
                     self.storage.write(*item)
-                _all_or_first_error([pool.submit(upload, item) for item in uploads.items()])
+                self._wait_all([pool.submit(upload, item) for item in uploads.items()])
         except BaseException as e:
             error = e
         every = [p for r in gather_to_all(f"{self.key}/parts", json.dumps([p[:5] for p in parts]))
@@ -683,18 +710,6 @@ class SaveJob:
             error = e
         self._agree("written", error, lambda: self.commit.discard(f.name for f in mine))
         self._commit_plan()
-
-
-def _all_or_first_error(
-    futures: list[concurrent.futures.Future]) -> None:
-    """Waits for ``futures``; on the first error cancels the rest and raises it as it was."""
-    for future in futures:
-        try:
-            future.result()
-        except BaseException:
-            for pending in futures:
-                pending.cancel()
-            raise
 
 
 def _read_spans(storage: Storage, spans: list[tuple[int, int, str, int]]) -> Iterator[bytes]:

@@ -51,6 +51,7 @@ _JOURNAL = re.compile(r"^\.orbax_safetensors\.commit-([0-9a-f]{12})\.json$")
 # stores), .NAME.old-TOKEN (an old file replaced by a commit in progress)
 _TRANSIENT = re.compile(r"^\.(?P<name>.+)\.(?:tmp|part|old)-(?P<token>[0-9a-f]{12})(?:-\d{20})?$")
 _MAX_JOURNAL_BYTES = 64 << 20
+_VIEW_ATTEMPTS = 20
 _INDEX_NAMES = frozenset({INDEX_NAME, DISTRIBUTED_INDEX_NAME})  # what marks a directory committed
 
 
@@ -115,14 +116,19 @@ def read_view(storage: Storage, directory: str) -> DirectoryView:
     the old checkpoint is the committed one, its files where the journal's
     writer left them (moved to backups, or not yet).
     """
-    listing = frozenset(storage.listdir(directory))
-    journals = sorted(n for n in listing if _JOURNAL.match(n))
-    if not journals:
-        return DirectoryView(frozenset(n for n in listing if not n.startswith(".")), (), listing)
-    journal = _read_journal(storage, storage.join(directory, journals[0]))
-    moved = tuple(sorted((n, backup_name(n, journal.token)) for n in journal.old
-                         if backup_name(n, journal.token) in listing))
-    return DirectoryView(frozenset(journal.old), moved, listing)
+    for _ in range(_VIEW_ATTEMPTS):
+        listing = frozenset(storage.listdir(directory))
+        journals = sorted(n for n in listing if _JOURNAL.match(n))
+        if not journals:
+            return DirectoryView(frozenset(n for n in listing if not n.startswith(".")), (), listing)
+        try:
+            journal = _read_journal(storage, storage.join(directory, journals[0]))
+        except FileNotFoundError:
+            continue  # the commit completed between the listing and the read: look again
+        moved = tuple(sorted((n, backup_name(n, journal.token)) for n in journal.old
+                             if backup_name(n, journal.token) in listing))
+        return DirectoryView(frozenset(journal.old), moved, listing)
+    raise OSError(f"{directory}: commits kept completing while its listing was read")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,11 +221,12 @@ class Commit:
         """
 
     def commit(self, new: Sequence[str], index: tuple[str, bytes] | None,
-               cancelled: Callable[[], bool] = lambda: False) -> None:
+               at_commit_point: Callable[[], None] = lambda: None) -> None:
         """Puts ``new`` (written to ``temporary``) and the index in place, replacing ``old``.
 
-        ``cancelled`` is asked right before the commit point: when it says yes,
-        nothing is committed and ``KeyboardInterrupt`` is raised.
+        ``at_commit_point`` is called right before the step that makes the new
+        checkpoint the committed one; what it raises (``KeyboardInterrupt`` for
+        a cancelled save) stops the commit with nothing committed.
         """
         raise NotImplementedError
 
@@ -250,22 +257,26 @@ class StagedCommit(Commit):
             self.storage.remove(path)
 
     def commit(self, new: Sequence[str], index: tuple[str, bytes] | None,
-               cancelled: Callable[[], bool] = lambda: False) -> None:
+               at_commit_point: Callable[[], None] = lambda: None) -> None:
         storage = self.storage
         names = list(new)
         if index is not None:
             storage.write(self.temporary(index[0]), [index[1]])
             names.append(index[0])
-        if cancelled():
-            raise KeyboardInterrupt
         if len(names) == 1 and self.old <= {names[0]}:  # one file replacing itself: atomic
+            at_commit_point()
             storage.rename(self.temporary(names[0]), self.path(names[0]))
             return
         replaced = tuple(n for n in names if storage.exists(self.path(n)))
         journal = _Journal(self.token, tuple(sorted(self.old)), tuple(names), replaced)
         journal_path = self.path(journal_name(self.token))
-        storage.write(self.temporary(journal_name(self.token)), [journal.to_bytes()])
-        storage.rename(self.temporary(journal_name(self.token)), journal_path)
+        journal_temporary = self.temporary(journal_name(self.token))
+        try:
+            storage.write(journal_temporary, [journal.to_bytes()])
+            storage.rename(journal_temporary, journal_path)
+        except BaseException:
+            storage.discard([journal_temporary])
+            raise
         try:
             # The old commit markers first: no reader that ignores the journal may find an
             # old index next to new files.
@@ -276,8 +287,7 @@ class StagedCommit(Commit):
                 if name in replaced and name not in old_indexes:
                     storage.rename(self.path(name), self.path(backup_name(name, self.token)))
                 storage.rename(self.temporary(name), self.path(name))
-            if cancelled():
-                raise KeyboardInterrupt
+            at_commit_point()
             storage.remove(journal_path)  # the commit point
         except BaseException as failure:
             try:
@@ -330,9 +340,8 @@ class DirectCommit(Commit):
             self.storage.remove(self.path(name))
 
     def commit(self, new: Sequence[str], index: tuple[str, bytes] | None,
-               cancelled: Callable[[], bool] = lambda: False) -> None:
-        if cancelled():
-            raise KeyboardInterrupt
+               at_commit_point: Callable[[], None] = lambda: None) -> None:
+        at_commit_point()
         if index is not None:
             self.storage.write(self.path(index[0]), [index[1]])
         kept = set(new) | ({index[0]} if index is not None else set())

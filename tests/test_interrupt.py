@@ -1,0 +1,97 @@
+"""Ctrl-C during a blocking ``ost.save``: a prompt ``KeyboardInterrupt``, nothing committed,
+nothing left behind. A child process saves a few hundred MB over an old checkpoint; the parent
+sends SIGINT once the writes have started; the child reports how long the interrupt took to
+reach it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import orbax_safetensors as ost
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+_CHILD = r"""
+import json, signal, sys, time
+import numpy as np
+import orbax_safetensors as ost
+from orbax_safetensors.storage.local import LocalStorage
+
+path, mb = sys.argv[1], int(sys.argv[2])
+tree = {f"t{i}": np.full((mb // 8) << 18, i + 7, np.float32) for i in range(8)}  # mb MB in all
+delivered = []
+
+def on_sigint(signum, frame):
+    delivered.append(time.monotonic())
+    raise KeyboardInterrupt
+
+signal.signal(signal.SIGINT, on_sigint)
+announced = []
+for method in ("write_at", "write"):
+    original = getattr(LocalStorage, method)
+    def announcing(self, *args, _original=original, **kwargs):
+        if not announced:
+            announced.append(1)
+            print("writing", flush=True)
+        time.sleep(0.02)  # a slow disk: the save takes seconds, not milliseconds
+        return _original(self, *args, **kwargs)
+    setattr(LocalStorage, method, announcing)
+try:
+    ost.save(path, tree, max_shard_size="64MB", overwrite=True)
+    print(json.dumps({"outcome": "saved"}), flush=True)
+except KeyboardInterrupt:
+    print(json.dumps({"outcome": "interrupted", "seconds": time.monotonic() - delivered[0]}),
+          flush=True)
+"""
+OLD = {"old": np.arange(1000, dtype=np.float32)}
+
+
+def _interrupt(path: Path, mb: int = 256) -> dict:
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(path), str(mb)], cwd=REPO_ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    try:
+        assert child.stdout.readline().strip() == "writing", child.stderr.read()
+        time.sleep(0.3)
+        child.send_signal(signal.SIGINT)
+        out, err = child.communicate(timeout=60)
+    finally:
+        child.kill()
+    assert child.returncode == 0, err
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _leftovers(directory: Path) -> list[str]:
+    return sorted(n for n in os.listdir(directory) if n.startswith("."))
+
+
+@pytest.mark.parametrize("single_file", [False, True], ids=["directory", "x.safetensors"])
+@pytest.mark.parametrize("existing", [True, False], ids=["over a checkpoint", "fresh"])
+def test_ctrl_c_interrupts_a_blocking_save_promptly_and_commits_nothing(
+        tmp_path, single_file, existing):
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    (directory / "config.json").write_text("{}")
+    path = directory / "x.safetensors" if single_file else directory
+    if existing:
+        ost.save(path, OLD)
+    result = _interrupt(path)
+    assert result["outcome"] == "interrupted", result
+    assert result["seconds"] < 1.5, result
+    if existing:
+        loaded = ost.load(path)
+        assert sorted(loaded) == ["old"] and np.array_equal(loaded["old"], OLD["old"])
+    else:
+        with pytest.raises((FileNotFoundError, ost.SafetensorsError)):
+            ost.load(path)
+        assert sorted(os.listdir(directory)) == ["config.json"]
+    assert not _leftovers(directory)
+    assert (directory / "config.json").read_text() == "{}"
