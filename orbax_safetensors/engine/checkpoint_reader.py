@@ -94,6 +94,15 @@ class Checkpoint:
     tensors: dict[str, TensorSource]
     headers: dict[str, Header]  # file path → header, in file order
     index_metadata: dict[str, str] = dataclasses.field(default_factory=dict)
+    directory: tuple[Storage, str] | None = None  # (the storage, the path) of a directory
+
+    def unchanged(self) -> bool:
+        """Whether every file read so far is still part of the committed checkpoint there."""
+        if self.directory is None:
+            return self.storage.unchanged()
+        storage, path = self.directory
+        view = _view_or_none(storage, path)
+        return view is not None and self.storage.unchanged(lambda p: view.relocate(storage, p))
 
     @property
     def metadata(self) -> dict[str, str]:
@@ -186,13 +195,14 @@ def open_checkpoint(url: str | os.PathLike, storage_options: Mapping[str, Any] |
         view = _view(storage, path, os.fspath(url))
         snapshot = storage.snapshot()
         try:
-            checkpoint = _open_directory(snapshot, path, view, os.fspath(url))
+            checkpoint = dataclasses.replace(_open_directory(snapshot, path, view, os.fspath(url)),
+                                             directory=(storage, path))
         except Exception:
             snapshot.close()
             if _view_or_none(storage, path) != view:
                 continue  # an overwrite moved files under us: look again
             raise
-        if snapshot.unchanged() and _view_or_none(storage, path) == view:
+        if checkpoint.unchanged():
             return checkpoint
         snapshot.close()
         time.sleep(min(0.001 * 2 ** attempt, 0.05))

@@ -163,11 +163,11 @@ def load(
             except Exception:
                 # A file that vanished or changed under a backend that cannot pin it: read again.
                 if jax.process_count() > 1 or checkpoint.storage.pins_versions \
-                        or checkpoint.storage.unchanged():
+                        or checkpoint.unchanged():
                     raise
                 time.sleep(min(0.01 * 2 ** attempt, 0.2))
                 continue
-            read_one_version = checkpoint.storage.pins_versions or checkpoint.storage.unchanged()
+            read_one_version = checkpoint.storage.pins_versions or checkpoint.unchanged()
             if _all_processes(f"{key}/{attempt}/read", read_one_version):
                 return result
         _LOG.info("%s changed while it was read (an overwrite committed); reading it again",

@@ -123,8 +123,10 @@ class Storage(abc.ABC):
     """Whether a snapshot's reads all see the version of a file its first read saw (locally:
     one open descriptor). Where not, a reader checks ``unchanged`` after reading."""
 
-    def unchanged(self) -> bool:
-        """On a snapshot: whether every file read through it is still the one at its name."""
+    def unchanged(self, relocate: Callable[[str], str | None] = lambda path: path) -> bool:
+        """On a snapshot: whether every file read through it is still there, at the path
+        ``relocate`` gives for the path it was read at (a commit in progress moves the old
+        checkpoint's files to backup names without changing them)."""
         return True
 
     def version(self) -> str:

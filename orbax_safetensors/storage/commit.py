@@ -108,6 +108,19 @@ class DirectoryView:
     def path(self, storage: Storage, directory: str, name: str) -> str:
         return storage.join(directory, dict(self.moved).get(name, name))
 
+    def relocate(self, storage: Storage, path: str) -> str | None:
+        """Where the file a reader opened at ``path`` (under another view of the same
+        directory) is to be found under this one; None if this view has no such file."""
+        directory, name = storage.split(path)
+        name = original_name(name)
+        return self.path(storage, directory, name) if name in self.names else None
+
+
+def original_name(name: str) -> str:
+    """The checkpoint file a name stands for: ``X`` for ``X`` and for its backup ``.X.old-T``."""
+    match = _TRANSIENT.match(name)
+    return match["name"] if match and ".old-" in name else name
+
 
 def read_view(storage: Storage, directory: str) -> DirectoryView:
     """The committed checkpoint's names in ``directory`` (FileNotFoundError if it is absent).

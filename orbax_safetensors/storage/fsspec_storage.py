@@ -318,13 +318,14 @@ class FsspecSnapshot(FsspecStorage):
     def version(self) -> str:
         return repr(sorted(self._seen.items()))
 
-    def unchanged(self) -> bool:
-        seen = dict(self._seen)
-        for directory in {posixpath.dirname(p) for p in seen}:
+    def unchanged(self, relocate: Callable[[str], str | None] = lambda path: path) -> bool:
+        seen = {path: (relocate(path), version) for path, version in self._seen.items()}
+        if any(now is None for now, _ in seen.values()):
+            return False
+        for directory in {posixpath.dirname(now) for now, _ in seen.values()}:
             try:
                 self.listdir(directory)
             except FileNotFoundError:
                 return False
-        return all((self._versions[path] if path in self._versions else self._info_version(path))
-                   == version for path, version in seen.items())
-
+        return all((self._versions[now] if now in self._versions else self._info_version(now))
+                   == version for now, version in seen.values())

@@ -236,15 +236,16 @@ class LocalSnapshot(LocalStorage):
     def open_read(self, path: str) -> BinaryIO:
         return os.fdopen(os.dup(self._fd(path)), "rb")
 
-    def unchanged(self) -> bool:
+    def unchanged(self, relocate: Callable[[str], str | None] = lambda path: path) -> bool:
         with self._guard:
             pinned = list(self._open.items())
         for path, (_, identity) in pinned:
+            now = relocate(path)
             try:
-                info = os.stat(path)
+                info = os.stat(now) if now is not None else None
             except FileNotFoundError:
-                return False
-            if (info.st_dev, info.st_ino) != identity[:2]:
+                info = None
+            if info is None or (info.st_dev, info.st_ino) != identity[:2]:
                 return False
         return True
 
