@@ -28,14 +28,15 @@ from orbax_safetensors.errors import (
 from orbax_safetensors.planning.mapping import Mapping, MappingError, Rule, Transform
 from orbax_safetensors import mappings
 from orbax_safetensors.storage import StorageError
-from orbax_safetensors.integrations.orbax_version import UnsupportedOrbaxError, check_orbax_version
+from orbax_safetensors.integrations.orbax_version import UnsupportedOrbaxError
 
 __version__ = "0.1.0"
 
 _ORBAX_NAMES = ("SafetensorsCheckpointHandler", "SafetensorsHandler", "SafetensorsLayout",
                 "SafetensorsRestore", "SafetensorsSave", "ConvertStats", "convert")
 try:
-    check_orbax_version()
+    # orbax_items checks the installed Orbax version before it imports any of Orbax.
+    from orbax_safetensors.integrations.orbax_items import SafetensorsRestore, SafetensorsSave
 except UnsupportedOrbaxError as e:
     # The engine works without Orbax; only touching an Orbax name raises.
     _orbax_error: UnsupportedOrbaxError | None = e
@@ -44,7 +45,6 @@ else:
     # Importing registers the handlers, so that a fresh CheckpointManager
     # restores safetensors items without arguments.
     from orbax_safetensors.integrations import orbax_shim  # noqa: F401
-    from orbax_safetensors.integrations.orbax_items import SafetensorsRestore, SafetensorsSave
     from orbax_safetensors.integrations.orbax_v0 import SafetensorsCheckpointHandler
     from orbax_safetensors.integrations.orbax_v1 import SafetensorsHandler, SafetensorsLayout
     # Orbax PyTree checkpoint <-> safetensors (also the `orbax-safetensors convert` command).

@@ -21,12 +21,13 @@ class SafetensorsError(ValueError):
         self.file = file
         self.tensor = tensor
         self.reason = message
-        where = []
-        if file is not None:
-            where.append(f"file {file!r}")
-        if tensor is not None:
-            where.append(f"tensor {tensor!r}")
-        super().__init__(f"{', '.join(where)}: {message}" if where else message)
+        super().__init__(located(message, file, tensor))
+
+
+def located(message: str, file: str | None = None, tensor: str | None = None) -> str:
+    """``message`` behind the file and tensor it is about: how every finding is worded."""
+    where = ([f"file {file!r}"] if file else []) + ([f"tensor {tensor!r}"] if tensor else [])
+    return f"{', '.join(where)}: {message}" if where else message
 
 
 class CheckpointBusyError(OSError):

@@ -263,3 +263,48 @@ def test_one_writer_per_location_with_a_conditional_lock_object(store):
     np.testing.assert_array_equal(ost.load(url)["w"], values["w"])
     fs.invalidate_cache()
     assert [p.rsplit("/", 1)[1] for p in fs.ls(root, detail=False)] == ["model.safetensors"]
+
+
+def test_loads_racing_overwrites_never_mix_two_checkpoints(store):
+    """Object stores cannot pin what a load reads: a load compares each object's version
+    (ETag, generation) after reading and reads again if one changed. Loads during the commit
+    window may find no checkpoint (the old index is removed first), never a mix."""
+    _, bucket, _ = store
+    url = f"{bucket}/racing"
+    versions = [{f"t{i}": np.full((64, 64), 10 * v + i, np.float32) for i in range(6)}
+                for v in (1, 2)]
+    ost.save(url, versions[0], max_shard_size=20_000)
+    stop, errors = threading.Event(), []
+
+    def writer():
+        i = 0
+        while not stop.is_set():
+            i += 1
+            try:
+                ost.save(url, versions[i % 2], max_shard_size=20_000, overwrite=True)
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+                return
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    seen, windows = [0, 0], 0
+    try:
+        deadline = time.monotonic() + 8
+        while time.monotonic() < deadline:
+            try:
+                loaded = ost.load(url)
+            except (FileNotFoundError, ost.SafetensorsError) as e:
+                assert "interrupted save" in str(e) or "does not exist" in str(e) \
+                    or "kept changing" in str(e), e
+                windows += 1
+                continue
+            matches = [v for v, values in enumerate(versions)
+                       if all(np.array_equal(loaded[k], values[k]) for k in values)]
+            assert matches, {k: float(a[0, 0]) for k, a in loaded.items()}
+            seen[matches[0]] += 1
+    finally:
+        stop.set()
+        thread.join(60)
+    assert not errors, errors
+    assert sum(seen) > 0, (seen, windows)

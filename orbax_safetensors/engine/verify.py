@@ -27,7 +27,7 @@ from orbax_safetensors.engine.checkpoint_reader import (
     read_header,
     read_index,
 )
-from orbax_safetensors.errors import SafetensorsError
+from orbax_safetensors.errors import SafetensorsError, located
 from orbax_safetensors.format import DType, Header
 from orbax_safetensors.index import (
     DISTRIBUTED_INDEX_NAME,
@@ -62,9 +62,7 @@ class Problem:
     tensor: str | None = None
 
     def __str__(self) -> str:
-        where = [f"file {self.file!r}"] if self.file else []
-        where += [f"tensor {self.tensor!r}"] if self.tensor else []
-        return f"{', '.join(where)}: {self.message}" if where else self.message
+        return located(self.message, self.file, self.tensor)
 
 
 @dataclasses.dataclass
