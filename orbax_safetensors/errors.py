@@ -50,8 +50,9 @@ class ProcessFailure:
 
     @classmethod
     def of(cls, process: int, error: BaseException) -> ProcessFailure:
+        oserror = isinstance(error, OSError) and error.errno is not None and error.strerror
         return cls(process, type(error).__name__, getattr(error, "errno", None),
-                   _filename(error), str(error))
+                   _filename(error), error.strerror if oserror else str(error))
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -61,7 +62,8 @@ class ProcessFailure:
         return cls(**json.loads(raw))
 
     def __str__(self) -> str:
-        return f"process {self.process}: {self.type}: {self.message}"
+        where = f": {self.filename!r}" if self.filename and self.filename not in self.message else ""
+        return f"process {self.process}: {self.type}: {self.message}{where}"
 
 
 class DistributedError(OSError):
@@ -69,13 +71,17 @@ class DistributedError(OSError):
 
     Raised on every process of a multi-process operation, so they all stop
     together; on a process that failed itself, ``__cause__`` is its original
-    exception. ``errno`` and ``filename`` are those of the first failure.
+    exception. ``errno`` and ``filename`` are those of the first failure that has them.
     """
 
     def __init__(self, what: str, failures: dict[int, ProcessFailure]):
-        first = failures[min(failures)]
-        super().__init__(first.errno, f"{what}: " + "; ".join(str(f) for f in failures.values()),
-                         first.filename)
+        ordered = [failures[p] for p in sorted(failures)]
+        message = f"{what}: " + "; ".join(str(f) for f in ordered)
+        first = next((f for f in ordered if f.errno is not None), None)
+        if first is None:
+            super().__init__(message)
+        else:
+            super().__init__(first.errno, message, first.filename)
         self.failures = failures
 
 

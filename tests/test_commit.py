@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
@@ -17,6 +16,7 @@ import pytest
 
 import orbax_safetensors as ost
 from orbax_safetensors.storage import commit as commit_module
+from tests.overwriter import overwriting
 from orbax_safetensors.storage import local as local_storage
 
 USER_FILES = {"config.json": b'{"model_type": "llama"}', "README.md": b"# mine",
@@ -135,32 +135,14 @@ def test_loads_on_memory_fs_see_one_checkpoint_while_another_thread_overwrites(t
     url = f"memory://snapshot-{os.getpid()}/ckpt"
     versions = [_tree(1), _tree(2)]
     ost.save(url, versions[0], max_shard_size=20000)
-    stop = threading.Event()
-    errors: list[BaseException] = []
-
-    def writer():
-        i = 0
-        while not stop.is_set():
-            i += 1
-            time.sleep(0.01)  # a training loop saves now and then, not back to back
-            try:
-                ost.save(url, versions[i % 2], max_shard_size=20000, overwrite=True)
-            except BaseException as e:  # noqa: BLE001
-                errors.append(e)
-                return
-
-    thread = threading.Thread(target=writer)
-    thread.start()
     seen = {0: 0, 1: 0}
-    try:
+    # a training loop saves now and then, not back to back
+    with overwriting(url, versions, pause=0.01, max_shard_size=20000) as errors:
         for _ in range(150):
             loaded = ost.load(url)
             matches = [i for i, v in enumerate(versions) if _same(loaded, v)]
             assert matches, "a load mixed two checkpoints"
             seen[matches[0]] += 1
-    finally:
-        stop.set()
-        thread.join(30)
     assert not errors, errors
     assert seen[0] and seen[1], seen
 

@@ -21,6 +21,7 @@ import orbax_safetensors as ost
 from orbax_safetensors.storage import storage_for
 from orbax_safetensors.storage.fsspec_storage import FsspecStorage
 from tests.object_stores import object_store_server, storage_options
+from tests.overwriter import overwriting
 from tests.sharding_cases import assert_shards_equal, sources, target_for
 
 _MODULE = "tests.test_object_store"
@@ -274,22 +275,8 @@ def test_loads_racing_overwrites_never_mix_two_checkpoints(store):
     versions = [{f"t{i}": np.full((64, 64), 10 * v + i, np.float32) for i in range(6)}
                 for v in (1, 2)]
     ost.save(url, versions[0], max_shard_size=20_000)
-    stop, errors = threading.Event(), []
-
-    def writer():
-        i = 0
-        while not stop.is_set():
-            i += 1
-            try:
-                ost.save(url, versions[i % 2], max_shard_size=20_000, overwrite=True)
-            except BaseException as e:  # noqa: BLE001
-                errors.append(e)
-                return
-
-    thread = threading.Thread(target=writer)
-    thread.start()
     seen, windows = [0, 0], 0
-    try:
+    with overwriting(url, versions, max_shard_size=20_000) as errors:
         deadline = time.monotonic() + 8
         while time.monotonic() < deadline:
             try:
@@ -303,8 +290,5 @@ def test_loads_racing_overwrites_never_mix_two_checkpoints(store):
                        if all(np.array_equal(loaded[k], values[k]) for k in values)]
             assert matches, {k: float(a[0, 0]) for k, a in loaded.items()}
             seen[matches[0]] += 1
-    finally:
-        stop.set()
-        thread.join(60)
     assert not errors, errors
     assert sum(seen) > 0, (seen, windows)

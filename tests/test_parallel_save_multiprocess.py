@@ -153,3 +153,43 @@ def test_consolidate_runs_in_parallel_over_processes(multiprocess, tmp_path):
     _assert_identical_directories(tmp_path / "hf", reference)
     assert all(r.value["files"] >= 1 for r in results)  # both processes wrote output files
     assert sum(r.value["bytes_written"] for r in results) == total
+
+
+def _child_save_with_a_full_disk_on_process_1(args):
+    """Process 1's writes fail with ENOSPC; every process reports what it raised."""
+    import errno as errno_codes
+
+    from orbax_safetensors.storage.local import LocalStorage
+    values, arrays = _global_arrays("fsdp")
+    if jax.process_index() == 1:
+        def full(self, path, offset, buffers):
+            raise OSError(errno_codes.ENOSPC, os.strerror(errno_codes.ENOSPC), path)
+        LocalStorage.write_at = full
+    try:
+        ost.save(args["path"], arrays, max_shard_size=_MAX_SHARD, overwrite=True)
+    except OSError as e:
+        return {"type": type(e).__name__, "errno": e.errno, "filename": e.filename,
+                "failures": {str(p): dataclasses.asdict(f)
+                             for p, f in getattr(e, "failures", {}).items()}}
+    return {"type": None}
+
+
+@pytest.mark.slow
+def test_a_failure_on_one_process_reaches_every_process_with_its_errno_and_file(
+        multiprocess, tmp_path):
+    path = tmp_path / "ckpt"
+    old = {"old": np.arange(10, dtype=np.float32)}
+    ost.save(path, old)
+    results = [r.value for r in multiprocess(
+        f"{_MODULE}:_child_save_with_a_full_disk_on_process_1", num_processes=2,
+        devices_per_process=4, args={"path": str(path)})]
+    # Process 1 raises its own error, unchanged; process 0 one that keeps it.
+    assert results[1]["type"] == "OSError" and results[1]["errno"] == 28
+    assert results[1]["filename"].startswith(str(path))
+    assert results[0]["type"] == "DistributedError" and results[0]["errno"] == 28
+    failure = results[0]["failures"]["1"]
+    assert failure["type"] == "OSError" and failure["errno"] == 28
+    assert failure["filename"] == results[1]["filename"]
+    loaded = ost.load(path)
+    assert sorted(loaded) == ["old"] and np.array_equal(loaded["old"], old["old"])
+    assert not [n for n in os.listdir(path) if n.startswith(".")]

@@ -291,8 +291,10 @@ def take_location(storage: Storage, directory: str, key: str, *, single_file: st
     if error is not None:
         raise error
     if shared["error"]:
-        raise DistributedError(f"{url}: process 0 could not begin the save",
-                               {0: ProcessFailure.from_json(shared["error"])})
+        failure = ProcessFailure.from_json(shared["error"])
+        if failure.type == FileExistsError.__name__:  # the refusal, the same on every process
+            raise FileExistsError(failure.errno, failure.message, failure.filename)
+        raise DistributedError(f"{url}: process 0 could not begin the save", {0: failure})
     if jax.process_index() == 0:
         commit.old = frozenset(old)
         return commit
