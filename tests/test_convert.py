@@ -257,9 +257,13 @@ def test_convert_command_errors(tmp_path):
     _one_line_failure(_cli("convert", str(tmp_path / "orbax"), str(tmp_path / "junk")),
                       "already exists", "--overwrite")
     assert sorted(os.listdir(tmp_path / "junk")) == before
-    replaced = _cli("convert", str(tmp_path / "hf"), str(tmp_path / "junk"), "--overwrite")
+    # A directory of the user's is no Orbax checkpoint to replace, even with --overwrite.
+    _one_line_failure(_cli("convert", str(tmp_path / "hf"), str(tmp_path / "junk"), "--overwrite"),
+                      "is not an Orbax checkpoint")
+    assert sorted(os.listdir(tmp_path / "junk")) == before
+    replaced = _cli("convert", str(tmp_path / "hf"), str(tmp_path / "orbax"), "--overwrite")
     assert replaced.returncode == 0, replaced.stderr
-    np.testing.assert_array_equal(_restore_orbax(tmp_path / "junk")["w"], np.ones((2, 2)))
+    np.testing.assert_array_equal(_restore_orbax(tmp_path / "orbax")["w"], np.ones((2, 2)))
     _one_line_failure(_cli("convert", str(tmp_path / "hf"), str(tmp_path / "o"),
                            "--block-bytes", "lots"), "lots")
 
@@ -328,3 +332,53 @@ def test_peak_memory_is_bounded_by_blocks_not_checkpoint(tmp_path):
     rng = np.random.default_rng(0)
     last = [rng.random((1024, 2048), np.float32) for _ in range(16)][-1]
     np.testing.assert_array_equal(ost.load(tmp_path / "hf3")["layers.15.w"], last)
+
+
+def _user_directory(path):
+    """A directory of the user's that is not a checkpoint."""
+    (path / "src").mkdir(parents=True)
+    (path / "src" / "train.py").write_text("print('train')")
+    (path / "README.md").write_text("# mine")
+    (path / "runs" / "1").mkdir(parents=True)
+    (path / "runs" / "1" / "log.txt").write_text("loss 1.0")
+    return {p: p.read_bytes() for p in path.rglob("*") if p.is_file()}
+
+
+def test_convert_never_replaces_a_directory_that_is_not_an_orbax_checkpoint(tmp_path):
+    """``--overwrite`` replaces an Orbax checkpoint, not whatever directory is at DST."""
+    src = tmp_path / "hf"
+    ost.save(src, _flat(_tree()))
+    dst = tmp_path / "mine"
+    files = _user_directory(dst)
+    _one_line_failure(_cli("convert", str(src), str(dst), "--overwrite"),
+                      "is not an Orbax checkpoint", "'README.md'")
+    with pytest.raises(FileExistsError, match="not an Orbax checkpoint"):
+        ost.convert(src, dst, overwrite=True)
+    assert {p: p.read_bytes() for p in dst.rglob("*") if p.is_file()} == files
+    # An Orbax checkpoint with a file of the user's inside is not replaced either.
+    orbax = tmp_path / "orbax"
+    ost.convert(src, orbax)
+    (orbax / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="'notes.txt'"):
+        ost.convert(src, orbax, overwrite=True)
+    assert (orbax / "notes.txt").read_text() == "mine"
+
+
+def test_convert_overwrites_an_orbax_checkpoint_and_keeps_files_beside_an_hf_one(tmp_path):
+    src = tmp_path / "hf"
+    ost.save(src, _flat(_tree()))
+    orbax = tmp_path / "orbax"
+    _save_orbax(orbax, {"old": np.ones(3, np.float32)})
+    ost.convert(src, orbax, overwrite=True)
+    _assert_same(_flat(_restore_orbax(orbax)), _flat(_tree()))
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # no staging left
+    hf = tmp_path / "hf-out"
+    ost.save(hf, {"old": np.ones(3, np.float32)})
+    (hf / "config.json").write_text('{"model_type": "llama"}')
+    (hf / "tokenizer").mkdir()
+    (hf / "tokenizer" / "vocab.txt").write_text("a b c")
+    _one_line_failure(_cli("convert", str(orbax), str(hf)), "--overwrite")
+    assert _cli("convert", str(orbax), str(hf), "--overwrite").returncode == 0
+    _assert_same(ost.load(hf), _flat(_tree()))
+    assert (hf / "config.json").read_text() == '{"model_type": "llama"}'
+    assert (hf / "tokenizer" / "vocab.txt").read_text() == "a b c"

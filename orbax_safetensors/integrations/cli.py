@@ -167,7 +167,7 @@ def _add_job_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("--block-bytes", default="64MB",
                          help="the most bytes of one tensor moved at once; bounds memory "
                               "(default 64MB)")
-    command.add_argument("--overwrite", action="store_true", help="replace what is at DST")
+    command.add_argument("--overwrite", action="store_true", help="replace the checkpoint at DST (never a directory that is not one)")
     command.add_argument("--no-progress", dest="progress", action="store_false",
                          help="no progress line (it shows only when stderr is a terminal)")
     command.add_argument("--json", action="store_true",

@@ -46,8 +46,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import re
 import threading
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -60,7 +62,7 @@ from etils import epath
 from orbax.checkpoint import future as ocp_future
 from orbax.checkpoint import type_handlers
 
-from orbax_safetensors.engine.checkpoint_reader import TensorSource, open_checkpoint
+from orbax_safetensors.engine.checkpoint_reader import Checkpoint, TensorSource, open_checkpoint
 from orbax_safetensors.engine.consolidate import _read_block, write_hf_streaming
 from orbax_safetensors.engine.progress import Progress
 from orbax_safetensors.engine.tree_names import flatten_with_names
@@ -73,6 +75,9 @@ from orbax_safetensors.storage import Storage, storage_for
 ORBAX = "orbax"
 SAFETENSORS = "safetensors"
 _TREE_METADATA_FILE = "_METADATA"  # what an Orbax PyTree item directory always holds
+# What Orbax writes in a PyTree item directory: its metadata files, the OCDBT manifest and data.
+_ORBAX_ENTRY = re.compile(r"^(_[A-Za-z_]+|manifest\.ocdbt|commit_success\.txt|d|"
+                          r"ocdbt\.process_\d+|array_metadatas|descriptor)$")
 
 
 @dataclasses.dataclass
@@ -128,8 +133,12 @@ def convert(
         ``False`` keeps the flat names as keys.
       metadata: extra str→str for the output (``__metadata__``, or the Orbax
         ``custom_metadata``), over the source's own.
-      overwrite: replace what is at ``dst``; without it an existing ``dst``
-        is an error.
+      overwrite: replace the checkpoint at ``dst``; without it an existing
+        ``dst`` is an error. An HF ``dst`` keeps its other files (config.json,
+        tokenizer files); an Orbax ``dst`` is replaced whole, so it must hold an
+        Orbax checkpoint and nothing else (a directory of your own is refused
+        even with ``overwrite``). The new Orbax checkpoint is written beside it
+        and swapped in, so a failure leaves the old one.
       progress: a progress line on stderr; ``None`` shows it on a terminal.
       storage_options / filesystem: for a safetensors ``src``/``dst`` given
         as an fsspec URL, as in ``ost.load``. The Orbax side goes through
@@ -140,15 +149,25 @@ def convert(
 
     Raises:
       FileNotFoundError: ``src`` does not exist.
-      FileExistsError: ``dst`` exists and ``overwrite`` is false.
+      FileExistsError: ``dst`` exists and ``overwrite`` is false, or it is not
+        an Orbax checkpoint convert may replace.
       SafetensorsError / ValueError: ``src`` is neither format, or holds
         something the other format cannot (strings; zero-size arrays for Orbax).
     """
     started = time.perf_counter()
     fmt, location = detect_format(src, storage_options, filesystem)
-    if _occupied(dst, storage_options, filesystem) and not overwrite:
+    occupied = _occupied(dst, storage_options, filesystem)
+    if occupied and not overwrite:
         raise FileExistsError(f"{os.fspath(dst)!r} already exists and is not empty; pass "
                               "overwrite=True (--overwrite) to replace it")
+    if occupied and fmt == SAFETENSORS:
+        foreign = _not_orbax(os.fspath(dst))
+        if foreign:  # replacing an Orbax checkpoint replaces the directory: only if it is one
+            raise FileExistsError(
+                f"{os.fspath(dst)!r} is not an Orbax checkpoint (it holds "
+                f"{', '.join(repr(n) for n in foreign[:5])}{', ...' if len(foreign) > 5 else ''}); "
+                "convert replaces only an Orbax checkpoint, even with overwrite: choose another "
+                "destination")
     if fmt == ORBAX:
         return _orbax_to_safetensors(
             location, dst, started=started, max_shard_size=max_shard_size,
@@ -171,7 +190,7 @@ def detect_format(
     if item is not None:
         return ORBAX, item
     try:
-        open_checkpoint(src, storage_options, filesystem)
+        open_checkpoint(src, storage_options, filesystem).close()
     except (FileNotFoundError, SafetensorsError) as e:
         if not _exists(text):
             raise FileNotFoundError(f"{text!r} does not exist") from None
@@ -190,6 +209,18 @@ def _occupied(dst: str | os.PathLike, storage_options: Mapping[str, Any] | None,
     if not storage.exists(path):
         return False
     return not storage.isdir(path) or bool(storage.listdir(path))
+
+
+def _not_orbax(path: str) -> list[str]:
+    """The entries of directory ``path`` that are not an Orbax PyTree checkpoint's own (all of
+    them where it is not one)."""
+    root = epath.Path(path)
+    if not root.is_dir():
+        return [root.name]
+    names = sorted(p.name for p in root.iterdir())
+    if _TREE_METADATA_FILE not in names:
+        return names
+    return [n for n in names if not _ORBAX_ENTRY.match(n)]
 
 
 def _exists(path: str) -> bool:
@@ -418,7 +449,14 @@ def _safetensors_to_orbax(
     nest: bool, metadata: Mapping[str, str] | None, overwrite: bool, progress: bool | None,
     storage_options: Mapping[str, Any] | None, filesystem: fsspec.AbstractFileSystem | None,
 ) -> ConvertStats:
-    checkpoint = open_checkpoint(src, storage_options, filesystem)
+    with open_checkpoint(src, storage_options, filesystem) as checkpoint:
+        return _write_orbax(checkpoint, src, dst, started=started, block_bytes=block_bytes,
+                            nest=nest, metadata=metadata, progress=progress)
+
+
+def _write_orbax(checkpoint: Checkpoint, src: str | os.PathLike, dst: str | os.PathLike, *,
+                 started: float, block_bytes: int, nest: bool, metadata: Mapping[str, str] | None,
+                 progress: bool | None) -> ConvertStats:
     target = epath.Path(os.path.abspath(os.fspath(dst)) if "://" not in os.fspath(dst)
                         else os.fspath(dst))
     names = sorted(checkpoint.tensors)
@@ -433,9 +471,22 @@ def _safetensors_to_orbax(
     registry = type_handlers.create_type_handler_registry(
         (_StreamedTensor, _StreamedTensorHandler()))
     custom = {**checkpoint.metadata, **(metadata or {})}
+    # Written beside the target and swapped in: a failure leaves an old checkpoint whole.
+    token = uuid.uuid4().hex[:12]
+    staged = target.parent / f".{target.name}.tmp-{token}"
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(type_handler_registry=registry)) as saver:
-        saver.save(target, args=ocp.args.PyTreeSave(tree, custom_metadata=custom or None),
-                   force=target.exists())  # non-empty only with overwrite: checked above
+        try:
+            saver.save(staged, args=ocp.args.PyTreeSave(tree, custom_metadata=custom or None))
+        except BaseException:
+            if staged.exists():
+                staged.rmtree()
+            raise
+    old = target.parent / f".{target.name}.old-{token}"
+    if target.exists():  # an Orbax checkpoint and nothing else, with overwrite: checked above
+        target.rename(old)
+    staged.rename(target)
+    if old.exists():
+        old.rmtree()
     report.close()
     return ConvertStats(SAFETENSORS, ORBAX, len(names), report.done, 0,
                         time.perf_counter() - started)
