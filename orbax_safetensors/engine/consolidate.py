@@ -78,7 +78,7 @@ def consolidate(
         specs = [TensorSpec(n, checkpoint.tensors[n].dtype, checkpoint.tensors[n].shape) for n in names]
         return write_hf_streaming(
         dst, specs,
-            lambda info, block: _read_block(checkpoint.storage, checkpoint.tensors[info.name], info, block),
+            lambda info, block: read_tensor_block(checkpoint.storage, checkpoint.tensors[info.name], info, block),
             label=f"consolidate {os.fspath(src)} -> {os.fspath(dst)}", started=started,
             max_shard_size=max_shard_size, metadata={**checkpoint.metadata, **(metadata or {})},
             overwrite=overwrite, block_bytes=block_bytes, progress=progress,
@@ -159,7 +159,7 @@ def _tensor_blocks(info: TensorInfo, block_bytes: int) -> list:
     return row_blocks(full_box(info.shape), info.dtype.bits // 8, block_bytes)
 
 
-def _read_block(storage: Storage, source: TensorSource, info: TensorInfo, block) -> memoryview:
+def read_tensor_block(storage: Storage, source: TensorSource, info: TensorInfo, block) -> memoryview:
     """One row block of the tensor, assembled from every slice it intersects."""
     if block is None:
         piece = source.whole

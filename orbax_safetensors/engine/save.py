@@ -47,15 +47,13 @@ from orbax_safetensors.planning import (
     Box,
     FilePlan,
     ReadOp,
-    Runs,
     SavePlan,
     SliceSpec,
     TensorSpec,
     box_shape,
-    byte_runs,
-    coalesce,
     full_box,
     normalize_index,
+    owned_ranges,
     plan_distributed_files,
     plan_hf_checkpoint,
     plan_regions,
@@ -550,31 +548,9 @@ class SaveJob:
         self._commit_plan()
 
     def _owned_ranges(self, chunk_bytes: int) -> tuple[list[memoryview], list[tuple[str, ReadOp]]]:
-        """This process's bytes per file as contiguous ranges (split at ``chunk_bytes``).
-
-        Returns the payload of each piece and, per range, the file and the
-        pieces (by payload index) that fill it in order.
-        """
-        location = {t.name: (f, t) for f in self.plan.files for t in f.tensors}
-        runs_by_file: dict[str, list[Runs]] = collections.defaultdict(list)
-        payloads = [to_bytes(piece.data) for piece in self.pieces]
-        for index, piece in enumerate(self.pieces):
-            file, info = location[piece.name]
-            start = file.data_start + info.begin
-            if info.dtype.is_packed:  # whole tensor, checked in _host_pieces
-                offsets, length = np.zeros(1, np.int64), info.nbytes
-            else:
-                offsets, length = byte_runs(piece.box, info.shape, info.dtype.bits // 8)
-            runs_by_file[file.name].append(Runs(
-                offsets + start, np.full(len(offsets), length, np.int64),
-                np.full(len(offsets), index, np.int64), np.arange(len(offsets)) * length))
-        ranges = [
-            (file_name, op)
-            for file_name, runs in runs_by_file.items()
-            for op in coalesce(Runs.concatenate(runs), max_gap=0, max_overread=1.0,
-                               chunk_bytes=chunk_bytes)
-        ]
-        return payloads, ranges
+        """The payload of each piece, and this process's ranges of each file (``owned_ranges``)."""
+        ranges = owned_ranges(self.plan.files, [(p.name, p.box) for p in self.pieces], chunk_bytes)
+        return [to_bytes(piece.data) for piece in self.pieces], ranges
 
     def _write_pieces(self) -> None:
         payloads, writes = self._owned_ranges(_WRITE_CHUNK_BYTES)

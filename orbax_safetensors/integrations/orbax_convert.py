@@ -63,7 +63,7 @@ from orbax.checkpoint import future as ocp_future
 from orbax.checkpoint import type_handlers
 
 from orbax_safetensors.engine.checkpoint_reader import Checkpoint, TensorSource, open_checkpoint
-from orbax_safetensors.engine.consolidate import _read_block, write_hf_streaming
+from orbax_safetensors.engine.consolidate import read_tensor_block, write_hf_streaming
 from orbax_safetensors.engine.progress import Progress
 from orbax_safetensors.engine.tree_names import flatten_with_names
 from orbax_safetensors.errors import SafetensorsError
@@ -423,7 +423,7 @@ class _StreamedTensorHandler(type_handlers.NumpyHandler):
         store = await ts.open(ts.Spec(spec), create=True, open=True, context=info.ts_context)
         tensor = TensorInfo(value.name, dtype, value.shape, 0, value.nbytes)
         for block in blocks:
-            raw = await asyncio.to_thread(_read_block, value.storage, value.source, tensor, block)
+            raw = await asyncio.to_thread(read_tensor_block, value.storage, value.source, tensor, block)
             array = from_bytes(raw, dtype, box_shape(block))
             await store[tuple(slice(a, b) for a, b in block)].write(array)
             value.report.advance(len(raw))

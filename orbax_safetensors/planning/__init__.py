@@ -31,6 +31,7 @@ from orbax_safetensors.planning.save_plan import (
     SavePlan,
     SliceSpec,
     TensorSpec,
+    owned_ranges,
     plan_distributed_files,
     plan_file,
     plan_hf_checkpoint,
@@ -42,5 +43,5 @@ __all__ = [
     "normalize_index", "relative_slices",
     "GAP", "Piece", "ReadOp", "Region", "RegionRead", "Runs", "coalesce", "plan_region_reads", "plan_regions", "read_once_boxes",
     "replication_factor", "row_blocks", "tensor_runs",
-    "FilePlan", "SavePlan", "SliceSpec", "TensorSpec", "plan_distributed_files", "plan_file", "plan_hf_checkpoint", "plan_single_file",
+    "FilePlan", "SavePlan", "SliceSpec", "TensorSpec", "owned_ranges", "plan_distributed_files", "plan_file", "plan_hf_checkpoint", "plan_single_file",
 ]

@@ -11,6 +11,8 @@ import collections
 import dataclasses
 from collections.abc import Mapping, Sequence
 
+import numpy as np
+
 from orbax_safetensors.format import DType, TensorInfo, serialize_header
 from orbax_safetensors.index import (
     dcp_metadata,
@@ -20,6 +22,8 @@ from orbax_safetensors.index import (
     shard_file_name,
 )
 from orbax_safetensors.index.hf_index import SINGLE_FILE_NAME
+from orbax_safetensors.planning.boxes import Box, byte_runs
+from orbax_safetensors.planning.read_plan import ReadOp, Runs, coalesce
 
 HF_METADATA = {"format": "pt"}  # transformers refuses files without it
 
@@ -152,3 +156,30 @@ def plan_distributed_files(
         files.append((plan_file(distributed_file_name(process, i, len(groups)), specs, header_metadata),
                       tuple(group)))
     return tuple(files)
+
+
+def owned_ranges(files: Sequence[FilePlan], boxes: Sequence[tuple[str, Box]],
+                 chunk_bytes: int) -> list[tuple[str, ReadOp]]:
+    """Where the shards a process writes land: contiguous byte ranges per file, cut at
+    ``chunk_bytes``, each with the pieces that fill it in order (``Piece.target`` indexes
+    ``boxes``, ``Piece.offset`` is the byte offset within that shard's row-major bytes).
+
+    ``boxes`` are ``(tensor name, box)`` of the shards, in the tensor's global coordinates;
+    a packed dtype (sub-byte values) can only be written whole.
+    """
+    location = {t.name: (f, t) for f in files for t in f.tensors}
+    runs_by_file: dict[str, list[Runs]] = collections.defaultdict(list)
+    for index, (name, box) in enumerate(boxes):
+        file, info = location[name]
+        start = file.data_start + info.begin
+        if info.dtype.is_packed:
+            offsets, length = np.zeros(1, np.int64), info.nbytes
+        else:
+            offsets, length = byte_runs(box, info.shape, info.dtype.bits // 8)
+        runs_by_file[file.name].append(Runs(
+            offsets + start, np.full(len(offsets), length, np.int64),
+            np.full(len(offsets), index, np.int64), np.arange(len(offsets)) * length))
+    return [(file_name, op)
+            for file_name, runs in runs_by_file.items()
+            for op in coalesce(Runs.concatenate(runs), max_gap=0, max_overread=1.0,
+                               chunk_bytes=chunk_bytes)]
