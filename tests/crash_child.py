@@ -38,7 +38,8 @@ import traceback
 import numpy as np
 
 # Methods of LocalStorage that create, change or delete files.
-MUTATIONS = ("makedirs", "create_sized", "write_at", "sync", "write", "rename", "remove")
+MUTATIONS = ("makedirs", "create_sized", "write_at", "sync", "write", "rename", "remove",
+             "sync_directory", "lock")
 
 
 def tree(version: int) -> dict[str, np.ndarray]:

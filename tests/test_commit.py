@@ -92,11 +92,11 @@ def _interrupted_commit(tmp_path, dies_at: str):
 
     rename, remove = local_storage.LocalStorage.rename, local_storage.LocalStorage.remove
 
-    def renaming(self, source, destination):
+    def renaming(self, source, destination, **options):
         if dies_at == "journal written" and is_journal(source) is False and any(
                 is_journal(os.path.join(path, n)) for n in os.listdir(path)):
             raise Died
-        return rename(self, source, destination)
+        return rename(self, source, destination, **options)
 
     def removing(self, target):
         if dies_at == "commit point" and is_journal(target):
@@ -158,11 +158,11 @@ def test_a_failed_save_raises_the_original_error_with_its_errno_and_file(
     original = local_storage.LocalStorage.rename
     failures = []
 
-    def no_space(self, source, destination):
+    def no_space(self, source, destination, **options):
         if destination.endswith(".index.json") and (persistent or not failures):
             failures.append(destination)
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), destination)
-        return original(self, source, destination)
+        return original(self, source, destination, **options)
 
     monkeypatch.setattr(local_storage.LocalStorage, "rename", no_space)
     with pytest.raises(OSError) as raised:

@@ -27,7 +27,8 @@ import pytest
 import orbax_safetensors as ost
 from orbax_safetensors.storage.local import LocalStorage
 
-MUTATING = ("write", "create_sized", "write_at", "sync", "rename", "remove", "makedirs", "lock")
+MUTATING = ("write", "create_sized", "write_at", "sync", "rename", "remove", "makedirs", "lock",
+            "sync_directory")
 ERRNOS = (errno.ENOSPC, errno.EPERM, errno.EIO)
 USER_FILES = {"config.json": b'{"model_type": "llama"}', "tokenizer.json": b"{}",
               "README.md": b"# my model", "notes/x.txt": b"keep me"}

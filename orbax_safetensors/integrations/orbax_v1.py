@@ -126,7 +126,7 @@ class SafetensorsLayout:
     async def validate_checkpointables(self, path: Any) -> None:
         """Raises ``InvalidLayoutError`` unless ``path`` opens as a committed safetensors checkpoint."""
         try:
-            await asyncio.to_thread(open_checkpoint, str(path))
+            await asyncio.to_thread(lambda: open_checkpoint(str(path)).close())
         except (SafetensorsError, OSError) as e:
             raise ocp_v1.errors.InvalidLayoutError(
                 f"{path} is not a safetensors checkpoint: {e}") from e

@@ -101,8 +101,15 @@ class Storage(abc.ABC):
     def makedirs(self, path: str) -> None: ...
 
     @abc.abstractmethod
-    def rename(self, source: str, destination: str) -> None:
-        """Moves a file, replacing ``destination``; atomic where the backend allows."""
+    def rename(self, source: str, destination: str, *, durable: bool = True) -> None:
+        """Moves a file, replacing ``destination``; atomic where the backend allows.
+
+        ``durable=False`` leaves making the new name survive a power cut to a
+        later ``sync_directory`` (one flush for many renames).
+        """
+
+    def sync_directory(self, directory: str) -> None:
+        """Makes every rename and removal in ``directory`` so far survive a power cut."""
 
     @abc.abstractmethod
     def remove(self, path: str) -> None:

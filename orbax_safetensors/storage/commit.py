@@ -278,7 +278,8 @@ class StagedCommit(Commit):
             names.append(index[0])
         if len(names) == 1 and self.old <= {names[0]}:  # one file replacing itself: atomic
             at_commit_point()
-            storage.rename(self.temporary(names[0]), self.path(names[0]))
+            storage.rename(self.temporary(names[0]), self.path(names[0]), durable=False)
+            self._make_durable()
             return
         replaced = tuple(n for n in names if storage.exists(self.path(n)))
         journal = _Journal(self.token, tuple(sorted(self.old)), tuple(names), replaced)
@@ -288,18 +289,23 @@ class StagedCommit(Commit):
             storage.write(journal_temporary, [journal.to_bytes()])
             storage.rename(journal_temporary, journal_path)
         except BaseException:
-            storage.discard([journal_temporary])
+            storage.discard([journal_temporary, journal_path])
             raise
         try:
             # The old commit markers first: no reader that ignores the journal may find an
             # old index next to new files.
+            # The renames need not each be durable: until the journal is gone, a power cut
+            # anywhere among them still leaves the old checkpoint readable through it.
             old_indexes = sorted(self.old & _INDEX_NAMES)
             for name in old_indexes:
-                storage.rename(self.path(name), self.path(backup_name(name, self.token)))
+                storage.rename(self.path(name), self.path(backup_name(name, self.token)),
+                               durable=False)
             for name in names:  # the index last
                 if name in replaced and name not in old_indexes:
-                    storage.rename(self.path(name), self.path(backup_name(name, self.token)))
-                storage.rename(self.temporary(name), self.path(name))
+                    storage.rename(self.path(name), self.path(backup_name(name, self.token)),
+                                   durable=False)
+                storage.rename(self.temporary(name), self.path(name), durable=False)
+            storage.sync_directory(self.directory)
             at_commit_point()
             storage.remove(journal_path)  # the commit point
         except BaseException as failure:
@@ -310,7 +316,18 @@ class StagedCommit(Commit):
                              "loads; the next save finishes the rollback): %s", self.directory, e)
                 failure.add_note(f"rolling back failed too: {e}")
             raise
+        self._make_durable()
         self._clean_up(set(names))
+
+    def _make_durable(self) -> None:
+        """After the commit point the save is committed, whatever happens next: a failure to
+        flush the directory is reported, not raised (the caller would take it for a failed
+        save and trust the old checkpoint, which is gone)."""
+        try:
+            self.storage.sync_directory(self.directory)
+        except OSError as e:
+            _LOG.warning("committed %s, but flushing the directory failed (a power cut now may "
+                         "lose the commit): %s", self.directory, e)
 
     def _roll_back(self, journal: _Journal) -> None:
         """Puts the old checkpoint's files back and removes the new ones, then the journal."""

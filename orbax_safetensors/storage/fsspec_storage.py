@@ -256,7 +256,7 @@ class FsspecStorage(Storage):
         self._forget_listings()
         self._call(path, "makedirs", lambda: self.fs.makedirs(path, exist_ok=True))
 
-    def rename(self, source: str, destination: str) -> None:
+    def rename(self, source: str, destination: str, *, durable: bool = True) -> None:
         self._forget_listings()
         self._call(source, f"rename to {destination}", lambda: self.fs.mv(source, destination))
 

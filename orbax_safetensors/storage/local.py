@@ -148,9 +148,18 @@ class LocalStorage(Storage):
     def makedirs(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)
 
-    def rename(self, source: str, destination: str) -> None:
+    def rename(self, source: str, destination: str, *, durable: bool = True) -> None:
         os.replace(source, destination)
-        _fsync_directory(os.path.dirname(destination) or ".")
+        if durable:
+            self.sync_directory(os.path.dirname(destination) or ".")
+
+    def sync_directory(self, directory: str) -> None:
+        fd = os.open(directory, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            with _naming(directory):
+                os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def remove(self, path: str) -> None:
         try:
@@ -275,13 +284,3 @@ def _vectored(call, fd: int, buffers: Sequence[memoryview], offset: int, path: s
             start += 1
         if done:
             views[start] = views[start][done:]
-
-
-def _fsync_directory(directory: str) -> None:
-    """Makes a rename durable: the new directory entry survives a power cut."""
-    fd = os.open(directory, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        with _naming(directory):
-            os.fsync(fd)
-    finally:
-        os.close(fd)
