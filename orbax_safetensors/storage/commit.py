@@ -253,7 +253,8 @@ class Commit:
 
 
 class StagedCommit(Commit):
-    __doc__ = __doc__
+    """Temporaries, a journal, backups and rollback, for backends whose renames are metadata
+    (the module docstring tells the order and why)."""
 
     def temporary(self, name: str) -> str:
         return self.path(temporary_name(name, self.token))
@@ -358,7 +359,7 @@ class StagedCommit(Commit):
 
 
 class DirectCommit(Commit):
-    __doc__ = __doc__
+    """Final names and the index last, for object stores, where a rename copies every byte."""
 
     def temporary(self, name: str) -> str:
         return self.path(name)

@@ -126,12 +126,7 @@ class LocalStorage(Storage):
             os.close(fd)
 
     def sync(self, path: str) -> None:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            with _naming(path):
-                os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync(path)
 
     def open_read(self, path: str) -> BinaryIO:
         return os.fdopen(_open_regular(path), "rb")
@@ -154,12 +149,7 @@ class LocalStorage(Storage):
             self.sync_directory(os.path.dirname(destination) or ".")
 
     def sync_directory(self, directory: str) -> None:
-        fd = os.open(directory, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            with _naming(directory):
-                os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync(directory)
 
     def remove(self, path: str) -> None:
         try:
@@ -284,3 +274,13 @@ def _vectored(call, fd: int, buffers: Sequence[memoryview], offset: int, path: s
             start += 1
         if done:
             views[start] = views[start][done:]
+
+
+def _fsync(path: str) -> None:
+    """Flushes a file's data, or a directory's entries, to the disk."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        with _naming(path):
+            os.fsync(fd)
+    finally:
+        os.close(fd)
