@@ -27,3 +27,13 @@ def multiprocess():
     ``MultiProcessError`` if any process fails or the group times out.
     """
     return functools.partial(run_multiprocess)
+
+
+# Tests that start several JAX processes are slow whichever file they are in.
+_SLOW_FIXTURES = {"multiprocess", "distributed_checkpoint"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if _SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)

@@ -18,6 +18,8 @@ import pytest
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager
 
+pytestmark = pytest.mark.slow  # a notebook run in a kernel
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOK = os.path.join(REPO_ROOT, "colab", "orbax_safetensors_quickstart.ipynb")
 

@@ -25,6 +25,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import orbax_safetensors as ost
 
+pytestmark = pytest.mark.slow  # threads racing for seconds
+
 THREADS = 8
 LOADS_PER_THREAD = 6
 
@@ -174,10 +176,11 @@ def test_fsspec_listing_cache_is_consistent_under_concurrent_invalidation():
     """One ``FsspecStorage`` answering ``exists``/``size`` from its listing cache on some threads
     while others change files (which forgets the cache) and list again: an existing file is
     never reported missing, nor its size lost, half-way through a forget."""
-    from orbax_safetensors.storage import storage_for
+    from orbax_safetensors.storage import Location
 
     base = f"memory://listing-{uuid.uuid4().hex[:8]}"
-    storage, directory = storage_for(base)
+    location = Location.resolve(base)
+    storage, directory = location.storage, location.path
     names = [f"f{i}.safetensors" for i in range(32)]
     for i, name in enumerate(names):
         storage.write(storage.join(directory, name), [b"x" * (i + 1)])

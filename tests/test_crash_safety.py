@@ -46,6 +46,8 @@ import orbax_safetensors as ost
 from tests.crash_child import run, tree
 from tests.multiprocess import MultiProcessError
 
+pytestmark = pytest.mark.slow  # fault injection: SIGKILL at every storage operation
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 OLD, NEW = 1, 2  # tree versions: same names, shapes and dtypes; different values
 BIG, MEDIUM, SMALL = "1GB", 9000, 5000  # one file; 3 files; 4 files (hf) of ~17 KB of tensors

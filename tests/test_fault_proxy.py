@@ -82,6 +82,8 @@ import s3fs.core  # noqa: E402
 from tests.fault_proxy import FaultProxy  # noqa: E402
 from tests.object_stores import object_store_server  # noqa: E402
 
+pytestmark = pytest.mark.slow  # object-store servers behind a fault proxy
+
 MiB = 1 << 20
 BLOCK = 5 * MiB  # S3's minimum part; a multiple of GCS's 256 KiB chunk unit
 BIG = random.Random(0).randbytes(12 * MiB)  # 3 parts / 3 resumable chunks

@@ -15,6 +15,8 @@ import pytest
 
 import orbax_safetensors as ost
 
+pytestmark = pytest.mark.slow  # a real tmpfs filled mid-save
+
 PAGE = 4096
 
 
@@ -61,7 +63,6 @@ def _same(loaded: dict, expected: dict) -> bool:
         np.array_equal(loaded[k], expected[k]) for k in expected)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("room", ["shards but not the commit", "not even the shards"])
 def test_an_overwrite_that_fills_the_disk_keeps_the_old_checkpoint(tmpfs, tmp_path, room):
     reference = tmp_path / "reference"

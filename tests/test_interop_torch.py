@@ -13,6 +13,8 @@ import orbax_safetensors as ost
 from tests.multiprocess import free_port
 from tests.sharding_cases import sources
 
+pytestmark = pytest.mark.slow  # the torch peer
+
 torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 

@@ -18,12 +18,15 @@ import pytest
 
 import orbax_safetensors as ost
 
+pytestmark = pytest.mark.slow  # child processes interrupted with SIGINT
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 _CHILD = r"""
 import json, signal, sys, time
 import numpy as np
 import orbax_safetensors as ost
 from orbax_safetensors.storage.local import LocalStorage
+
 
 path, mb = sys.argv[1], int(sys.argv[2])
 tree = {f"t{i}": np.full((mb // 8) << 18, i + 7, np.float32) for i in range(8)}  # mb MB in all
@@ -41,7 +44,7 @@ for method in ("write_at", "write"):
         if not announced:
             announced.append(1)
             print("writing", flush=True)
-        time.sleep(0.02)  # a slow disk: the save takes seconds, not milliseconds
+        time.sleep(1.0)  # a slow disk: the save takes seconds, whatever runs in parallel
         return _original(self, *args, **kwargs)
     setattr(LocalStorage, method, announcing)
 try:

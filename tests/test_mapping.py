@@ -20,8 +20,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import orbax_safetensors as ost
-from orbax_safetensors.engine.checkpoint_reader import open_checkpoint
-from orbax_safetensors.engine.shard_reader import sharded_job
+from orbax_safetensors.engine import open_checkpoint
+from orbax_safetensors.engine.read import sharded_job
+from orbax_safetensors.storage import Location
 from orbax_safetensors.planning import box_size
 from orbax_safetensors.planning.mapping import Mapping, MappingError, Rule, Transform
 
@@ -298,7 +299,7 @@ def test_sharded_mapped_load_reads_each_device_box_once(stored_checkpoint, case)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_each_device_reads_only_its_stored_box(stored_checkpoint, case):
     """One job per tensor: its buffers are the 8 distinct 1/8 stored boxes, never the tensor."""
-    checkpoint = open_checkpoint(stored_checkpoint, None, None)
+    checkpoint = open_checkpoint(Location.resolve(stored_checkpoint))
     mapping, target = _mapping(), _target(CASES[case])
     for tree_name, leaf in [(f"layers_0.{k}.kernel", v["kernel"]) for k, v in target["layers_0"].items()]:
         stored_name = mapping.stored_name(tree_name)
@@ -306,9 +307,10 @@ def test_each_device_reads_only_its_stored_box(stored_checkpoint, case):
         transform = mapping.transform(tree_name, stored_shape=source.shape, tree_shape=leaf.shape)
         job = sharded_job(stored_name, source, np.dtype(np.float32), leaf.sharding,
                           read_once=False, bounce_bytes=1 << 20, transform=transform)
-        assert len(job.shards) == 8 and len(set(job.shards)) == 8
-        assert {box_size(b) for b in job.shards} == {math.prod(source.shape) // 8}
-        assert job.nbytes == job.needed == source.nbytes
+        reads = job.reads
+        assert len(reads.shards) == 8 and len(set(reads.shards)) == 8
+        assert {box_size(b) for b in reads.shards} == {math.prod(source.shape) // 8}
+        assert reads.nbytes == reads.needed == source.nbytes
 
 
 def test_head_dim_sharding_reads_enclosing_heads_and_still_matches(stored_checkpoint):
@@ -379,14 +381,14 @@ def test_distributed_layout_stores_mapped_slices(tmp_path, stored_checkpoint):
     assert jax.tree.all(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), tree, again))
 
 
-def test_mapped_pieces_never_view_the_callers_array_when_copying():
-    from orbax_safetensors.engine.save import _map_pieces, _Piece
+def test_mapped_shards_never_view_the_callers_array_when_copying():
+    from orbax_safetensors.engine.save import HostShard, _map_shards
 
     transform = Rule("w", "w", split={0: (2, 3)}).resolve(tree_shape=(2, 3, 2))  # a pure reshape
     value = np.arange(12, dtype=np.float32).reshape(2, 3, 2)
-    piece = _Piece("w", ((0, 2), (0, 3), (0, 2)), value)
-    [copied] = _map_pieces([piece], {"w": ("w", transform)}, copy=True)
-    [viewed] = _map_pieces([piece], {"w": ("w", transform)}, copy=False)
+    shard = HostShard("w", ((0, 2), (0, 3), (0, 2)), value)
+    [copied] = _map_shards([shard], {"w": ("w", transform)}, copy=True)
+    [viewed] = _map_shards([shard], {"w": ("w", transform)}, copy=False)
     assert copied.box == viewed.box == ((0, 6), (0, 2))
     assert not np.shares_memory(copied.data, value) and np.shares_memory(viewed.data, value)
     np.testing.assert_array_equal(copied.data, value.reshape(6, 2))

@@ -47,6 +47,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # each measurement in a child process
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
 MARGIN = 64 * MiB  # measured noise is below 20 MiB: allocator arenas, XLA's per-device state, thread stacks, Python objects

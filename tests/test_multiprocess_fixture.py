@@ -15,6 +15,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from tests.multiprocess import MultiProcessError
 
+pytestmark = pytest.mark.slow  # several JAX processes, including ones that hang
+
 _MODULE = "tests.test_multiprocess_fixture"
 
 

@@ -15,9 +15,12 @@ import pytest
 
 import orbax_safetensors as ost
 
+pytestmark = pytest.mark.slow  # FIFOs and devices, each command in a child process
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 _CALLS = r"""
 import sys, orbax_safetensors as ost
+
 path = sys.argv[1]
 for call in ("load", "metadata", "verify"):
     try:
@@ -55,7 +58,6 @@ def _setups(tmp_path: Path):
             "the index": (sharded, sharded / "model.safetensors.index.json")}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["fifo", "device", "directory"])
 def test_non_regular_files_are_refused_by_name_without_blocking(tmp_path, kind):
     failures = []

@@ -18,11 +18,13 @@ import orbax.checkpoint as ocp
 import pytest
 
 import orbax_safetensors as ost
-from orbax_safetensors.storage import storage_for
+from orbax_safetensors.storage import Location
 from orbax_safetensors.storage.fsspec_storage import FsspecStorage
 from tests.object_stores import object_store_server, storage_options
 from tests.overwriter import overwriting
 from tests.sharding_cases import assert_shards_equal, sources, target_for
+
+pytestmark = pytest.mark.slow  # object-store servers (moto, the GCS emulator)
 
 _MODULE = "tests.test_object_store"
 _MAX_SHARD = 200_000
@@ -169,7 +171,7 @@ def test_explicit_storage_options_and_filesystem(store, monkeypatch):
                                   values["w"])
     assert calls
     with pytest.raises(ValueError, match="not both"):
-        storage_for(f"{bucket}/opts", options, filesystem)
+        Location.resolve(f"{bucket}/opts", options, filesystem)
 
 
 def test_readers_racing_an_overwrite_see_old_or_new_never_a_mix(store, monkeypatch):

@@ -20,6 +20,8 @@ from tests.fault_proxy import FaultProxy
 from tests.object_stores import object_store_server, storage_options
 from tests.sharding_cases import assert_shards_equal, sources, target_for
 
+pytestmark = pytest.mark.slow  # object-store servers behind a fault proxy
+
 _MODULE = "tests.test_object_store_faults"
 _MAX_SHARD = 200_000
 _KINDS = ("503", "reset", "after_forward")

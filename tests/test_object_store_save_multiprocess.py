@@ -10,6 +10,8 @@ import orbax_safetensors as ost
 from tests.object_stores import object_store_server
 from tests.sharding_cases import sources
 
+pytestmark = pytest.mark.slow  # several JAX processes against object-store servers
+
 _MODULE = "tests.test_parallel_save_multiprocess"
 
 

@@ -375,7 +375,7 @@ _KILL_POINTS = ("mid_write", "before_commit", "after_commit")
 
 def _crash_child(directory, kill_point, marker):
     """Saves step 0, then step 1 with a hook that announces ``kill_point`` and hangs there."""
-    from orbax_safetensors.engine.save import SaveJob
+    from orbax_safetensors.engine import write
     from orbax_safetensors.storage.local import LocalStorage
 
     def announce_and_hang():
@@ -391,15 +391,15 @@ def _crash_child(directory, kill_point, marker):
                 announce_and_hang()
         LocalStorage.write_at = write_at
     else:
-        real_commit = SaveJob._commit_plan
+        real_commit = write.commit_written
 
-        def commit(self):
+        def commit(*args):
             if armed and kill_point == "before_commit":
                 announce_and_hang()
-            real_commit(self)
+            real_commit(*args)
             if armed:
                 announce_and_hang()
-        SaveJob._commit_plan = commit
+        write.commit_written = commit
 
     armed = False
     values = _expected(1)[0]

@@ -27,6 +27,8 @@ import pytest
 import orbax_safetensors as ost
 from orbax_safetensors.storage.local import LocalStorage
 
+pytestmark = pytest.mark.slow  # fault injection: errors at every storage operation
+
 MUTATING = ("write", "create_sized", "write_at", "sync", "rename", "remove", "makedirs", "lock",
             "sync_directory")
 ERRNOS = (errno.ENOSPC, errno.EPERM, errno.EIO)

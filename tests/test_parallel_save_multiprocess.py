@@ -23,6 +23,8 @@ from tests.sharding_cases import (
     target_for,
 )
 
+pytestmark = pytest.mark.slow  # several JAX processes
+
 _MODULE = "tests.test_parallel_save_multiprocess"
 _MAX_SHARD = 200_000
 _RELOAD = {"fsdp": "tensor_parallel", "tensor_parallel": "mesh_2d", "mesh_2d": "fsdp",
@@ -174,7 +176,6 @@ def _child_save_with_a_full_disk_on_process_1(args):
     return {"type": None}
 
 
-@pytest.mark.slow
 def test_a_failure_on_one_process_reaches_every_process_with_its_errno_and_file(
         multiprocess, tmp_path):
     path = tmp_path / "ckpt"

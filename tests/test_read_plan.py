@@ -18,7 +18,7 @@ from orbax_safetensors.planning import (
     read_once_boxes,
     relative_slices,
     replication_factor,
-    tensor_runs,
+    box_runs,
 )
 
 _SETTINGS = settings(max_examples=150, deadline=None, derandomize=True, database=None)
@@ -89,9 +89,9 @@ def test_a_process_holding_every_column_block_reads_whole_rows_once():
     tiles = [((0, 8), (c, c + 2)) for c in range(0, 8, 2)]
     (region,) = plan_regions((8, 8), tiles)
     assert region.box == ((0, 8), (0, 8))
-    runs = tensor_runs(region, (8, 8), 4, 1000, target=0)
-    (op,) = coalesce(runs, max_gap=0, max_overread=1.0, chunk_bytes=1 << 20)
-    assert (op.offset, op.length) == (1000, 256)
+    runs = box_runs(region.box, (8, 8), 4, 1000, target=0)
+    (transfer,) = coalesce(runs, max_gap=0, max_overread=1.0, chunk_bytes=1 << 20)
+    assert (transfer.offset, transfer.length) == (1000, 256)
 
 
 @st.composite
@@ -118,27 +118,27 @@ def test_coalesced_reads_deliver_every_needed_byte_within_the_bounds(runs, max_g
         target_offsets.append(cursor[t])
         cursor[t] += b - a
     plan = Runs(*(np.array(x, np.int64) for x in (offsets, lengths, targets, target_offsets)))
-    ops = coalesce(plan, max_gap=max_gap, max_overread=ratio, chunk_bytes=chunk)
+    transfers = coalesce(plan, max_gap=max_gap, max_overread=ratio, chunk_bytes=chunk)
 
     buffers = [np.zeros(n, np.uint8) for n in cursor]
-    for op in ops:
-        assert 0 < op.length <= chunk
-        position = op.offset
-        for piece in op.pieces:
-            if piece.target == GAP:
-                assert piece.length <= max_gap
+    for transfer in transfers:
+        assert 0 < transfer.length <= chunk
+        position = transfer.offset
+        for segment in transfer.segments:
+            if segment.target == GAP:
+                assert segment.length <= max_gap
             else:
-                buffers[piece.target][piece.offset:piece.offset + piece.length] = \
-                    file[position:position + piece.length]
-            position += piece.length
-        assert position == op.offset + op.length
+                buffers[segment.target][segment.offset:segment.offset + segment.length] = \
+                    file[position:position + segment.length]
+            position += segment.length
+        assert position == transfer.offset + transfer.length
     for t in range(3):
         expected = [file[a:b] for (a, b), tt in zip(segments, targets) if tt == t]
         np.testing.assert_array_equal(
             buffers[t], np.concatenate(expected) if expected else np.zeros(0, np.uint8))
     needed = sum(lengths)
-    assert sum(op.length for op in ops) <= ratio * needed
-    assert sum(op.needed for op in ops) == needed
+    assert sum(t.length for t in transfers) <= ratio * needed
+    assert sum(t.needed for t in transfers) == needed
 
 
 def test_replication_and_read_once_split():
@@ -206,14 +206,14 @@ def test_owned_write_ranges_of_all_processes_tile_every_file_once(tiling, owners
         boxes = [(s.name, tile) for s in specs for i, tile in enumerate(tiles) if i % owners == owner]
         payloads = [np.frombuffer(values[n][tuple(slice(a, b) for a, b in box)].tobytes(), np.uint8)
                     for n, box in boxes]
-        for file, op in owned_ranges(plan.files, boxes, chunk):
-            assert op.length <= max(chunk, max(p.length for p in op.pieces))
-            position = op.offset
-            for piece in op.pieces:
-                files[file][position:position + piece.length] = \
-                    payloads[piece.target][piece.offset:piece.offset + piece.length]
-                written[file][position:position + piece.length] += 1
-                position += piece.length
+        for file, transfer in owned_ranges(plan.files, boxes, chunk):
+            assert transfer.length <= max(chunk, max(s.length for s in transfer.segments))
+            position = transfer.offset
+            for segment in transfer.segments:
+                files[file][position:position + segment.length] = \
+                    payloads[segment.target][segment.offset:segment.offset + segment.length]
+                written[file][position:position + segment.length] += 1
+                position += segment.length
     for f in plan.files:
         for info in f.tensors:
             start = f.data_start + info.begin

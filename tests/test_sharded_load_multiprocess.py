@@ -20,6 +20,8 @@ from tests.sharding_cases import (
     target_for,
 )
 
+pytestmark = pytest.mark.slow  # several JAX processes
+
 _MODULE = "tests.test_sharded_load_multiprocess"
 
 

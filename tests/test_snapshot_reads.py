@@ -11,10 +11,11 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+pytestmark = pytest.mark.slow  # readers racing writers for seconds
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -74,7 +75,6 @@ CASES = {"sharded directory": 20.0, "model.safetensors": 6.0, "x.safetensors": 6
          "distributed": 6.0, "sharded <-> single file": 6.0}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_loads_never_mix_two_saves_and_never_fail_while_another_process_overwrites(
         tmp_path, case):

@@ -157,10 +157,10 @@ def test_an_index_naming_a_directory_is_an_error_not_a_crash(tmp_path):
 
 
 def test_an_oversized_index_is_refused_before_it_is_read(tmp_path, monkeypatch):
-    from orbax_safetensors.engine import checkpoint_reader
+    from orbax_safetensors.engine import catalog
     from orbax_safetensors.storage import LocalStorage
     path = _sharded(tmp_path)
-    monkeypatch.setattr(checkpoint_reader, "MAX_INDEX_SIZE", 100)
+    monkeypatch.setattr(catalog, "MAX_INDEX_SIZE", 100)
     read = []
     monkeypatch.setattr(LocalStorage, "read",
                         lambda self, *a: read.append(a) or b"")

@@ -1,12 +1,43 @@
-"""Layer 5: load and save, running plans against storage and JAX devices."""
+"""Layer 5: load and save, running plans against storage and JAX devices.
 
-from orbax_safetensors.engine.consolidate import consolidate
-from orbax_safetensors.engine.load import CheckpointMetadata, ReadOptions, load, metadata
-from orbax_safetensors.engine.save import SaveStats, async_save, save
-from orbax_safetensors.engine.shard_reader import LoadStats
+The names below are the engine's public surface: the user's API (re-exported by
+``orbax_safetensors``) and what the integrations build on. Integrations import
+nothing else from the engine.
+"""
+
+from orbax_safetensors.engine.catalog import Checkpoint, open_checkpoint
+from orbax_safetensors.engine.consolidate import (
+    BlockSource,
+    CheckpointBlocks,
+    StreamOptions,
+    consolidate,
+    write_blocks,
+)
+from orbax_safetensors.engine.load import (
+    CheckpointMetadata,
+    ReadOptions,
+    load,
+    metadata,
+    metadata_of,
+)
+from orbax_safetensors.engine.progress import Progress, format_seconds, summary_line
+from orbax_safetensors.engine.read import LoadStats
+from orbax_safetensors.engine.save import (
+    SaveJob,
+    SaveOptions,
+    SaveStats,
+    async_save,
+    check_tree,
+    prepare_save,
+    save,
+)
+from orbax_safetensors.engine.tree_names import flatten_with_names
 from orbax_safetensors.engine.verify import Problem, VerifyReport, verify
 
 __all__ = [
     "CheckpointMetadata", "LoadStats", "Problem", "ReadOptions", "SaveStats", "VerifyReport",
     "async_save", "consolidate", "load", "metadata", "save", "verify",
+    "BlockSource", "Checkpoint", "CheckpointBlocks", "Progress", "SaveJob", "SaveOptions",
+    "StreamOptions", "check_tree", "flatten_with_names", "format_seconds", "metadata_of",
+    "open_checkpoint", "prepare_save", "summary_line", "write_blocks",
 ]

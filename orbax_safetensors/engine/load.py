@@ -18,14 +18,16 @@ import fsspec
 import jax
 import numpy as np
 
-from orbax_safetensors.engine.checkpoint_reader import Checkpoint, TensorSource, open_checkpoint
+from orbax_safetensors.engine.catalog import Checkpoint, open_checkpoint
 from orbax_safetensors.engine.coordination import gather_to_all, next_operation_key
+from orbax_safetensors.engine.read import Job, LoadStats, execute, host_job, sharded_job
 from orbax_safetensors.engine.tree_names import flatten_with_names
-from orbax_safetensors.engine.shard_reader import Job, LoadStats, host_job, run_jobs, sharded_job
 from orbax_safetensors.errors import SafetensorsError
+from orbax_safetensors.index import parse_size
+from orbax_safetensors.planning import ReadProfile, TensorSource, plan_reads
 from orbax_safetensors.planning import mapping as mapping_rules
 from orbax_safetensors.planning.mapping import MappingError, Transform
-from orbax_safetensors.index import parse_size
+from orbax_safetensors.storage import Location
 
 _LOG = logging.getLogger("orbax_safetensors")
 # Strided shards are served through bounce buffers of this size, one per read thread:
@@ -64,11 +66,12 @@ def metadata(
 
     ``storage_options``/``filesystem`` as in ``load``.
     """
-    with open_checkpoint(path, storage_options, filesystem) as checkpoint:
-        return _metadata_of(checkpoint)
+    with open_checkpoint(Location.resolve(path, storage_options, filesystem)) as checkpoint:
+        return metadata_of(checkpoint)
 
 
-def _metadata_of(checkpoint: Checkpoint) -> CheckpointMetadata:
+def metadata_of(checkpoint: Checkpoint) -> CheckpointMetadata:
+    """What ``metadata`` returns, of a checkpoint already open."""
     return CheckpointMetadata(
         tensors={
             name: jax.ShapeDtypeStruct(t.shape, t.dtype.numpy)
@@ -76,7 +79,7 @@ def _metadata_of(checkpoint: Checkpoint) -> CheckpointMetadata:
         },
         metadata=checkpoint.metadata,
         files={
-            name: tuple(checkpoint.storage.split(p.file)[1] for p in t.pieces)
+            name: tuple(checkpoint.storage.split(s.file)[1] for s in t.slices)
             for name, t in sorted(checkpoint.tensors.items())
         },
     )
@@ -154,27 +157,29 @@ def load(
     options = options or ReadOptions()
     stats = stats if stats is not None else LoadStats()
     key = next_operation_key("load")
+    location = Location.resolve(path, storage_options, filesystem)
     for attempt in range(_READ_ATTEMPTS):
-        with open_checkpoint(path, storage_options, filesystem) as checkpoint:
+        with open_checkpoint(location) as checkpoint:
             if not _same_everywhere(f"{key}/{attempt}", checkpoint):
                 continue
             try:
-                result = _load(checkpoint, path, target, strict, options, stats, mapping, started)
+                result = _load(checkpoint, target, strict, options, stats, mapping, started)
             except Exception:
                 # A file that vanished or changed under a backend that cannot pin it: read again.
-                if jax.process_count() > 1 or checkpoint.storage.pins_versions \
+                if jax.process_count() > 1 or checkpoint.storage.capabilities.pins_versions \
                         or checkpoint.unchanged():
                     raise
                 time.sleep(min(0.01 * 2 ** attempt, 0.2))
                 continue
-            read_one_version = checkpoint.storage.pins_versions or checkpoint.unchanged()
+            read_one_version = (checkpoint.storage.capabilities.pins_versions
+                                or checkpoint.unchanged())
             if _all_processes(f"{key}/{attempt}/read", read_one_version):
                 return result
         _LOG.info("%s changed while it was read (an overwrite committed); reading it again",
-                  os.fspath(path))
+                  location.url)
         time.sleep(min(0.01 * 2 ** attempt, 0.2))
     raise SafetensorsError(f"the checkpoint kept changing while it was read ({_READ_ATTEMPTS} "
-                           "attempts)", file=os.fspath(path))
+                           "attempts)", file=location.url)
 
 
 def _same_everywhere(key: str, checkpoint: Checkpoint) -> bool:
@@ -195,9 +200,8 @@ def _all_processes(key: str, value: bool) -> bool:
     return all(v == "1" for v in gather_to_all(key, "1" if value else "0"))
 
 
-def _load(checkpoint: Checkpoint, path: str | os.PathLike, target: Any, strict: bool,
-          options: ReadOptions, stats: LoadStats, mapping: mapping_rules.Mapping | None,
-          started: float) -> Any:
+def _load(checkpoint: Checkpoint, target: Any, strict: bool, options: ReadOptions,
+          stats: LoadStats, mapping: mapping_rules.Mapping | None, started: float) -> Any:
     if target is None:
         names = sorted(checkpoint.tensors)
         requests = [_Request(None, None, None)] * len(names)
@@ -219,23 +223,22 @@ def _load(checkpoint: Checkpoint, path: str | os.PathLike, target: Any, strict: 
                 "jax.ShapeDtypeStruct with .sharding); host-array leaves: " + ", ".join(hosted[:10]))
     read_once = (options.replicated_read_once if options.replicated_read_once is not None
                  else jax.process_count() > 1)
-    chunk_bytes = (checkpoint.storage.default_chunk_bytes if options.chunk_bytes is None
-                   else parse_size(options.chunk_bytes))
-    bounce_bytes = min(chunk_bytes, _BOUNCE_BYTES)
-    jobs = [_job(stored_names[i], checkpoint.tensors[stored_names[i]], requests[i], read_once, bounce_bytes,
-                 transforms[i])
-            for i in wanted]
-    values = run_jobs(
-        checkpoint, jobs,
-        memory_budget=parse_size(options.memory_budget),
-        chunk_bytes=chunk_bytes,
-        max_gap=checkpoint.storage.default_max_gap if options.max_gap is None else options.max_gap,
+    capabilities = checkpoint.storage.capabilities
+    profile = ReadProfile(
+        chunk_bytes=(capabilities.chunk_bytes if options.chunk_bytes is None
+                     else parse_size(options.chunk_bytes)),
+        max_gap=capabilities.max_gap if options.max_gap is None else options.max_gap,
         max_overread=options.max_overread,
-        threads=options.threads,
-        stats=stats,
-    )
+        memory_budget=parse_size(options.memory_budget))
+    bounce_bytes = min(profile.chunk_bytes, _BOUNCE_BYTES)
+    jobs = [_job(stored_names[i], checkpoint.tensors[stored_names[i]], requests[i], read_once,
+                 bounce_bytes, transforms[i])
+            for i in wanted]
+    plan = plan_reads([job.reads for job in jobs], profile)
+    values = execute(checkpoint.storage, plan, jobs, memory_budget=profile.memory_budget,
+                     threads=options.threads, stats=stats)
     stats.seconds += time.perf_counter() - started
-    _LOG.debug("loaded %s: %s", os.fspath(path), stats)
+    _LOG.debug("loaded %s: %s", checkpoint.survey.location.url, stats)
     if treedef is None:
         return dict(zip([names[i] for i in wanted], values))
     result = list(leaves)

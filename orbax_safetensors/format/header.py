@@ -34,7 +34,7 @@ from orbax_safetensors.format.dtypes import DTYPES, DType
 MAX_HEADER_SIZE = 100_000_000
 PREFIX_SIZE = 8
 METADATA_KEY = "__metadata__"
-_ALIGNMENT = 8
+_HEADER_ALIGNMENT = 8
 _MAX_NBITS = 2**64  # the crate computes sizes in usize and rejects overflow
 _MAX_DEPTH = 127  # serde_json refuses a 128th nested array/object
 
@@ -174,7 +174,7 @@ def serialize_header(
             "dtype": dtype.code, "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
     body = json.dumps(document, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    body += b" " * (-len(body) % _ALIGNMENT)
+    body += b" " * (-len(body) % _HEADER_ALIGNMENT)
     return struct.pack("<Q", len(body)) + body, infos
 
 

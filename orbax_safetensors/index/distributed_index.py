@@ -307,17 +307,17 @@ def parse_distributed_index(raw: bytes, *, file: str = DISTRIBUTED_INDEX_NAME) -
             if not isinstance(s, dict):
                 raise SafetensorsError(
                     f"slice {short_repr(s)} is not a JSON object", file=file, tensor=name)
-            piece = SliceEntry(
+            listed = SliceEntry(
                 check_file_name(s.get("file"), file=file, tensor=name),
                 _sizes(s.get("offsets"), "slice offsets", len(shape), file=file, tensor=name),
                 _sizes(s.get("shape"), "slice shape", len(shape), file=file, tensor=name))
-            if piece.file in holder:  # the file has one header entry for the name: one slice
+            if listed.file in holder:  # the file has one header entry for the name: one slice
                 raise SafetensorsError(
-                    f"slices at {list(holder[piece.file].offsets)} and {list(piece.offsets)} "
-                    f"are both placed in {piece.file!r}, which can hold only one slice of a tensor",
+                    f"slices at {list(holder[listed.file].offsets)} and {list(listed.offsets)} "
+                    f"are both placed in {listed.file!r}, which can hold only one slice of a tensor",
                     file=file, tensor=name)
-            holder[piece.file] = piece
-            slices.append(piece)
+            holder[listed.file] = listed
+            slices.append(listed)
         check_slices(name, shape, slices, file=file)
         tensors[name] = DistributedTensor(DTYPES[code], shape, tuple(slices))
     metadata = document.get("metadata", {})

@@ -20,9 +20,8 @@ import time
 import warnings
 from collections.abc import Sequence
 
-from orbax_safetensors.engine import consolidate, verify
+from orbax_safetensors.engine import Progress, consolidate, format_seconds, summary_line, verify
 from orbax_safetensors.engine import metadata as read_metadata
-from orbax_safetensors.engine.progress import Progress, format_seconds, summary_line
 from orbax_safetensors.errors import SafetensorsError
 from orbax_safetensors.format import dtype_for_numpy
 

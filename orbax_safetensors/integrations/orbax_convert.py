@@ -7,14 +7,15 @@ for Orbax sources, below.
 Orbax → safetensors. The Orbax tree metadata (``_METADATA``) gives every
 array's key path, shape, dtype and storage chunk; each array is opened on its
 own through TensorStore, with the read spec Orbax itself uses, and read in row
-blocks that the writer ``consolidate`` uses (``write_hf_streaming``: same
-planning, ``max_shard_size`` packing, commit) streams into the output files.
+blocks: the TensorStore arrays are one more *block source* (``OrbaxBlocks``)
+for the writer ``consolidate`` uses (``write_blocks``: same planning,
+``max_shard_size`` packing, lock and commit).
 Tensor names are key paths joined with ``.``, which is both what ``ost.save``
 names a leaf and Orbax's own parameter name. TensorStore decodes whole
 storage chunks, and Orbax stores an unsharded array as a single chunk (it only
 splits arrays above its 2 GB OCDBT target file size). So when a chunk spans
 more rows than a block, the rows it covers are decoded once and the blocks
-cut from them (``_OrbaxArrays``): reading such a checkpoint needs about twice
+cut from them (``OrbaxBlocks``): reading such a checkpoint needs about twice
 its largest chunk (compressed and decoded bytes) plus the blocks, however
 big the checkpoint. (glibc may keep some freed chunk buffers resident, which
 shows as 3-5x the largest chunk in a process's peak RSS unless
@@ -62,15 +63,21 @@ from etils import epath
 from orbax.checkpoint import future as ocp_future
 from orbax.checkpoint import type_handlers
 
-from orbax_safetensors.engine.checkpoint_reader import Checkpoint, TensorSource, open_checkpoint
-from orbax_safetensors.engine.consolidate import read_tensor_block, write_hf_streaming
-from orbax_safetensors.engine.progress import Progress
-from orbax_safetensors.engine.tree_names import flatten_with_names
+from orbax_safetensors.engine import (
+    Checkpoint,
+    CheckpointBlocks,
+    Progress,
+    StreamOptions,
+    flatten_with_names,
+    open_checkpoint,
+    write_blocks,
+)
 from orbax_safetensors.errors import SafetensorsError
 from orbax_safetensors.format import TensorInfo, dtype_for_numpy, from_bytes, to_bytes
 from orbax_safetensors.index import parse_size
 from orbax_safetensors.planning import Box, TensorSpec, box_shape, full_box, row_blocks
-from orbax_safetensors.storage import Storage, storage_for
+from orbax_safetensors.storage import Location
+from orbax_safetensors.storage.commit import DirectorySwap
 
 ORBAX = "orbax"
 SAFETENSORS = "safetensors"
@@ -155,28 +162,26 @@ def convert(
         something the other format cannot (strings; zero-size arrays for Orbax).
     """
     started = time.perf_counter()
-    fmt, location = detect_format(src, storage_options, filesystem)
-    occupied = _occupied(dst, storage_options, filesystem)
+    fmt, item = detect_format(src, storage_options, filesystem)
+    target = Location.resolve(dst, storage_options, filesystem)
+    occupied = _occupied(target)
     if occupied and not overwrite:
-        raise FileExistsError(f"{os.fspath(dst)!r} already exists and is not empty; pass "
+        raise FileExistsError(f"{target.url!r} already exists and is not empty; pass "
                               "overwrite=True (--overwrite) to replace it")
     if occupied and fmt == SAFETENSORS:
-        foreign = _not_orbax(os.fspath(dst))
+        foreign = _not_orbax(target.url)
         if foreign:  # replacing an Orbax checkpoint replaces the directory: only if it is one
             raise FileExistsError(
-                f"{os.fspath(dst)!r} is not an Orbax checkpoint (it holds "
+                f"{target.url!r} is not an Orbax checkpoint (it holds "
                 f"{', '.join(repr(n) for n in foreign[:5])}{', ...' if len(foreign) > 5 else ''}); "
                 "convert replaces only an Orbax checkpoint, even with overwrite: choose another "
                 "destination")
+    options = StreamOptions(max_shard_size, metadata, overwrite, block_bytes, progress)
+    label = f"convert {os.fspath(src)} -> {target.url}"
     if fmt == ORBAX:
-        return _orbax_to_safetensors(
-            location, dst, started=started, max_shard_size=max_shard_size,
-            block_bytes=block_bytes, metadata=metadata, overwrite=overwrite, progress=progress,
-            storage_options=storage_options, filesystem=filesystem, src=src)
-    return _safetensors_to_orbax(
-        src, dst, started=started, block_bytes=parse_size(block_bytes), nest=nest,
-        metadata=metadata, overwrite=overwrite, progress=progress,
-        storage_options=storage_options, filesystem=filesystem)
+        return _orbax_to_safetensors(item, target, options, label=label, started=started)
+    return _safetensors_to_orbax(Location.resolve(src, storage_options, filesystem), target,
+                                 options, nest=nest, label=label, started=started)
 
 
 def detect_format(
@@ -190,7 +195,7 @@ def detect_format(
     if item is not None:
         return ORBAX, item
     try:
-        open_checkpoint(src, storage_options, filesystem).close()
+        open_checkpoint(Location.resolve(src, storage_options, filesystem)).close()
     except (FileNotFoundError, SafetensorsError) as e:
         if not _exists(text):
             raise FileNotFoundError(f"{text!r} does not exist") from None
@@ -202,13 +207,12 @@ def detect_format(
     return SAFETENSORS, text
 
 
-def _occupied(dst: str | os.PathLike, storage_options: Mapping[str, Any] | None,
-              filesystem: fsspec.AbstractFileSystem | None) -> bool:
-    """Whether ``dst`` is a file or a non-empty directory (an empty one may be written into)."""
-    storage, path = storage_for(dst, storage_options, filesystem)
-    if not storage.exists(path):
+def _occupied(location: Location) -> bool:
+    """Whether ``location`` is a file or a non-empty directory (an empty one may be written into)."""
+    storage = location.storage
+    if not storage.exists(location.path):
         return False
-    return not storage.isdir(path) or bool(storage.listdir(path))
+    return not storage.isdir(location.path) or bool(storage.listdir(location.path))
 
 
 def _not_orbax(path: str) -> list[str]:
@@ -253,41 +257,11 @@ def _orbax_item_dir(path: str) -> str | None:
 # ---------------------------------------------------------------- Orbax → safetensors
 
 
-def _orbax_to_safetensors(
-    item_dir: str, dst: str | os.PathLike, *, started: float, max_shard_size: int | str,
-    block_bytes: int | str, metadata: Mapping[str, str] | None, overwrite: bool,
-    progress: bool | None, storage_options: Mapping[str, Any] | None,
-    filesystem: fsspec.AbstractFileSystem | None, src: str | os.PathLike,
-) -> ConvertStats:
-    item_dir = os.path.abspath(item_dir) if "://" not in item_dir else item_dir
-    tree_metadata = ocp.PyTreeCheckpointHandler().metadata(epath.Path(item_dir))
-    tree = getattr(tree_metadata, "tree", tree_metadata)
-    names, leaves, _ = flatten_with_names(tree)
-    arrays: dict[str, Any] = {}
-    for name, leaf in zip(names, leaves):
-        if not isinstance(leaf, ocp.metadata.ArrayMetadata):
-            raise ValueError(
-                f"{name!r} is a {type(leaf).__name__.removesuffix('Metadata').lower()}: "
-                "safetensors holds only arrays")
-        arrays[name] = leaf
-    specs = [TensorSpec(n, dtype_for_numpy(arrays[n].dtype), tuple(arrays[n].shape))
-             for n in sorted(arrays)]
-    use_ocdbt = type_handlers.is_ocdbt_checkpoint(epath.Path(item_dir))
-    use_zarr3 = bool(getattr(tree_metadata, "use_zarr3", False))
-    context = ts.Context({"cache_pool#ocdbt": {"total_bytes_limit": 100_000_000},
-                          "file_io_concurrency": {"limit": 32}})
-    opened = {name: ts.open(_read_spec(item_dir, meta.name, use_ocdbt, use_zarr3), open=True,
-                            context=context) for name, meta in arrays.items()}
-    source = _OrbaxArrays({name: future.result() for name, future in opened.items()})
-    custom = getattr(tree_metadata, "custom_metadata", None)
-    carried = {k: v for k, v in (custom or {}).items() if isinstance(v, str)} \
-        if isinstance(custom, Mapping) else {}
-    stats = write_hf_streaming(
-        dst, specs, source.read_block, label=f"convert {os.fspath(src)} -> {os.fspath(dst)}",
-        started=started, max_shard_size=max_shard_size, metadata={**carried, **(metadata or {})},
-        overwrite=overwrite, block_bytes=block_bytes, progress=progress,
-        storage_options=storage_options, filesystem=filesystem)
-    return ConvertStats(ORBAX, SAFETENSORS, len(specs), stats.bytes_written, stats.files,
+def _orbax_to_safetensors(item_dir: str, target: Location, options: StreamOptions, *,
+                          label: str, started: float) -> ConvertStats:
+    source = OrbaxBlocks(item_dir)
+    stats = write_blocks(target, source, options, label=label, started=started)
+    return ConvertStats(ORBAX, SAFETENSORS, len(source.specs), stats.bytes_written, stats.files,
                         stats.seconds)
 
 
@@ -301,20 +275,44 @@ class _Band:
     rows: np.ndarray
 
 
-class _OrbaxArrays:
-    """Row blocks of an Orbax checkpoint's arrays, each storage chunk decoded once.
+class OrbaxBlocks:
+    """An Orbax PyTree checkpoint's arrays as a block source, each storage chunk decoded once.
 
-    TensorStore decodes whole chunks, and Orbax stores an unsharded array as
-    one chunk: reading a row block of it on its own would decode the whole
-    array once per block. So when a tensor's chunks span more rows than a
-    block, the band of rows one chunk row covers is read once, serves the
-    blocks inside it (from the writer's few threads), and is dropped as soon
-    as all its rows have been served. Bands are decoded one at a time, also
-    across tensors, since decoding one briefly needs its compressed bytes too.
+    Every array is opened on its own through TensorStore, with the read spec
+    Orbax itself uses. TensorStore decodes whole chunks, and Orbax stores an
+    unsharded array as one chunk: reading a row block of it on its own would
+    decode the whole array once per block. So when a tensor's chunks span
+    more rows than a block, the band of rows one chunk row covers is read
+    once, serves the blocks inside it (from the writer's few threads), and is
+    dropped as soon as all its rows have been served. Bands are decoded one at
+    a time, also across tensors, since decoding one briefly needs its
+    compressed bytes too.
     """
 
-    def __init__(self, stores: Mapping[str, ts.TensorStore]):
-        self._stores = stores
+    def __init__(self, item_dir: str):
+        item_dir = os.path.abspath(item_dir) if "://" not in item_dir else item_dir
+        tree_metadata = ocp.PyTreeCheckpointHandler().metadata(epath.Path(item_dir))
+        tree = getattr(tree_metadata, "tree", tree_metadata)
+        names, leaves, _ = flatten_with_names(tree)
+        arrays: dict[str, Any] = {}
+        for name, leaf in zip(names, leaves):
+            if not isinstance(leaf, ocp.metadata.ArrayMetadata):
+                raise ValueError(
+                    f"{name!r} is a {type(leaf).__name__.removesuffix('Metadata').lower()}: "
+                    "safetensors holds only arrays")
+            arrays[name] = leaf
+        self.specs = [TensorSpec(n, dtype_for_numpy(arrays[n].dtype), tuple(arrays[n].shape))
+                      for n in sorted(arrays)]
+        use_ocdbt = type_handlers.is_ocdbt_checkpoint(epath.Path(item_dir))
+        use_zarr3 = bool(getattr(tree_metadata, "use_zarr3", False))
+        context = ts.Context({"cache_pool#ocdbt": {"total_bytes_limit": 100_000_000},
+                              "file_io_concurrency": {"limit": 32}})
+        opened = {name: ts.open(_read_spec(item_dir, meta.name, use_ocdbt, use_zarr3), open=True,
+                                context=context) for name, meta in arrays.items()}
+        self._stores = {name: future.result() for name, future in opened.items()}
+        custom = getattr(tree_metadata, "custom_metadata", None)
+        self.metadata = {k: v for k, v in (custom or {}).items() if isinstance(v, str)} \
+            if isinstance(custom, Mapping) else {}
         self._lock = threading.Lock()  # one band decoded at a time, across tensors
         self._bands: dict[str, _Band] = {}
 
@@ -362,10 +360,13 @@ class _StreamedTensor:
     """
 
     name: str
-    source: TensorSource
-    storage: Storage
+    blocks: CheckpointBlocks
     block_bytes: int
     report: Progress
+
+    @property
+    def source(self):
+        return self.blocks.checkpoint.tensors[self.name]
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -423,7 +424,7 @@ class _StreamedTensorHandler(type_handlers.NumpyHandler):
         store = await ts.open(ts.Spec(spec), create=True, open=True, context=info.ts_context)
         tensor = TensorInfo(value.name, dtype, value.shape, 0, value.nbytes)
         for block in blocks:
-            raw = await asyncio.to_thread(read_tensor_block, value.storage, value.source, tensor, block)
+            raw = await asyncio.to_thread(value.blocks.read_block, tensor, block)
             array = from_bytes(raw, dtype, box_shape(block))
             await store[tuple(slice(a, b) for a, b in block)].write(array)
             value.report.advance(len(raw))
@@ -444,49 +445,38 @@ def _set_chunk_shape(spec: dict, chunk: tuple[int, ...]) -> None:
                 codec["configuration"]["chunk_shape"] = list(chunk)
 
 
-def _safetensors_to_orbax(
-    src: str | os.PathLike, dst: str | os.PathLike, *, started: float, block_bytes: int,
-    nest: bool, metadata: Mapping[str, str] | None, overwrite: bool, progress: bool | None,
-    storage_options: Mapping[str, Any] | None, filesystem: fsspec.AbstractFileSystem | None,
-) -> ConvertStats:
-    with open_checkpoint(src, storage_options, filesystem) as checkpoint:
-        return _write_orbax(checkpoint, src, dst, started=started, block_bytes=block_bytes,
-                            nest=nest, metadata=metadata, progress=progress)
+def _safetensors_to_orbax(src: Location, dst: Location, options: StreamOptions, *, nest: bool,
+                          label: str, started: float) -> ConvertStats:
+    with open_checkpoint(src) as checkpoint:
+        return _write_orbax(checkpoint, dst, options, nest=nest, label=label, started=started)
 
 
-def _write_orbax(checkpoint: Checkpoint, src: str | os.PathLike, dst: str | os.PathLike, *,
-                 started: float, block_bytes: int, nest: bool, metadata: Mapping[str, str] | None,
-                 progress: bool | None) -> ConvertStats:
-    target = epath.Path(os.path.abspath(os.fspath(dst)) if "://" not in os.fspath(dst)
-                        else os.fspath(dst))
+def _write_orbax(checkpoint: Checkpoint, dst: Location, options: StreamOptions, *, nest: bool,
+                 label: str, started: float) -> ConvertStats:
     names = sorted(checkpoint.tensors)
     for name in names:
         if 0 in checkpoint.tensors[name].shape:
             raise ValueError(f"tensor {name!r} has zero size, which Orbax cannot save")
-    report = Progress(f"convert {os.fspath(src)} -> {os.fspath(dst)}",
-                      sum(checkpoint.tensors[n].nbytes for n in names), enabled=progress).start()
-    leaves = [_StreamedTensor(n, checkpoint.tensors[n], checkpoint.storage, block_bytes, report)
-              for n in names]
+    report = Progress(label, sum(checkpoint.tensors[n].nbytes for n in names),
+                      enabled=options.progress).start()
+    blocks = CheckpointBlocks(checkpoint)
+    leaves = [_StreamedTensor(n, blocks, parse_size(options.block_bytes), report) for n in names]
     tree = nest_names(names, leaves) if nest else dict(zip(names, leaves))
     registry = type_handlers.create_type_handler_registry(
         (_StreamedTensor, _StreamedTensorHandler()))
-    custom = {**checkpoint.metadata, **(metadata or {})}
+    custom = {**checkpoint.metadata, **(options.metadata or {})}
     # Written beside the target and swapped in: a failure leaves an old checkpoint whole.
-    token = uuid.uuid4().hex[:12]
-    staged = target.parent / f".{target.name}.tmp-{token}"
-    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(type_handler_registry=registry)) as saver:
-        try:
-            saver.save(staged, args=ocp.args.PyTreeSave(tree, custom_metadata=custom or None))
-        except BaseException:
-            if staged.exists():
-                staged.rmtree()
-            raise
-    old = target.parent / f".{target.name}.old-{token}"
-    if target.exists():  # an Orbax checkpoint and nothing else, with overwrite: checked above
-        target.rename(old)
-    staged.rename(target)
-    if old.exists():
-        old.rmtree()
+    swap = DirectorySwap(dst, uuid.uuid4().hex[:12])
+    swap.acquire()
+    try:
+        def save(url: str) -> None:
+            with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(
+                    type_handler_registry=registry)) as saver:
+                saver.save(epath.Path(url),
+                           args=ocp.args.PyTreeSave(tree, custom_metadata=custom or None))
+        swap.replace(save)
+    finally:
+        swap.release()
     report.close()
     return ConvertStats(SAFETENSORS, ORBAX, len(names), report.done, 0,
                         time.perf_counter() - started)

@@ -18,10 +18,18 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from orbax_safetensors.engine import ReadOptions, load, metadata
-from orbax_safetensors.engine.save import SaveJob, check_tree, prepare_save
+from orbax_safetensors.engine import (
+    ReadOptions,
+    SaveJob,
+    SaveOptions,
+    check_tree,
+    load,
+    metadata,
+    prepare_save,
+)
 from orbax_safetensors.index import parse_size
 from orbax_safetensors.planning.mapping import Mapping as NameMapping
+from orbax_safetensors.storage import Location
 from orbax_safetensors.integrations.orbax_version import check_orbax_version
 
 check_orbax_version()  # before any Orbax import: a clear error instead of an odd one
@@ -87,11 +95,10 @@ def prepare_item_save(directory: Any, args: SafetensorsSave) -> SaveJob:
     attempt at the same step, whose temporary name it reuses), so nothing in
     it is looked at here.
     """
-    return prepare_save(_url(directory), args.item, layout=args.layout,
-                        max_shard_size=args.max_shard_size, metadata=args.metadata,
-                        overwrite=False, copy=True, new_directory=True,
-                        storage_options=args.storage_options, filesystem=args.filesystem,
-                        mapping=args.mapping)
+    return prepare_save(
+        Location.resolve(_url(directory), args.storage_options, args.filesystem), args.item,
+        SaveOptions(args.layout, args.max_shard_size, args.metadata, mapping=args.mapping),
+        copy=True, new_directory=True)
 
 
 def restore_item(directory: Any, args: SafetensorsRestore | None) -> Any:

@@ -34,9 +34,9 @@ import jax
 import numpy as np
 from orbax.checkpoint.experimental import v1 as ocp_v1
 
-from orbax_safetensors.engine import metadata
-from orbax_safetensors.engine.checkpoint_reader import open_checkpoint
+from orbax_safetensors.engine import metadata, open_checkpoint
 from orbax_safetensors.errors import SafetensorsError
+from orbax_safetensors.storage import Location
 from orbax_safetensors.integrations.orbax_items import (
     SafetensorsRestore,
     SafetensorsSave,
@@ -126,7 +126,7 @@ class SafetensorsLayout:
     async def validate_checkpointables(self, path: Any) -> None:
         """Raises ``InvalidLayoutError`` unless ``path`` opens as a committed safetensors checkpoint."""
         try:
-            await asyncio.to_thread(lambda: open_checkpoint(str(path)).close())
+            await asyncio.to_thread(lambda: open_checkpoint(Location.resolve(str(path))).close())
         except (SafetensorsError, OSError) as e:
             raise ocp_v1.errors.InvalidLayoutError(
                 f"{path} is not a safetensors checkpoint: {e}") from e

@@ -33,7 +33,7 @@ from collections.abc import Mapping as MappingABC
 import numpy as np
 
 from orbax_safetensors.planning.boxes import Box, box_shape, box_size, relative_slices
-from orbax_safetensors.planning.save_plan import TensorSpec
+from orbax_safetensors.planning.write_plan import TensorSpec
 
 Size = int | str  # a size in a split/merge: an int (-1: infer it) or a dimension name
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -295,7 +295,7 @@ class Transform:
             [tree_box[j:j + k]] if len(src) == len(tree) == 1
             else _contiguous_parts(tree_box[j:j + k], tree)
             for (src, tree), (_, _, j, k) in zip(self.groups, spans)]
-        pieces = []
+        stored = []
         for parts in itertools.product(*parts_per_group):
             sub_box = tuple(b for part in parts for b in part)
             sub = data[relative_slices(sub_box, tree_box)]
@@ -319,8 +319,8 @@ class Transform:
                     axis += len(b)
                 transposed = tuple(bounds for b, _ in chosen for bounds in b)
                 inverse = tuple(np.argsort(self.perm))
-                pieces.append((self._unpermute(transposed), np.ascontiguousarray(np.transpose(x, inverse))))
-        return pieces
+                stored.append((self._unpermute(transposed), np.ascontiguousarray(np.transpose(x, inverse))))
+        return stored
 
 
 def _flat_range(box: Box, shape: Sequence[int]) -> tuple[int, int]:

@@ -1,6 +1,11 @@
-"""What one process reads: regions per tensor, byte runs, coalesced ranged reads.
+"""What one process reads, decided before the first byte moves: the read plan.
 
-Three steps, all pure:
+Input: for every wanted tensor, the slices it is stored in (``TensorSource``:
+files, offsets, origins) and the boxes this process's devices hold; and a
+``ReadProfile`` (what a request costs on the storage, and the memory budget).
+Output: a ``ReadPlan`` -- batches of tensors that fit the budget, each with its
+ranged requests already coalesced and chunked. The engine executes it and
+never re-plans. Four steps, all pure:
 
 1. ``plan_regions``: a tensor's local device boxes (deduplicated: devices
    holding the same shard share one read) are merged into as few *regions* as
@@ -8,14 +13,15 @@ Three steps, all pure:
    once into one buffer and every device's shard is sliced from it in memory:
    a process whose four devices hold the four column blocks of a tensor reads
    whole rows (one contiguous run) instead of four strided sets.
-2. ``tensor_runs``: regions → byte runs (file offset, length) with the place
-   each run lands in its region's buffer.
-3. ``coalesce``: runs of one file → ranged reads. Adjacent runs always merge;
-   a gap is read through (and discarded) only when it is at most ``max_gap``
-   bytes and the read stays within ``max_overread`` × the bytes it delivers.
-   Reads are then cut into chunks of at most ``chunk_bytes`` so one big tensor
-   is fetched by parallel requests and no single buffer outgrows the
-   in-flight budget.
+2. ``plan_tensor_reads``: each shard is read straight into its own buffer
+   when its bytes are contiguous in the file (or it lies within one stored
+   slice), or through a bounce buffer in bounded row blocks when it is strided
+   (a column block) or spans several stored slices.
+3. ``box_runs``: boxes → byte runs (file offset, length) with the place each
+   run lands in its buffer.
+4. ``plan_reads``: tensors in file order, cut into batches under the memory
+   budget; each batch's direct runs coalesced per file across its tensors
+   (``transfers.coalesce``), each bounce read's runs on their own.
 """
 
 from __future__ import annotations
@@ -23,18 +29,61 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-import numpy as np
-
+from orbax_safetensors.format import DType, TensorInfo
 from orbax_safetensors.planning.boxes import (
     Box,
-    bounding_box,
+    box_shape,
     box_size,
+    bounding_box,
     byte_runs,
     full_box,
     intersect,
+    relative_slices,
 )
+from orbax_safetensors.planning.transfers import Runs, Transfers, coalesce
 
-GAP = -1  # Piece.target of bytes read only because they lie between two needed runs
+
+@dataclasses.dataclass(frozen=True)
+class StoredSlice:
+    """One stored part of a tensor: the whole of it (hf) or one slice (distributed, DCP).
+
+    ``offset`` is the absolute byte offset of its data in ``file``; ``origin``
+    is where it starts in the global tensor.
+    """
+
+    info: TensorInfo
+    file: str
+    offset: int
+    origin: tuple[int, ...]
+
+    @property
+    def box(self) -> Box:
+        return tuple((o, o + n) for o, n in zip(self.origin, self.info.shape))
+
+    def runs(self, box: Box, itemsize: int, target: int) -> Runs:
+        """The byte runs of ``box`` (global coordinates, inside this slice) in its file."""
+        relative = tuple((a - o, b - o) for (a, b), o in zip(box, self.origin))
+        return box_runs(relative, self.info.shape, itemsize, self.offset, target)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSource:
+    """A tensor of a checkpoint and the slices it is stored in."""
+
+    dtype: DType
+    shape: tuple[int, ...]
+    slices: tuple[StoredSlice, ...]
+
+    @property
+    def whole(self) -> StoredSlice | None:
+        """The single slice holding the entire tensor, if it is stored that way."""
+        if len(self.slices) == 1 and self.slices[0].info.shape == self.shape:
+            return self.slices[0]
+        return None
+
+    @property
+    def nbytes(self) -> int:
+        return self.dtype.nbytes(self.shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,53 +94,11 @@ class Region:
     members: tuple[Box, ...]
 
 
-@dataclasses.dataclass(frozen=True)
-class Piece:
-    """Part of a ranged read: ``length`` bytes for ``target`` at ``offset``."""
-
-    target: int
-    offset: int
-    length: int
-
-
-@dataclasses.dataclass(frozen=True)
-class ReadOp:
-    """One ranged read of ``length`` bytes at file ``offset``, scattered into pieces."""
-
-    offset: int
-    length: int
-    pieces: tuple[Piece, ...]
-
-    @property
-    def needed(self) -> int:
-        return sum(p.length for p in self.pieces if p.target != GAP)
-
-
-@dataclasses.dataclass(frozen=True)
-class Runs:
-    """Byte runs as parallel arrays (a strided shard can have millions)."""
-
-    offsets: np.ndarray
-    lengths: np.ndarray
-    targets: np.ndarray
-    target_offsets: np.ndarray
-
-    @staticmethod
-    def concatenate(parts: Sequence[Runs]) -> Runs:
-        if not parts:
-            empty = np.zeros(0, np.int64)
-            return Runs(empty, empty, empty, empty)
-        return Runs(*(np.concatenate([getattr(p, f.name) for p in parts])
-                      for f in dataclasses.fields(Runs)))
-
-
-def plan_regions(shape: Sequence[int], boxes: Sequence[Box], *, whole_tensor: bool = False) -> list[Region]:
-    """Regions covering ``boxes``; ``whole_tensor`` for dtypes packed below a byte."""
+def plan_regions(shape: Sequence[int], boxes: Sequence[Box]) -> list[Region]:
+    """Regions covering ``boxes``: one, when their union is a box they tile; else one each."""
     distinct = list(dict.fromkeys(boxes))
     if not distinct:
         return []
-    if whole_tensor:
-        return [Region(full_box(shape), tuple(distinct))]
     disjoint = all(
         intersect(a, b) is None for i, a in enumerate(distinct) for b in distinct[i + 1:])
     outer = bounding_box(distinct)
@@ -163,86 +170,219 @@ def read_once_boxes(nbytes: int, parts: int) -> list[Box]:
     return [((min(k * chunk, nbytes), min((k + 1) * chunk, nbytes)),) for k in range(parts)]
 
 
-def tensor_runs(
-    region: Region, shape: Sequence[int], itemsize: int, tensor_offset: int, target: int
-) -> Runs:
-    """The runs of one region, landing back to back in buffer ``target``."""
-    offsets, run_length = byte_runs(region.box, shape, itemsize)
-    count = len(offsets)
-    return Runs(
-        offsets + tensor_offset,
-        np.full(count, run_length, np.int64),
-        np.full(count, target, np.int64),
-        np.arange(count, dtype=np.int64) * run_length,
-    )
+def box_runs(box: Box, shape: Sequence[int], itemsize: int, base: int, target: int) -> Runs:
+    """The runs of ``box`` in a C-order tensor of ``shape`` whose data starts at file offset
+    ``base``, landing back to back in buffer ``target``."""
+    offsets, run_length = byte_runs(box, shape, itemsize)
+    return Runs.of(offsets + base, run_length, target)
 
 
-def coalesce(
-    runs: Runs, *, max_gap: int, max_overread: float, chunk_bytes: int
-) -> list[ReadOp]:
-    """Ranged reads that deliver every run, under the over-read and chunk bounds."""
-    if max_overread < 1.0:
-        raise ValueError(f"max_overread must be >= 1.0, got {max_overread}")
-    if chunk_bytes <= 0:
-        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
-    order = np.argsort(runs.offsets, kind="stable")
-    offsets, lengths = runs.offsets[order], runs.lengths[order]
-    targets, target_offsets = runs.targets[order], runs.target_offsets[order]
-    nonempty = lengths > 0
-    offsets, lengths = offsets[nonempty], lengths[nonempty]
-    targets, target_offsets = targets[nonempty], target_offsets[nonempty]
-    if len(offsets) == 0:
-        return []
-    # Vectorised first pass: runs that continue each other in the file *and*
-    # in their buffer become one piece (a shard's rows, when it holds full rows).
-    continues = np.zeros(len(offsets), bool)
-    continues[1:] = (
-        (offsets[1:] == offsets[:-1] + lengths[:-1])
-        & (targets[1:] == targets[:-1])
-        & (target_offsets[1:] == target_offsets[:-1] + lengths[:-1]))
-    starts = np.flatnonzero(~continues)
-    piece_offsets = offsets[starts]
-    piece_lengths = np.add.reduceat(lengths, starts)
-    piece_targets, piece_target_offsets = targets[starts], target_offsets[starts]
+@dataclasses.dataclass(frozen=True)
+class SliceRead:
+    """Read ``box`` (global coordinates) from stored slice ``slice``.
 
-    ops: list[ReadOp] = []
-    pieces: list[Piece] = []
-    op_start = op_end = needed = 0
-    for i in range(len(starts)):
-        offset, length = int(piece_offsets[i]), int(piece_lengths[i])
-        piece = Piece(int(piece_targets[i]), int(piece_target_offsets[i]), length)
-        if pieces:
-            gap = offset - op_end
-            if 0 <= gap <= max_gap and (offset + length - op_start) <= max_overread * (needed + length):
-                if gap:
-                    pieces.append(Piece(GAP, 0, gap))
-                pieces.append(piece)
-                op_end, needed = offset + length, needed + length
+    ``direct`` names the shard whose buffer the bytes land in, in order (the
+    box is that shard); without it the box goes through a bounce buffer and
+    every shard it intersects copies its part out.
+    """
+
+    slice: int
+    box: Box
+    direct: Box | None
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorReads:
+    """What one tensor needs read: a host buffer per shard box, and the reads that fill them.
+
+    ``shards`` are boxes over ``shape`` with ``itemsize``-byte elements (the
+    tensor's own, or for packed dtypes and read-once parts its raw bytes, with
+    ``byte_space``: then boxes index the bytes of the single whole slice).
+    ``needed`` counts the bytes of the shards this process's devices hold.
+    """
+
+    slices: tuple[StoredSlice, ...]
+    shape: tuple[int, ...]
+    itemsize: int
+    shards: tuple[Box, ...]
+    reads: tuple[SliceRead, ...]
+    needed: int
+    read_once: bool = False
+    byte_space: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        """Host buffer bytes: every shard's."""
+        return sum(box_size(b) for b in self.shards) * self.itemsize
+
+    def runs(self, read: SliceRead, target: int) -> Runs:
+        """The byte runs of ``read`` in its slice's file, landing in buffer ``target``."""
+        stored = self.slices[read.slice]
+        if self.byte_space:
+            return box_runs(read.box, self.shape, self.itemsize, stored.offset, target)
+        return stored.runs(read.box, self.itemsize, target)
+
+
+def plan_tensor_reads(source: TensorSource, shards: Sequence[Box], needed: int,
+                      bounce_bytes: int) -> TensorReads:
+    """Reads that fill ``shards`` (boxes of the tensor) from the source's slices.
+
+    A whole stored tensor goes through region planning (shards that together
+    form a box are read once, contiguously). For slices, each shard is read
+    directly from the slice holding all of it, or assembled through bounce
+    blocks from every slice it intersects.
+    """
+    itemsize = source.dtype.bits // 8
+    shards = tuple(shards)
+    if source.whole is not None:
+        reads = tuple(
+            SliceRead(0, read.box, read.direct)
+            for region in plan_regions(source.shape, shards)
+            for read in plan_region_reads(region, source.shape, itemsize, bounce_bytes))
+        return TensorReads(source.slices, source.shape, itemsize, shards, reads, needed)
+    reads = []
+    for shard in shards:
+        for k, stored in enumerate(source.slices):
+            part = intersect(shard, stored.box)
+            if part is None:
                 continue
-            ops.extend(_split(ReadOp(op_start, op_end - op_start, tuple(pieces)), chunk_bytes))
-        pieces, op_start, op_end, needed = [piece], offset, offset + length, length
-    ops.extend(_split(ReadOp(op_start, op_end - op_start, tuple(pieces)), chunk_bytes))
-    return ops
+            if part == shard:
+                reads.append(SliceRead(k, shard, shard))
+                continue
+            relative = tuple((a - o, b - o) for (a, b), o in zip(part, stored.origin))
+            for block in row_blocks(relative, itemsize, bounce_bytes):
+                box = tuple((a + o, b + o) for (a, b), o in zip(block, stored.origin))
+                reads.append(SliceRead(k, box, None))
+    return TensorReads(source.slices, source.shape, itemsize, shards, tuple(reads), needed)
 
 
-def _split(op: ReadOp, chunk_bytes: int) -> list[ReadOp]:
-    """Cuts a read into chunks of at most ``chunk_bytes``, splitting pieces as needed."""
-    if op.length <= chunk_bytes:
-        return [op]
-    chunks: list[ReadOp] = []
-    current: list[Piece] = []
-    chunk_start = position = op.offset
-    for piece in op.pieces:
-        done = 0
-        while done < piece.length:
-            room = chunk_bytes - (position - chunk_start)
-            take = min(room, piece.length - done)
-            current.append(Piece(piece.target, piece.offset + done if piece.target != GAP else 0, take))
-            done += take
-            position += take
-            if position - chunk_start == chunk_bytes:
-                chunks.append(ReadOp(chunk_start, chunk_bytes, tuple(current)))
-                current, chunk_start = [], position
-    if current:
-        chunks.append(ReadOp(chunk_start, position - chunk_start, tuple(current)))
-    return chunks
+def plan_byte_reads(stored: StoredSlice, boxes: Sequence[Box], needed: int, *,
+                    read_once: bool = False) -> TensorReads:
+    """Reads of byte ranges ``boxes`` of one whole slice, each straight into its own buffer
+    (packed dtypes, read whole; read-once parts of a replicated tensor)."""
+    boxes = tuple(boxes)
+    return TensorReads((stored,), (stored.info.nbytes,), 1, boxes,
+                       tuple(SliceRead(0, b, b) for b in boxes), needed, read_once, byte_space=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadProfile:
+    """How a plan cuts its requests and batches (see ``ost.ReadOptions``)."""
+
+    chunk_bytes: int
+    max_gap: int
+    max_overread: float
+    memory_budget: int
+
+
+@dataclasses.dataclass(frozen=True)
+class BounceRead:
+    """``box`` of tensor ``tensor`` read into a bounce buffer of ``nbytes`` (``transfers``
+    target buffer 0), then cut into its shards: ``copies`` are ``(shard, slices into the
+    shard, slices of the bounce buffer)``, over arrays of the boxes' shapes."""
+
+    tensor: int
+    box: Box
+    nbytes: int
+    file: str
+    transfers: Transfers
+    copies: tuple[tuple[int, tuple[slice, ...], tuple[slice, ...]], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """Tensors whose host buffers are alive together, under the memory budget.
+
+    ``transfers`` are the direct reads of all of them, per file; a segment's
+    target numbers the batch's buffers in order (each tensor's shards in turn).
+    """
+
+    tensors: tuple[int, ...]
+    nbytes: int
+    transfers: tuple[tuple[str, Transfers], ...]
+    bounced: tuple[BounceRead, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadPlan:
+    """Everything one process reads, batch by batch, in file order."""
+
+    tensors: tuple[TensorReads, ...]
+    batches: tuple[Batch, ...]
+
+    @property
+    def files(self) -> set[str]:
+        return {t.slices[r.slice].file for t in self.tensors for r in t.reads}
+
+
+def plan_reads(tensors: Sequence[TensorReads], profile: ReadProfile) -> ReadPlan:
+    """Batches of ``tensors`` in file order, each at most half the budget (so the next batch
+    is read while the last one is finished), with every request coalesced and chunked."""
+    tensors = tuple(tensors)
+    order = sorted(range(len(tensors)),
+                   key=lambda i: (tensors[i].slices[0].file, tensors[i].slices[0].offset))
+    limit = max(profile.memory_budget // 2, 1)
+    groups: list[list[int]] = []
+    size = 0
+    for i in order:
+        if not groups or size + tensors[i].nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += tensors[i].nbytes
+    return ReadPlan(tensors, tuple(_batch(tensors, group, profile) for group in groups))
+
+
+def _batch(tensors: Sequence[TensorReads], group: list[int], profile: ReadProfile) -> Batch:
+    def cut(runs: Runs) -> Transfers:
+        return coalesce(runs, max_gap=profile.max_gap, max_overread=profile.max_overread,
+                        chunk_bytes=profile.chunk_bytes)
+
+    runs_by_file: dict[str, list[Runs]] = {}
+    bounced = []
+    first_buffer = 0
+    for i in group:
+        tensor = tensors[i]
+        shard_index = {box: k for k, box in enumerate(tensor.shards)}
+        for read in tensor.reads:
+            file = tensor.slices[read.slice].file
+            if read.direct is not None:
+                runs_by_file.setdefault(file, []).append(
+                    tensor.runs(read, first_buffer + shard_index[read.direct]))
+                continue
+            copies = tuple(
+                (k, relative_slices(part, shard), relative_slices(part, read.box))
+                for k, shard in enumerate(tensor.shards)
+                for part in [intersect(read.box, shard)] if part is not None)
+            bounced.append(BounceRead(i, read.box, box_size(read.box) * tensor.itemsize, file,
+                                      cut(tensor.runs(read, 0)), copies))
+        first_buffer += len(tensor.shards)
+    transfers = tuple((file, cut(Runs.concatenate(runs))) for file, runs in runs_by_file.items())
+    return Batch(tuple(group), sum(tensors[i].nbytes for i in group), transfers, tuple(bounced))
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockPart:
+    """The part of a row block one stored slice holds: ``transfers`` read it (into buffer 0,
+    of ``shape``), and it lands at ``into`` of the block."""
+
+    file: str
+    shape: tuple[int, ...]
+    transfers: Transfers
+    into: tuple[slice, ...]
+
+
+def plan_block(source: TensorSource, block: Box) -> list[BlockPart]:
+    """Reads of one row block of a tensor, from every stored slice it intersects, each part
+    read exactly (no gaps, no chunking: a block is already bounded)."""
+    itemsize = source.dtype.bits // 8
+    parts = []
+    for stored in source.slices:
+        part = intersect(block, stored.box)
+        if part is None:
+            continue
+        transfers = coalesce(stored.runs(part, itemsize, 0), max_gap=0, max_overread=1.0,
+                             chunk_bytes=1 << 62)
+        parts.append(BlockPart(stored.file, box_shape(part), transfers,
+                               relative_slices(part, block)))
+    return parts

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import concurrent.futures
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import BinaryIO
@@ -18,8 +19,37 @@ _LOG = logging.getLogger("orbax_safetensors")
 _DISCARD_THREADS = 8
 
 
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do, declared once: the engine picks its write strategy and the
+    commit picks its protocol from these, never from the backend's type.
+
+    Attributes:
+      offset_writes: several processes may fill one file at offsets (``create_sized``,
+        ``write_at``): local disks and NFS.
+      cheap_rename: ``rename`` is a metadata operation, not a copy of the bytes (object
+        stores copy), so files can be staged under temporary names and swapped in.
+      server_side_merge: ``merge`` concatenates parts without moving their bytes through
+        this process (GCS compose, S3 multipart copy).
+      pins_versions: a ``snapshot``'s reads of a file all see the version its first read
+        saw (locally: one open descriptor); elsewhere a reader checks ``unchanged``.
+      chunk_bytes: the largest single read worth making; bigger runs become parallel reads.
+      max_gap: bytes between two needed runs worth reading through rather than
+        splitting the read (what one more request costs, in bytes).
+    """
+
+    offset_writes: bool = False
+    cheap_rename: bool = True
+    server_side_merge: bool = False
+    pins_versions: bool = False
+    chunk_bytes: int = 32 << 20
+    max_gap: int = 0
+
+
 class Storage(abc.ABC):
     """Byte-level access to one filesystem. Paths are in the backend's own form."""
+
+    capabilities: Capabilities = Capabilities()
 
     @abc.abstractmethod
     def join(self, directory: str, name: str) -> str:
@@ -47,21 +77,9 @@ class Storage(abc.ABC):
         allows. Raises EOFError if the file ends first.
         """
 
-    default_max_gap: int = 0
-    """Bytes between two needed runs worth reading through rather than splitting the read."""
-
-    default_chunk_bytes: int = 32 << 20
-    """The largest single read: bigger runs become parallel reads of this size."""
-
     @abc.abstractmethod
     def write(self, path: str, chunks: Iterable[memoryview | bytes]) -> None:
         """Writes a whole new file from ``chunks``, streaming, durable on return."""
-
-    cheap_rename: bool = True
-    """Whether ``rename`` is a metadata operation (not a copy of the bytes)."""
-
-    supports_offset_writes: bool = False
-    """Whether several processes may fill one file at offsets (``create_sized``, ``write_at``)."""
 
     def create_sized(self, path: str, size: int, head: bytes) -> None:
         """Creates ``path`` with ``head`` at offset 0 and its final ``size``."""
@@ -97,6 +115,12 @@ class Storage(abc.ABC):
     def listdir(self, path: str) -> list[str]:
         """Names (not paths) of the entries of a directory."""
 
+    def list_versions(self, path: str) -> dict[str, str]:
+        """The entries of a directory, each with what identifies its current version (locally
+        the inode, on object stores the ETag or generation): a name whose file was replaced,
+        however many times, shows another version. This default knows names only."""
+        return dict.fromkeys(self.listdir(path), "")
+
     @abc.abstractmethod
     def makedirs(self, path: str) -> None: ...
 
@@ -115,6 +139,18 @@ class Storage(abc.ABC):
     def remove(self, path: str) -> None:
         """Deletes a file; a missing file is not an error."""
 
+    @abc.abstractmethod
+    def remove_tree(self, path: str) -> None:
+        """Deletes a directory and everything in it (only ever one we wrote)."""
+
+    @abc.abstractmethod
+    def rename_tree(self, source: str, destination: str) -> None:
+        """Moves a directory to a name that does not exist (a copy on object stores)."""
+
+    def url(self, path: str) -> str:
+        """``path`` as a URL other libraries (Orbax, TensorStore) open: itself, locally."""
+        return path
+
     def snapshot(self) -> Storage:
         """A view of this storage whose reads of each file all see one version of it.
 
@@ -125,10 +161,6 @@ class Storage(abc.ABC):
         Backends that cannot pin a version return themselves.
         """
         return self
-
-    pins_versions: bool = False
-    """Whether a snapshot's reads all see the version of a file its first read saw (locally:
-    one open descriptor). Where not, a reader checks ``unchanged`` after reading."""
 
     def unchanged(self, relocate: Callable[[str], str | None] = lambda path: path) -> bool:
         """On a snapshot: whether every file read through it is still there, at the path
@@ -149,8 +181,8 @@ class Storage(abc.ABC):
 
         Returns the release function. Raises ``CheckpointBusyError`` naming the
         current holder when another live writer has it; a dead holder's lock is
-        free again. Backends without a way to lock (object stores, for now)
-        return a no-op: there, one writer per location is the caller's to keep.
+        free again. This default, for a backend with no way to lock, is a no-op:
+        there, one writer per location is the caller's to keep.
         """
         return lambda: None
 

@@ -2,7 +2,7 @@
 
 The one place that knows temporary names, the order of uncommit and commit,
 the lock against a second writer, rollback and cleanup. Two strategies,
-chosen once from what the backend can do (``Storage.cheap_rename``):
+chosen once from what the backend declares (``Capabilities.cheap_rename``):
 
 * ``StagedCommit`` -- renames are metadata (local disks, NFS, ``memory://``).
   Every file is written under a temporary name. The commit writes a journal
@@ -42,6 +42,7 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 
 from orbax_safetensors.index import DISTRIBUTED_INDEX_NAME, INDEX_NAME
 from orbax_safetensors.storage.base import Storage
+from orbax_safetensors.storage.location import Location
 
 _LOG = logging.getLogger("orbax_safetensors")
 
@@ -97,13 +98,20 @@ class DirectoryView:
 
     ``names`` are the entries to consider (hidden ones excluded); ``moved``
     maps a name to the backup it is read from while a commit is in progress;
-    ``listing`` is everything the directory held. Two views compare equal when a
-    reader resolving names through either opens the same files.
+    ``listing`` is every entry the directory held, with its version. Two views
+    compare equal only when a reader resolving names through either opens the
+    same files: a commit that ran to completion in between leaves the same
+    names but other versions.
     """
 
     names: frozenset[str]
     moved: tuple[tuple[str, str], ...] = ()
-    listing: frozenset[str] = frozenset()
+    listing: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def entries(self) -> frozenset[str]:
+        """Every name the directory held, hidden ones included."""
+        return frozenset(name for name, _ in self.listing)
 
     def path(self, storage: Storage, directory: str, name: str) -> str:
         return storage.join(directory, dict(self.moved).get(name, name))
@@ -130,16 +138,17 @@ def read_view(storage: Storage, directory: str) -> DirectoryView:
     writer left them (moved to backups, or not yet).
     """
     for _ in range(_VIEW_ATTEMPTS):
-        listing = frozenset(storage.listdir(directory))
-        journals = sorted(n for n in listing if _JOURNAL.match(n))
+        versions = storage.list_versions(directory)
+        listing = tuple(sorted(versions.items()))
+        journals = sorted(n for n in versions if _JOURNAL.match(n))
         if not journals:
-            return DirectoryView(frozenset(n for n in listing if not n.startswith(".")), (), listing)
+            return DirectoryView(frozenset(n for n in versions if not n.startswith(".")), (), listing)
         try:
             journal = _read_journal(storage, storage.join(directory, journals[0]))
         except FileNotFoundError:
             continue  # the commit completed between the listing and the read: look again
         moved = tuple(sorted((n, backup_name(n, journal.token)) for n in journal.old
-                             if backup_name(n, journal.token) in listing))
+                             if backup_name(n, journal.token) in versions))
         return DirectoryView(frozenset(journal.old), moved, listing)
     raise OSError(f"{directory}: commits kept completing while its listing was read")
 
@@ -168,29 +177,56 @@ def holder_description() -> str:
     return f"pid {os.getpid()} on {socket.gethostname()}, thread {threading.current_thread().name}"
 
 
+class _WriterLock:
+    """The lock of one location (a file beside what it guards), while this writer holds it."""
+
+    def __init__(self, storage: Storage, path: str):
+        self.storage, self.path = storage, path
+        self._release: Callable[[], None] | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._release is not None
+
+    def take(self, then: Callable[[], None]) -> None:
+        """Takes the lock (fails fast naming the holder), then runs ``then`` -- the clean-up of
+        what dead writers left, which only the holder may do -- releasing the lock if it fails."""
+        self._release = self.storage.lock(self.path, holder_description())
+        try:
+            then()
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+
 class Commit:
     """One save's commit protocol over one location (a directory, or one file in a directory).
 
     ``old`` are the names of what is there now (the committed checkpoint and
-    checkpoint files left beside it), replaced by the commit; ``single_file``
-    the file name when the location is one file in a directory shared with
-    other files.
+    checkpoint files left beside it), replaced by the commit. A single-file
+    location shares its directory with other files: only that file's own
+    temporaries and lock are ever touched.
     """
 
-    def __init__(self, storage: Storage, directory: str, token: str, old: Collection[str],
-                 single_file: str | None = None):
-        self.storage = storage
-        self.directory = directory
+    def __init__(self, location: Location, token: str, old: Collection[str]):
+        self.location = location
+        self.storage = location.storage
+        self.directory = location.directory
+        self.single_file = location.file_name
         self.token = token
         self.old = frozenset(old)
-        self.single_file = single_file
-        self._release: Callable[[], None] | None = None
+        self._lock = _WriterLock(self.storage, self.path(lock_name(self.single_file)))
 
     @staticmethod
-    def for_storage(storage: Storage, directory: str, token: str, old: Collection[str],
-                    single_file: str | None = None) -> Commit:
-        strategy = StagedCommit if storage.cheap_rename else DirectCommit
-        return strategy(storage, directory, token, old, single_file)
+    def for_location(location: Location, token: str, old: Collection[str]) -> Commit:
+        """The strategy the backend's capabilities call for, chosen here and nowhere else."""
+        strategy = StagedCommit if location.storage.capabilities.cheap_rename else DirectCommit
+        return strategy(location, token, old)
 
     def path(self, name: str) -> str:
         return self.storage.join(self.directory, name)
@@ -207,18 +243,10 @@ class Commit:
         """Takes the location's lock (fails fast naming the holder) and rolls back a commit a
         dead writer left half done: from here on every temporary there is ours to remove."""
         self.storage.makedirs(self.directory)
-        self._release = self.storage.lock(self.path(lock_name(self.single_file)),
-                                          holder_description())
-        try:
-            self._recover()
-        except BaseException:
-            self.release()
-            raise
+        self._lock.take(self._recover)
 
     def release(self) -> None:
-        release, self._release = self._release, None
-        if release is not None:
-            release()
+        self._lock.release()
 
     def _recover(self) -> None:
         """Rolls back commits a dead writer left half done."""
@@ -265,7 +293,7 @@ class StagedCommit(Commit):
                 self._roll_back(_read_journal(self.storage, self.path(name)))
 
     def clear_leftovers(self) -> None:
-        if self._release is None:
+        if not self._lock.held:
             return  # only the lock's holder knows no live writer owns them
         for path in self._leftovers(self.storage.listdir(self.directory)):
             self.storage.remove(path)
@@ -385,3 +413,66 @@ class DirectCommit(Commit):
         names anything: remove ours and the marker, so nothing half-written remains."""
         self.storage.discard([self.path(n) for n in names] + self._leftovers(
             n for n in self.storage.listdir(self.directory) if self.token in n))
+
+
+class DirectorySwap:
+    """Replaces a whole directory that another library writes (``convert``'s Orbax output),
+    where no file-level commit applies.
+
+    The new directory is written beside the old one under a temporary name;
+    then the old one moves to a backup name, the new one is renamed in, and the
+    backup is removed. A failure while writing removes the new directory and
+    leaves the old one. The lock is the entry's own (``.NAME.lock`` beside it),
+    held from before the write until after the swap, and whoever takes it next
+    puts back an old directory a dead writer left under its backup name (a
+    crash between the two renames) and removes what else dead writers left.
+    """
+
+    def __init__(self, location: Location, token: str):
+        self.storage = location.storage
+        self.target = location.path
+        self.parent, self.name = self.storage.split(location.path)
+        self.staged = self.storage.join(self.parent, temporary_name(self.name, token))
+        self.backup = self.storage.join(self.parent, backup_name(self.name, token))
+        self._lock = _WriterLock(self.storage, self.storage.join(self.parent, lock_name(self.name)))
+
+    def acquire(self) -> None:
+        self.storage.makedirs(self.parent)
+        self._lock.take(self._recover)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def _recover(self) -> None:
+        for entry in sorted(self.storage.listdir(self.parent)):
+            path = self.storage.join(self.parent, entry)
+            if entry == lock_name(self.name) or not is_transient(entry, self.name):
+                continue
+            if original_name(entry) == self.name and not self.storage.exists(self.target):
+                self.storage.rename_tree(path, self.target)  # a dead writer's old directory
+            else:
+                self.storage.remove_tree(path)
+
+    def replace(self, write: Callable[[str], None]) -> None:
+        """``write(url)`` creates the new directory at ``url``; then it is swapped in."""
+        try:
+            write(self.storage.url(self.staged))
+        except BaseException:
+            if self.storage.exists(self.staged):
+                self.storage.remove_tree(self.staged)
+            raise
+        replacing = self.storage.exists(self.target)
+        if replacing:
+            self.storage.rename_tree(self.target, self.backup)
+        try:
+            self.storage.rename_tree(self.staged, self.target)
+        except BaseException:
+            if replacing:
+                self.storage.rename_tree(self.backup, self.target)
+            raise
+        if replacing:
+            try:
+                self.storage.remove_tree(self.backup)
+            except OSError as e:
+                _LOG.warning("replaced %s, but could not remove %s (the next conversion "
+                             "will): %s", self.target, self.backup, e)

@@ -21,7 +21,7 @@ import fsspec
 
 from orbax_safetensors.errors import CheckpointBusyError
 from orbax_safetensors.storage import retry
-from orbax_safetensors.storage.base import Storage
+from orbax_safetensors.storage.base import Capabilities, Storage
 
 T = TypeVar("T")
 
@@ -33,12 +33,11 @@ _LOCK_STALE = 120.0  # a lock not rewritten for this long belongs to a dead writ
 _LOG = logging.getLogger("orbax_safetensors")
 
 
-class FsspecStorage(Storage):
+_OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
+_MERGING_STORES = frozenset({"s3", "s3a", "gs", "gcs"})  # server-side compose / multipart copy
 
-    default_max_gap = 1 << 20  # a request costs milliseconds; a MiB of transfer about as much
-    # One connection of an object store streams tens of MB/s; its throughput comes from
-    # many requests in flight, so a big tensor is cut into more, smaller ranged GETs.
-    default_chunk_bytes = 8 << 20
+
+class FsspecStorage(Storage):
 
     def __init__(self, fs: fsspec.AbstractFileSystem, retries: retry.RetryPolicy = retry.RetryPolicy()):
         self.fs = fs
@@ -50,14 +49,13 @@ class FsspecStorage(Storage):
         # before a forget fills the generation it started with, which is dropped.
         self._listed: tuple[dict[str, int], set[str]] = ({}, set())
         self._versions: dict[str, tuple] = {}  # what identifies the object each listing saw
-        protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
-        self.cheap_rename = not protocols & {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"}
+        self.capabilities = _capabilities(fs)
 
-    def _url(self, path: str) -> str:
+    def url(self, path: str) -> str:
         return self.fs.unstrip_protocol(path)
 
     def _call(self, path: str, operation: str, fn: Callable[[], T]) -> T:
-        return retry.call(self.retries, self._url(path), operation, fn)
+        return retry.call(self.retries, self.url(path), operation, fn)
 
     def join(self, directory: str, name: str) -> str:
         return posixpath.join(directory, name)
@@ -113,7 +111,7 @@ class FsspecStorage(Storage):
         replayable = isinstance(chunks, Sequence)
         self._forget_listings()
         retry.call(self.retries if replayable else retry.RetryPolicy(attempts=1),
-                   self._url(path), "write", upload)
+                   self.url(path), "write", upload)
 
     def merge(self, destination: str, parts: Sequence[str], sizes: Sequence[int]) -> None:
         """Server-side concatenation where the store has it.
@@ -123,10 +121,10 @@ class FsspecStorage(Storage):
         but the last must hold at least 5 MiB: runs of smaller parts are
         joined first (through this process, the only bytes that are).
         """
-        protocols = {self.fs.protocol} if isinstance(self.fs.protocol, str) else set(self.fs.protocol)
+        protocols = _protocols(self.fs)
         if protocols & {"gs", "gcs"}:
             self._compose(destination, list(parts))
-        elif "s3" in protocols:
+        elif protocols & {"s3", "s3a"}:
             sources = self._s3_sources(destination, parts, sizes)
             self._merge_call(destination, sources)
             for joined in set(sources) - set(parts):
@@ -238,19 +236,25 @@ class FsspecStorage(Storage):
         return bool(self._call(path, "isdir", lambda: self.fs.isdir(path)))
 
     def listdir(self, path: str) -> list[str]:
+        return list(self.list_versions(path))
+
+    def list_versions(self, path: str) -> dict[str, str]:
         # A listing must not come from a cache filled before another process wrote.
         self.fs.invalidate_cache(path)
         sizes, dirs = self._listed
         listed = self._call(path, "list", lambda: self.fs.ls(path, detail=True))
+        versions = {}
         for entry in listed:
             name = entry["name"].rstrip("/")
             if entry.get("type") == "directory":
                 dirs.add(name)
+                versions[posixpath.basename(name)] = "directory"
             else:
                 sizes[name] = int(entry["size"])
                 self._versions[name] = _version(entry)
+                versions[posixpath.basename(name)] = repr(self._versions[name])
         dirs.add(path)
-        return [posixpath.basename(entry["name"].rstrip("/")) for entry in listed]
+        return versions
 
     def makedirs(self, path: str) -> None:
         self._forget_listings()
@@ -263,12 +267,37 @@ class FsspecStorage(Storage):
     def remove(self, path: str) -> None:
         self._call(path, "remove", lambda: self.remove_once(path))
 
+    def remove_tree(self, path: str) -> None:
+        self._forget_listings()
+        self._call(path, "remove tree", lambda: self.fs.rm(path, recursive=True))
+
+    def rename_tree(self, source: str, destination: str) -> None:
+        self._forget_listings()
+        self._call(source, f"rename to {destination}",
+                   lambda: self.fs.mv(source, destination, recursive=True))
+
     def remove_once(self, path: str) -> None:
         self._forget_listings()
         try:
             self.fs.rm(path)
         except FileNotFoundError:
             pass  # already gone, maybe by an earlier attempt whose answer was lost
+
+
+def _protocols(fs: fsspec.AbstractFileSystem) -> set[str]:
+    return {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+
+
+def _capabilities(fs: fsspec.AbstractFileSystem) -> Capabilities:
+    """Object stores copy on rename and merge server-side; a request to one costs
+    milliseconds (a MiB of transfer about as much, so gaps that small are read through),
+    and one connection streams tens of MB/s, so a big tensor is cut into more, smaller
+    ranged GETs that run in parallel. Other fsspec filesystems (``memory://``) rename
+    cheaply and have neither."""
+    protocols = _protocols(fs)
+    return Capabilities(offset_writes=False, cheap_rename=not protocols & _OBJECT_STORES,
+                        server_side_merge=bool(protocols & _MERGING_STORES),
+                        pins_versions=False, chunk_bytes=8 << 20, max_gap=1 << 20)
 
 
 def _version(entry: dict) -> tuple:
@@ -289,8 +318,7 @@ class FsspecSnapshot(FsspecStorage):
 
     def __init__(self, storage: FsspecStorage):
         super().__init__(storage.fs, storage.retries)
-        self._listed, self._versions, self.cheap_rename = (
-            storage._listed, storage._versions, storage.cheap_rename)
+        self._listed, self._versions = storage._listed, storage._versions
         self._seen: dict[str, tuple | None] = {}
 
     def _remember(self, path: str) -> None:

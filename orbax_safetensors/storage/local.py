@@ -12,16 +12,18 @@ are ever opened for reading: a FIFO named like a shard would block an
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import os
+import shutil
 import stat
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import BinaryIO
 
 from orbax_safetensors.errors import CheckpointBusyError, SafetensorsError
-from orbax_safetensors.storage.base import Storage
+from orbax_safetensors.storage.base import Capabilities, Storage
 
 
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
@@ -59,7 +61,9 @@ def _open_regular(path: str) -> int:
 
 class LocalStorage(Storage):
 
-    default_max_gap = 16 << 10  # a page-cache copy of 16 KiB costs about one syscall
+    # A page-cache copy of 16 KiB costs about one syscall; renames are metadata; every
+    # process of a save can write its ranges into one shared file.
+    capabilities = Capabilities(offset_writes=True, cheap_rename=True, max_gap=16 << 10)
 
     def join(self, directory: str, name: str) -> str:
         return os.path.join(directory, name)
@@ -98,8 +102,6 @@ class LocalStorage(Storage):
                 os.fsync(fd)
         finally:
             os.close(fd)
-
-    supports_offset_writes = True
 
     def create_sized(self, path: str, size: int, head: bytes) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
@@ -140,6 +142,11 @@ class LocalStorage(Storage):
     def listdir(self, path: str) -> list[str]:
         return os.listdir(path)
 
+    def list_versions(self, path: str) -> dict[str, str]:
+        """Inodes, free from ``scandir``: a rename over a name brings another inode."""
+        with os.scandir(path) as entries:
+            return {entry.name: str(entry.inode()) for entry in entries}
+
     def makedirs(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)
 
@@ -156,6 +163,13 @@ class LocalStorage(Storage):
             os.remove(path)
         except FileNotFoundError:
             pass
+
+    def remove_tree(self, path: str) -> None:
+        shutil.rmtree(path)
+
+    def rename_tree(self, source: str, destination: str) -> None:
+        os.rename(source, destination)
+        self.sync_directory(os.path.dirname(destination) or ".")
 
     def snapshot(self) -> LocalSnapshot:
         return LocalSnapshot()
@@ -204,7 +218,7 @@ class LocalSnapshot(LocalStorage):
     names it resolved still point at what it opened.
     """
 
-    pins_versions = True
+    capabilities = dataclasses.replace(LocalStorage.capabilities, pins_versions=True)
 
     def __init__(self):
         self._open: dict[str, tuple[int, tuple[int, int, int, int]]] = {}

@@ -1,8 +1,11 @@
-"""Which tensor goes to which file, at which offset: the hf layout, computed purely.
+"""What a save writes where, decided before the first byte moves: the write plan.
 
-Every process of a multi-process save must reach the same answer without
-talking to the others, so the plan depends only on names, dtypes and shapes
-(in the caller's order) and the options, never on devices or timing.
+Which tensor goes to which file at which offset (the hf layout, or one
+process's files of the distributed layout), and which byte ranges of those
+files this process owns. Every process of a multi-process save must reach the
+same file plan without talking to the others, so it depends only on names,
+dtypes and shapes (in the caller's order) and the options, never on devices
+or timing.
 """
 
 from __future__ import annotations
@@ -21,9 +24,9 @@ from orbax_safetensors.index import (
     serialize_index,
     shard_file_name,
 )
-from orbax_safetensors.index.hf_index import SINGLE_FILE_NAME
+from orbax_safetensors.index.hf_index import INDEX_NAME, SINGLE_FILE_NAME
 from orbax_safetensors.planning.boxes import Box, byte_runs
-from orbax_safetensors.planning.read_plan import ReadOp, Runs, coalesce
+from orbax_safetensors.planning.transfers import Runs, Segment, Transfer, coalesce
 
 HF_METADATA = {"format": "pt"}  # transformers refuses files without it
 
@@ -57,9 +60,12 @@ class FilePlan:
 
 
 @dataclasses.dataclass(frozen=True)
-class SavePlan:
+class WritePlan:
+    """The files of a save and its index (``(name, bytes)``, put in place last by the commit;
+    ``None`` when one file holds everything)."""
+
     files: tuple[FilePlan, ...]
-    index: bytes | None  # None when one file holds everything
+    index: tuple[str, bytes] | None
 
 
 def plan_file(name: str, specs: Sequence[TensorSpec], metadata: Mapping[str, str]) -> FilePlan:
@@ -78,26 +84,26 @@ def plan_hf_checkpoint(
     *,
     max_shard_size: int | str,
     metadata: Mapping[str, str] | None = None,
-) -> SavePlan:
+) -> WritePlan:
     """Shards ``specs`` like transformers: one ``model.safetensors`` or indexed shards."""
     header_metadata = {**HF_METADATA, **(metadata or {})}
     by_name = {s.name: s for s in specs}
     groups = pack_shards([(s.name, s.nbytes) for s in specs], max_shard_size)
     if len(groups) == 1:
-        return SavePlan((plan_file(SINGLE_FILE_NAME, specs, header_metadata),), None)
+        return WritePlan((plan_file(SINGLE_FILE_NAME, specs, header_metadata),), None)
     files = tuple(
         plan_file(shard_file_name(i, len(groups)), [by_name[n] for n in group], header_metadata)
         for i, group in enumerate(groups)
     )
     weight_map = {t.name: f.name for f in files for t in f.tensors}
-    return SavePlan(files, serialize_index(weight_map, sum(s.nbytes for s in specs)))
+    return WritePlan(files, (INDEX_NAME, serialize_index(weight_map, sum(s.nbytes for s in specs))))
 
 
 def plan_single_file(
     name: str, specs: Sequence[TensorSpec], metadata: Mapping[str, str] | None = None
-) -> SavePlan:
+) -> WritePlan:
     """Everything in one named file, whatever its size (the caller asked for it)."""
-    return SavePlan((plan_file(name, specs, {**HF_METADATA, **(metadata or {})}),), None)
+    return WritePlan((plan_file(name, specs, {**HF_METADATA, **(metadata or {})}),), None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,10 +165,11 @@ def plan_distributed_files(
 
 
 def owned_ranges(files: Sequence[FilePlan], boxes: Sequence[tuple[str, Box]],
-                 chunk_bytes: int) -> list[tuple[str, ReadOp]]:
+                 chunk_bytes: int) -> list[tuple[str, Transfer]]:
     """Where the shards a process writes land: contiguous byte ranges per file, cut at
-    ``chunk_bytes``, each with the pieces that fill it in order (``Piece.target`` indexes
-    ``boxes``, ``Piece.offset`` is the byte offset within that shard's row-major bytes).
+    ``chunk_bytes``, each with the segments that fill it in order (``Segment.target``
+    indexes ``boxes``, ``Segment.offset`` is the byte offset within that shard's row-major
+    bytes).
 
     ``boxes`` are ``(tensor name, box)`` of the shards, in the tensor's global coordinates;
     a packed dtype (sub-byte values) can only be written whole.
@@ -176,10 +183,66 @@ def owned_ranges(files: Sequence[FilePlan], boxes: Sequence[tuple[str, Box]],
             offsets, length = np.zeros(1, np.int64), info.nbytes
         else:
             offsets, length = byte_runs(box, info.shape, info.dtype.bits // 8)
-        runs_by_file[file.name].append(Runs(
-            offsets + start, np.full(len(offsets), length, np.int64),
-            np.full(len(offsets), index, np.int64), np.arange(len(offsets)) * length))
-    return [(file_name, op)
+        runs_by_file[file.name].append(Runs.of(offsets + start, length, index))
+    return [(file_name, transfer)
             for file_name, runs in runs_by_file.items()
-            for op in coalesce(Runs.concatenate(runs), max_gap=0, max_overread=1.0,
-                               chunk_bytes=chunk_bytes)]
+            for transfer in coalesce(Runs.concatenate(runs), max_gap=0, max_overread=1.0,
+                                     chunk_bytes=chunk_bytes)]
+
+
+HEADER = -2  # Segment.target of a file's header bytes, which process 0 writes
+
+
+@dataclasses.dataclass(frozen=True)
+class Upload:
+    """One object a process uploads before the merge: ranges of one file, back to back.
+
+    ``ranges`` are ``(offset in the file, transfer)``; the object holds their
+    bytes in order, so range k sits at the sum of the earlier lengths. ``key``
+    (the first range's file offset) names the object.
+    """
+
+    file: str
+    key: int
+    ranges: tuple[Transfer, ...]
+
+    @property
+    def length(self) -> int:
+        return sum(r.length for r in self.ranges)
+
+
+def plan_uploads(ranges: Sequence[tuple[str, Transfer]], headers: Sequence[FilePlan] = (), *,
+                 max_objects_per_file: int, small_object: int) -> list[Upload]:
+    """Objects that carry a process's ranges (and, given ``headers``, those files' headers)
+    to an object store, where a server-side merge assembles each file from them.
+
+    A small range is joined to the range right after it (a header and the first
+    tensor bytes): one object fewer, and none too small to merge. A process
+    owning many small ranges of a file (strided shards) packs them all into one
+    object instead, read back in order at the merge.
+    """
+    by_file: dict[str, list[Transfer]] = collections.defaultdict(list)
+    for name, transfer in ranges:
+        by_file[name].append(transfer)
+    for file in headers:
+        by_file[file.name].append(Transfer.of(0, [Segment(HEADER, 0, len(file.header))]))
+    uploads = []
+    for name, transfers in by_file.items():
+        spans = _join_small_neighbours(sorted(transfers, key=lambda t: t.offset), small_object)
+        if len(spans) <= max_objects_per_file or \
+                sum(t.length for t in spans) >= len(spans) * small_object:
+            uploads += [Upload(name, t.offset, (t,)) for t in spans]
+        else:
+            uploads.append(Upload(name, spans[0].offset, tuple(spans)))
+    return uploads
+
+
+def _join_small_neighbours(transfers: list[Transfer], small: int) -> list[Transfer]:
+    joined: list[Transfer] = []
+    for transfer in transfers:
+        last = joined[-1] if joined else None
+        if last is not None and last.length < small and last.offset + last.length == transfer.offset:
+            joined[-1] = last.joined(transfer)
+        else:
+            joined.append(transfer)
+    return joined

@@ -1,0 +1,504 @@
+"""What checkpoint is at a location: the one place that answers it.
+
+``load``, ``metadata``, ``verify``, ``save``'s overwrite check, ``consolidate``
+and ``convert`` all ask here, so they never disagree about what a directory
+holds. A path ending in ``.safetensors`` is one file. A directory is
+recognised by its commit marker: ``orbax_safetensors.distributed.json`` (our
+distributed layout), else ``model.safetensors.index.json`` (HF shards; only
+the files the index names count), else ``model.safetensors``. A directory of
+torch DCP ``save_distributed`` files (``shard-*-model-*``) has no marker;
+their headers say where each slice sits. Shard files without their index are
+an interrupted save (the index is put in place last) and are reported as
+such rather than half-loaded. While a commit is in progress the old
+checkpoint is the one there (``commit.read_view``).
+
+Two questions at two costs. ``survey`` answers from the listing and the
+index alone: the layout, which files the committed checkpoint consists of,
+what else lies there (an older save's shards, our temporaries). ``read``
+adds every needed file's header: each tensor's dtype, shape and the slices it
+is stored in. Every check reports to ``Findings``: a load raises the first
+problem, ``verify`` collects them all, and only ``verify`` hears of what a
+reader tolerates (a tensor the index does not list, a stale ``total_size``).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+from orbax_safetensors.engine.executor import Executor
+from orbax_safetensors.errors import SafetensorsError
+from orbax_safetensors.format import PREFIX_SIZE, Header, header_size, parse_header
+from orbax_safetensors.index import (
+    DISTRIBUTED_INDEX_NAME,
+    INDEX_NAME,
+    SINGLE_FILE_NAME,
+    DistributedTensor,
+    HFIndex,
+    SliceEntry,
+    check_slices,
+    dcp_offsets,
+    is_distributed_file_name,
+    is_shard_file_name,
+    parse_distributed_index,
+    parse_index,
+)
+from orbax_safetensors.index.distributed_index import DCP_SHARDING_INFO, DCP_VERSION
+from orbax_safetensors.planning import StoredSlice, TensorSource
+from orbax_safetensors.storage import Location, Storage
+from orbax_safetensors.storage.commit import (
+    DirectoryView,
+    is_interrupted_direct_save,
+    is_transient,
+    lock_name,
+    read_view,
+)
+
+SINGLE_FILE = "single file"  # a location named *.safetensors
+HF_SINGLE = "hf single file"
+HF_SHARDED = "hf sharded"
+DISTRIBUTED = "distributed"
+TORCH_DCP = "torch dcp"
+UNKNOWN = "unknown"
+NOTHING = "nothing"  # no such file or directory
+
+_FIRST_READ = 1 << 16  # one request usually covers the whole header
+MAX_INDEX_SIZE = 1 << 30  # an index lists names and slices: megabytes even for huge models
+_HEADER_THREADS = 16
+_OPEN_ATTEMPTS = 50  # an overwrite commits in milliseconds; fifty looks span seconds
+_MISSING_ATTEMPTS = 3  # looks again at a named file that is missing under an unchanged view
+
+
+class Findings:
+    """Where checks report: ``raise`` the first problem (a load) or collect all (``verify``)."""
+
+    def __init__(self, *, collect: bool):
+        self.collect = collect
+        self.problems: list[tuple[str, str | None, str | None]] = []  # (message, file, tensor)
+
+    def problem(self, message: str, file: str | None = None, tensor: str | None = None) -> None:
+        """Something no reader can get past."""
+        if not self.collect:
+            raise SafetensorsError(message, file=file, tensor=tensor)
+        self.problems.append((message, file, tensor))
+
+    def tolerated(self, message: str, file: str | None = None, tensor: str | None = None) -> None:
+        """Something a reader gets past (the index decides), but a repair wants to hear of."""
+        if self.collect:
+            self.problems.append((message, file, tensor))
+
+    def attempt(self, check: Callable[[], Any]) -> Any:
+        """``check()``; when collecting, ``None`` with its ``SafetensorsError`` recorded."""
+        try:
+            return check()
+        except SafetensorsError as e:
+            if not self.collect:
+                raise
+            self.problems.append((e.reason, e.file, e.tensor))
+            return None
+
+
+class _Missing(SafetensorsError):
+    """A file the checkpoint names is not there: damage, or a commit that ran to completion
+    between the listing and the read (the reader looks again)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Survey:
+    """What is at a location, from its listing and its index (no headers read).
+
+    ``committed`` are the names of the committed checkpoint's files (its index
+    included); ``present`` every checkpoint-named file, committed or left over
+    (what an overwrite replaces); ``transient`` our temporaries, backups and
+    journals (not the lock of a live writer). ``index`` is the parsed index of
+    an ``HF_SHARDED`` (an ``HFIndex``) or ``DISTRIBUTED`` (tensors, metadata)
+    checkpoint, ``None`` if it has none or it did not parse.
+    """
+
+    location: Location
+    layout: str
+    view: DirectoryView
+    committed: frozenset[str] = frozenset()
+    present: frozenset[str] = frozenset()
+    transient: tuple[str, ...] = ()
+    index: Any = None
+
+    def path(self, name: str) -> str:
+        """Where the checkpoint's file ``name`` is read from (a backup while a commit is open)."""
+        return self.view.path(self.location.storage, self.location.directory, name)
+
+    @property
+    def leftovers(self) -> list[str]:
+        """Paths of files no reader of the committed checkpoint looks at."""
+        stray = sorted(self.present - self.committed) if self.committed else []
+        return [self.location.join(n) for n in stray + list(self.transient)]
+
+
+def survey(location: Location, findings: Findings, storage: Storage | None = None, *,
+           leftovers: bool = False, view: DirectoryView | None = None) -> Survey:
+    """The layout and files at ``location``; the index is read through ``storage`` (a
+    snapshot, for a load: the listing and a commit's journal are not pinned, the index is)
+    and problems go to ``findings``. A single file's temporaries are looked for only with
+    ``leftovers`` (its directory may be a whole bucket). ``view``: the directory's, already
+    read."""
+    storage = storage or location.storage
+    if location.is_single_file:
+        return _survey_file(location, leftovers)
+    try:
+        view = view or read_view(location.storage, location.path)
+    except FileNotFoundError:
+        return Survey(location, NOTHING, DirectoryView(frozenset()))
+    except NotADirectoryError:
+        findings.problem("is a file, not a checkpoint directory (a single-file checkpoint is "
+                         "named *.safetensors)", location.url)
+        return Survey(location, UNKNOWN, DirectoryView(frozenset()))
+    names = view.names
+    shards = {n for n in names if is_shard_file_name(n) or is_distributed_file_name(n)}
+    transient = tuple(sorted(n for n in view.entries if is_transient(n) and n != lock_name(None)))
+    found = Survey(location, UNKNOWN, view, present=frozenset(shards), transient=transient)
+    committed: set[str] = set()
+    index: Any = None
+    # Every marker present counts towards what an overwrite replaces; the first decides the layout.
+    if DISTRIBUTED_INDEX_NAME in names:
+        index = _parse(found, storage, findings, DISTRIBUTED_INDEX_NAME, parse_distributed_index)
+        committed |= {DISTRIBUTED_INDEX_NAME} | (
+            shards if index is None else {s.file for t in index[0].values() for s in t.slices})
+    if INDEX_NAME in names:
+        committed.add(INDEX_NAME)
+        if DISTRIBUTED_INDEX_NAME in names:  # not read: the distributed index decides the layout
+            committed |= shards
+        else:
+            index = _parse(found, storage, findings, INDEX_NAME, parse_index)
+            committed |= shards if index is None else set(index.files)
+    if SINGLE_FILE_NAME in names:
+        committed.add(SINGLE_FILE_NAME)
+    interrupted_direct = is_interrupted_direct_save(view.entries, DISTRIBUTED_INDEX_NAME)
+    if DISTRIBUTED_INDEX_NAME in names:
+        layout = DISTRIBUTED
+    elif INDEX_NAME in names:
+        layout = HF_SHARDED
+    elif SINGLE_FILE_NAME in names:
+        layout = HF_SINGLE
+    elif any(is_shard_file_name(n) for n in names):
+        layout = HF_SHARDED
+        findings.problem(f"holds shard files but no {INDEX_NAME}: an interrupted save? (the index "
+                         "is written last, so this checkpoint was never committed)", location.url)
+    elif shards and interrupted_direct:
+        layout = DISTRIBUTED
+        findings.problem(f"holds shard files and a temporary {DISTRIBUTED_INDEX_NAME} but not the "
+                         "index: an interrupted save (the index is put in place last, so this "
+                         "checkpoint was never committed)", location.url)
+    elif shards:
+        layout, committed = TORCH_DCP, set(shards)
+    else:
+        layout = UNKNOWN
+        findings.problem(f"no {INDEX_NAME}, {DISTRIBUTED_INDEX_NAME} or {SINGLE_FILE_NAME} in "
+                         "this directory", location.url)
+    return dataclasses.replace(found, layout=layout, committed=frozenset(committed),
+                               present=frozenset(shards | committed), index=index)
+
+
+def _survey_file(location: Location, leftovers: bool) -> Survey:
+    """One ``*.safetensors`` file in a directory that may hold other files of the user's: only
+    that file and its own temporaries are the checkpoint's."""
+    storage, name = location.storage, location.file_name
+    if not storage.exists(location.path):
+        return Survey(location, NOTHING, DirectoryView(frozenset()))
+    transient = tuple(sorted(n for n in storage.listdir(location.directory)
+                             if is_transient(n, name) and n != lock_name(name))) if leftovers else ()
+    return Survey(location, SINGLE_FILE, DirectoryView(frozenset({name})),
+                  frozenset({name}), frozenset({name}), transient)
+
+
+def _parse(found: Survey, storage: Storage, findings: Findings, name: str, parse) -> Any:
+    path = found.path(name)
+    return findings.attempt(lambda: parse(read_index(storage, path), file=path))
+
+
+def read_index(storage: Storage, path: str) -> bytes:
+    """An index file's bytes, refused past ``MAX_INDEX_SIZE`` before any is read."""
+    try:
+        size = storage.size(path)
+        if size > MAX_INDEX_SIZE:
+            raise SafetensorsError(
+                f"index is {size} bytes, over the {MAX_INDEX_SIZE}-byte limit", file=path)
+        return storage.read(path, 0, size)
+    except FileNotFoundError:
+        raise _Missing("file does not exist", file=path) from None
+
+
+def read_header(storage: Storage, path: str) -> Header:
+    """Reads and validates one file's header, in one request when it is small."""
+    try:
+        size = storage.size(path)
+        first = storage.read(path, 0, min(size, _FIRST_READ))
+    except FileNotFoundError:
+        raise _Missing("file does not exist", file=path) from None
+    except IsADirectoryError:
+        raise SafetensorsError("is a directory, not a safetensors file", file=path) from None
+    n = header_size(first, size, file=path)
+    raw = first[PREFIX_SIZE:PREFIX_SIZE + n]
+    if len(raw) < n:
+        raw += storage.read(path, len(first), PREFIX_SIZE + n - len(first))
+    return parse_header(raw, size, file=path)
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint's tensors and headers; ``storage`` reads its files (as one snapshot, when
+    opened by ``open_checkpoint``)."""
+
+    storage: Storage
+    survey: Survey
+    tensors: dict[str, TensorSource]
+    headers: dict[str, Header]  # file path → header, in file order (the valid ones)
+    index_metadata: dict[str, str] = dataclasses.field(default_factory=dict)
+    files: tuple[str, ...] = ()  # every file the checkpoint consists of, valid or not
+
+    def unchanged(self) -> bool:
+        """Whether every file read so far is still part of the committed checkpoint there."""
+        location = self.survey.location
+        if location.is_single_file:
+            return self.storage.unchanged()
+        try:
+            view = read_view(location.storage, location.path)
+        except OSError:
+            return False
+        return self.storage.unchanged(lambda p: view.relocate(location.storage, p))
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        """``__metadata__`` of all files merged (they agree in what we write)."""
+        merged: dict[str, str] = dict(self.index_metadata)
+        for header in self.headers.values():
+            for key, value in (header.metadata or {}).items():
+                if key not in (DCP_SHARDING_INFO, DCP_VERSION):
+                    merged.setdefault(key, value)
+        return merged
+
+    def close(self) -> None:
+        self.storage.close()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def read(found: Survey, storage: Storage, findings: Findings) -> Checkpoint:
+    """Every header the checkpoint ``found`` needs, checked, and its tensors' slices."""
+    reader = _Reader(found, storage, findings)
+    if found.layout == SINGLE_FILE:
+        return reader.whole_tensors([found.location.path], None)
+    if found.layout == HF_SINGLE:
+        return reader.whole_tensors([found.path(SINGLE_FILE_NAME)], None)
+    if found.layout == HF_SHARDED and found.index is not None:
+        return reader.hf_sharded(found.index)
+    if found.layout == DISTRIBUTED and found.index is not None:
+        return reader.distributed(*found.index)
+    if found.layout == TORCH_DCP:
+        return reader.torch_dcp()
+    return Checkpoint(storage, found, {}, {})  # what is wrong is already reported
+
+
+class _Reader:
+    """The header-level checks of one surveyed checkpoint."""
+
+    def __init__(self, found: Survey, storage: Storage, findings: Findings):
+        self.found, self.storage, self.findings = found, storage, findings
+        self.files: list[str] = []
+
+    def headers(self, files: list[str]) -> dict[str, Header]:
+        """The valid headers among ``files``, in order; each invalid or missing file is a problem."""
+        self.files = files
+        def attempt(file: str) -> Header | SafetensorsError:
+            try:
+                return read_header(self.storage, file)
+            except SafetensorsError as e:
+                return e
+        with Executor(min(_HEADER_THREADS, len(files)), name="orbax_safetensors-headers") as pool:
+            results = dict(zip(files, pool.map(attempt, files)))
+        valid = {}
+        for file, result in results.items():
+            if isinstance(result, SafetensorsError):
+                if not self.findings.collect:
+                    raise result
+                self.findings.problem(result.reason, result.file, result.tensor)
+            else:
+                valid[file] = result
+        return valid
+
+    def checkpoint(self, tensors: dict[str, TensorSource], headers: dict[str, Header],
+                   metadata: dict[str, str] | None = None) -> Checkpoint:
+        return Checkpoint(self.storage, self.found, tensors, headers, metadata or {},
+                          tuple(self.files))
+
+    def whole_tensors(self, files: list[str], weight_map: dict[str, str] | None) -> Checkpoint:
+        headers = self.headers(files)
+        tensors: dict[str, TensorSource] = {}
+        for file, header in headers.items():
+            for name, info in header.tensors.items():
+                if weight_map is not None and weight_map.get(name) != file:
+                    continue  # the index decides which file's copy is the tensor
+                stored = StoredSlice(info, file, header.data_start + info.begin, (0,) * len(info.shape))
+                tensors[name] = TensorSource(info.dtype, info.shape, (stored,))
+        return self.checkpoint(tensors, headers)
+
+    def hf_sharded(self, index: HFIndex) -> Checkpoint:
+        files = {name: self.found.path(name) for name in index.files}
+        listed = {tensor: files[name] for tensor, name in index.weight_map.items()}
+        checkpoint = self.whole_tensors(list(files.values()), listed)
+        headers = checkpoint.headers
+        for tensor, file in listed.items():
+            if file in headers and tensor not in headers[file].tensors:
+                self.findings.problem(
+                    "the index places this tensor here, but the file does not hold it", file, tensor)
+        for file, header in headers.items():
+            for tensor in header.tensors:
+                if tensor not in listed:
+                    self.findings.tolerated("holds a tensor the index does not list", file, tensor)
+                elif listed[tensor] != file:
+                    self.findings.tolerated(
+                        "holds a second copy of a tensor the index places in "
+                        f"{self.storage.split(listed[tensor])[1]!r}", file, tensor)
+        total = index.metadata.get("total_size")
+        stored = sum(t.nbytes for t in checkpoint.tensors.values())
+        if total is not None and len(checkpoint.tensors) == len(listed) \
+                and not (isinstance(total, int) and total == stored):
+            self.findings.tolerated(f"metadata.total_size is {total!r}, but the tensors hold "
+                                    f"{stored} bytes", self.found.path(INDEX_NAME))
+        return checkpoint
+
+    def distributed(self, entries: dict[str, DistributedTensor], metadata: dict[str, str]) -> Checkpoint:
+        """Our distributed layout: the index says where every slice is; each file's own
+        ``DCP_SHARDING_INFO`` must agree (equal-shaped slices with swapped offsets would
+        otherwise load swapped)."""
+        files = sorted({self.found.path(s.file) for t in entries.values() for s in t.slices})
+        headers = self.headers(files)
+        tensors, placed = {}, collections.defaultdict(set)
+        for name, entry in entries.items():
+            slices = []
+            for s in entry.slices:
+                file = self.found.path(s.file)
+                placed[file].add(name)
+                if file not in headers:
+                    continue  # already reported
+                problem = self.findings.attempt(
+                    lambda: _slice_problem(name, entry, s, headers[file], file=file))
+                if problem is not None:
+                    self.findings.problem(problem, file, name)
+                    continue
+                info = headers[file].tensors[name]
+                slices.append(StoredSlice(info, file, headers[file].data_start + info.begin, s.offsets))
+            if len(slices) == len(entry.slices):
+                tensors[name] = TensorSource(entry.dtype, entry.shape, tuple(slices))
+        for file, header in headers.items():
+            for name in sorted(set(header.tensors) - placed[file]):
+                self.findings.tolerated("holds a tensor the distributed index does not place here",
+                                        file, name)
+        return self.checkpoint(tensors, headers, metadata)
+
+    def torch_dcp(self) -> Checkpoint:
+        """torch DCP ``save_sharded`` output: slices and offsets from every file's header."""
+        url = self.found.location.url
+        files = sorted(self.found.path(n) for n in self.found.committed)
+        headers = self.headers(files)
+        found: dict[str, list[StoredSlice]] = collections.defaultdict(list)
+        for file, header in headers.items():
+            offsets = self.findings.attempt(lambda: dcp_offsets(header.metadata, file=file)) or {}
+            for name, info in header.tensors.items():
+                origin = offsets.get(name, (0,) * len(info.shape))
+                if len(origin) != len(info.shape):
+                    self.findings.problem(f"saved_offsets {list(origin)} do not match the "
+                                          "slice's rank", file, name)
+                    continue
+                found[name].append(StoredSlice(info, file, header.data_start + info.begin, origin))
+        tensors = {}
+        for name, slices in sorted(found.items()):
+            dtypes = {s.info.dtype for s in slices}
+            if len(dtypes) > 1:
+                self.findings.problem(
+                    f"slices disagree on the dtype: {sorted(d.code for d in dtypes)}", url, name)
+                continue
+            shape = tuple(max(s.origin[d] + s.info.shape[d] for s in slices)
+                          for d in range(len(slices[0].info.shape)))
+            entries = [SliceEntry(s.file, s.origin, s.info.shape) for s in slices]
+            if self.findings.attempt(lambda: check_slices(name, shape, entries, file=url) or True):
+                tensors[name] = TensorSource(slices[0].info.dtype, shape, tuple(slices))
+        return self.checkpoint(tensors, headers)
+
+
+def _slice_problem(name: str, entry: DistributedTensor, stored: SliceEntry, header: Header, *,
+                   file: str) -> str | None:
+    """What is wrong with the file holding one slice the distributed index lists, if anything."""
+    info = header.tensors.get(name)
+    if info is None or info.shape != stored.shape or info.dtype != entry.dtype:
+        held = "no such tensor" if info is None else f"{info.dtype.code} {list(info.shape)}"
+        return (f"the distributed index places a {entry.dtype.code} slice of shape "
+                f"{list(stored.shape)} here, but the file holds {held}")
+    declared = dcp_offsets(header.metadata, file=file).get(name)
+    if declared is not None and declared != stored.offsets:
+        return (f"DCP_SHARDING_INFO puts this slice at {list(declared)}, the distributed index "
+                f"at {list(stored.offsets)}")
+    return None
+
+
+def open_checkpoint(location: Location) -> Checkpoint:
+    """The committed checkpoint at ``location``, every file it needs opened as one snapshot.
+
+    Each file is pinned on its first read, and the result is kept only if
+    every pinned name still points at what was read once all headers are in:
+    otherwise an overwrite committed meanwhile, and the checkpoint is opened
+    again. A file that is missing, or a problem found while the directory
+    changed, is looked at again too: a commit may have run to completion
+    between the listing and the read. Close the result (a context manager).
+    """
+    storage = location.storage
+    for attempt in range(_OPEN_ATTEMPTS):
+        view = _view_or_none(location)
+        snapshot = storage.snapshot()
+        found = None
+        try:
+            found = survey(location, Findings(collect=False), snapshot, view=view)
+            if found.layout == NOTHING:
+                _raise_nothing(location)
+            checkpoint = read(found, snapshot, Findings(collect=False))
+        except Exception as e:
+            snapshot.close()
+            # What the listing shows (no index: an interrupted save; an index that does not
+            # parse) is the state of the location, not a race; what reading the files finds
+            # may be (a file replaced or gone since the listing) if the directory changed.
+            raced = isinstance(e, _Missing) and attempt + 1 < _MISSING_ATTEMPTS or (
+                found is not None and _view_or_none(location) != view)
+            if raced and attempt + 1 < _OPEN_ATTEMPTS:
+                time.sleep(min(0.001 * 2 ** attempt, 0.05))
+                continue
+            raise
+        if checkpoint.unchanged():
+            return checkpoint
+        snapshot.close()
+        time.sleep(min(0.001 * 2 ** attempt, 0.05))
+    raise SafetensorsError(
+        f"the checkpoint kept changing while it was being opened ({_OPEN_ATTEMPTS} attempts)",
+        file=location.url)
+
+
+def _view_or_none(location: Location) -> DirectoryView | None:
+    """The directory's view; ``None`` for a single file or where there is none to read."""
+    if location.is_single_file:
+        return None
+    try:
+        return read_view(location.storage, location.path)
+    except OSError:
+        return None
+
+
+def _raise_nothing(location: Location) -> None:
+    if location.is_single_file:
+        raise SafetensorsError("file does not exist", file=location.path)
+    raise FileNotFoundError(f"no safetensors checkpoint at {location.url!r}: it does not exist")
+

@@ -1,0 +1,95 @@
+"""One write operation across processes: its steps agree, it can be cancelled, it commits once.
+
+A save (and a consolidation) is a sequence of steps that each process runs
+with its own part of the data. Every step that can fail ends in an
+agreement (``agree``): all processes learn whether any failed, all clean up
+and stop together, and each raises its own original error -- the exception
+itself where one process failed alone, else a ``DistributedError`` keeping
+every process's failure (type, errno, file) with its own as ``__cause__``.
+Agreement goes through the ``jax.distributed`` key-value store, which is
+safe from the background thread an ``async_save`` runs on.
+
+Cancelling (Ctrl-C during a blocking save) and committing exclude each
+other: ``cancel`` succeeds only before ``at_commit_point`` has been passed,
+so a caller that sees ``KeyboardInterrupt`` knows nothing new was committed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import jax
+
+from orbax_safetensors.engine.coordination import gather_to_all
+from orbax_safetensors.engine.executor import Executor
+from orbax_safetensors.errors import DistributedError, ProcessFailure
+
+
+class Operation:
+    """The steps of one multi-process write at ``where`` (for messages), keyed by ``key``."""
+
+    def __init__(self, key: str, where: str):
+        self.key = key
+        self.where = where
+        self.cancelled = threading.Event()
+        self.committing = False
+        self._guard = threading.Lock()
+
+    @property
+    def is_primary(self) -> bool:
+        return jax.process_index() == 0
+
+    def executor(self, threads: int, name: str) -> Executor:
+        """A pool whose waits end in ``KeyboardInterrupt`` once this operation is cancelled."""
+        return Executor(threads, name=name, cancelled=self.cancelled)
+
+    def cancel(self) -> bool:
+        """Stops the writes and the commit where they are; False if it is too late (the
+        commit point has been passed)."""
+        with self._guard:
+            if not self.committing:
+                self.cancelled.set()
+            return not self.committing
+
+    def at_commit_point(self) -> None:
+        """Called right before the step that commits: from here on ``cancel`` fails."""
+        with self._guard:
+            self.check_cancelled()
+            self.committing = True
+
+    def check_cancelled(self) -> None:
+        if self.cancelled.is_set():
+            raise KeyboardInterrupt("save cancelled")
+
+    def agree(self, step: str, error: BaseException | None,
+              clean_up: Callable[[], None] = lambda: None) -> None:
+        """Every process learns whether any failed at ``step``; then, if one did, all clean up
+        and raise: the original exception where there is one (alone in one process), else a
+        ``DistributedError`` keeping every process's failure."""
+        me = jax.process_index()
+        raw = gather_to_all(f"{self.key}/{step}",
+                            "" if error is None else ProcessFailure.of(me, error).to_json())
+        failures = {f.process: f for f in map(ProcessFailure.from_json, filter(None, raw))}
+        if not failures:
+            return
+        clean_up()
+        if error is not None and (len(failures) == 1 or isinstance(error, KeyboardInterrupt)):
+            raise error
+        raise DistributedError(f"{self.where}: save failed, nothing was committed",
+                               failures) from error
+
+    def run(self, step: str, action: Callable[[], None],
+            clean_up: Callable[[], None] = lambda: None) -> None:
+        """``action`` on every process, then ``agree`` on the outcome."""
+        error = None
+        try:
+            action()
+        except BaseException as e:
+            error = e
+        self.agree(step, error, clean_up)
+
+    def on_primary(self, step: str, action: Callable[[], None],
+                   clean_up: Callable[[], None] = lambda: None) -> None:
+        """``action`` on process 0, then ``agree`` on its outcome."""
+        self.run(step, action if self.is_primary else lambda: None, clean_up)

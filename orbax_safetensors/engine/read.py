@@ -1,0 +1,338 @@
+"""Executing a read plan: bytes into host buffers, buffers into arrays.
+
+Each wanted tensor becomes a *job*: its ``TensorReads`` (pure: the boxes to
+fill and the reads that fill them) and a ``finish`` that turns the filled
+buffers into the result -- a numpy array, or a global ``jax.Array``
+assembled from this process's shards with
+``jax.make_array_from_single_device_arrays``. ``planning.plan_reads`` cuts
+the jobs into batches under the memory budget, with every request already
+decided; here a batch is read by the executor's threads while the previous
+one is converted and transferred to devices by a single transfer thread, and
+its host buffers are released as soon as its arrays exist. The single
+transfer thread also keeps every process issuing cross-process collectives
+(the replicated read-once path) in the same order.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import math
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from orbax_safetensors.engine.executor import Executor
+from orbax_safetensors.errors import SafetensorsError
+from orbax_safetensors.format import from_bytes
+from orbax_safetensors.planning import (
+    GAP,
+    Batch,
+    BounceRead,
+    Box,
+    ReadPlan,
+    StoredSlice,
+    TensorReads,
+    TensorSource,
+    Transfer,
+    box_shape,
+    box_size,
+    full_box,
+    normalize_index,
+    plan_byte_reads,
+    plan_tensor_reads,
+    read_once_boxes,
+    replication_factor,
+)
+from orbax_safetensors.planning.mapping import Transform
+from orbax_safetensors.storage import Storage
+
+
+@dataclasses.dataclass
+class LoadStats:
+    """What one process's load cost. Pass one to ``ost.load(..., stats=...)``.
+
+    ``bytes_needed`` counts the bytes of the shards this process's devices
+    hold (a replicated tensor counts in full); ``bytes_read`` the bytes it
+    fetched from storage, which exceeds it by coalesced gaps and falls below
+    it for tensors read once per cluster and all-gathered.
+    """
+
+    bytes_needed: int = 0
+    bytes_read: int = 0
+    requests: int = 0
+    files: int = 0
+    tensors: int = 0
+    tensors_read_once: int = 0
+    seconds: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One tensor: what to read (planned) and how its filled buffers become the result."""
+
+    reads: TensorReads
+    finish: Callable[[list[np.ndarray]], Any]
+
+
+def _whole_slice(name: str, source: TensorSource, why: str) -> StoredSlice:
+    if source.whole is None:
+        raise SafetensorsError(
+            f"{why} needs the tensor stored whole, not in {len(source.slices)} slices", tensor=name)
+    return source.whole
+
+
+def host_job(name: str, source: TensorSource, dtype: np.dtype | None, *, bounce_bytes: int,
+             transform: Transform | None = None) -> Job:
+    """The whole tensor as a numpy array (of ``dtype``, if given; mapped by ``transform``)."""
+
+    def convert(host: np.ndarray) -> np.ndarray:
+        if transform is not None:
+            host = np.ascontiguousarray(transform.apply(host))
+        return host if dtype is None or dtype == host.dtype else host.astype(dtype)
+
+    if source.dtype.is_packed:
+        stored = _whole_slice(name, source, f"a {source.dtype.code} tensor")
+        return Job(plan_byte_reads(stored, [((0, stored.info.nbytes),)], stored.info.nbytes),
+                   lambda buffers: convert(_view(buffers[0], stored, name, source.shape)))
+    return Job(plan_tensor_reads(source, [full_box(source.shape)], source.nbytes, bounce_bytes),
+               lambda buffers: convert(_view(buffers[0], source.slices[0], name, source.shape)))
+
+
+def sharded_job(
+    name: str, source: TensorSource, dtype: np.dtype, sharding: jax.sharding.Sharding,
+    *, read_once: bool, bounce_bytes: int, transform: Transform | None = None,
+) -> Job:
+    """This process's shards of a tensor, assembled into a global ``jax.Array``.
+
+    The boxes come from the target sharding (``devices_indices_map``, kept to
+    the devices of this process); the reads from the planner. With a
+    ``transform`` (a mapping rule) the array has the tree's shape: each device
+    box is read as the stored box holding it and transformed on the host, so
+    a transposed or head-split shard still costs only its own bytes.
+    """
+    shape = source.shape if transform is None else transform.tree_shape
+    try:
+        index_map = sharding.devices_indices_map(shape)
+    except Exception as e:  # jax raises several types for shardings that do not fit
+        raise ValueError(f"tensor {name!r} of shape {shape}: target sharding does not fit: {e}") from None
+    boxes = {device: normalize_index(index, shape) for device, index in index_map.items()}
+    me = jax.process_index()
+    local: dict[Box, list[jax.Device]] = collections.defaultdict(list)
+    by_process: dict[int, list[Box]] = collections.defaultdict(list)
+    for device, box in boxes.items():
+        by_process[device.process_index].append(box)
+        if device.process_index == me:
+            local[box].append(device)
+    needed = sum(box_size(b) for b in local) * source.dtype.bits // 8
+    if (read_once and transform is None and source.whole is not None and source.nbytes > 0
+            and _bitcastable(source.dtype.numpy) and replication_factor(shape, by_process) > 1.0):
+        return _read_once_job(source.whole, dtype, sharding, needed)
+
+    if source.dtype.is_packed:  # read the bytes, unpack, then cut the shards in memory
+        stored = _whole_slice(name, source, f"a {source.dtype.code} tensor")
+
+        def finish_packed(buffers: list[np.ndarray]) -> jax.Array:
+            host = _view(buffers[0], stored, name, source.shape)
+            host = host if transform is None else transform.apply(host)
+            return _device_array(shape, sharding, dtype, local, lambda box: host[
+                tuple(slice(a, b) for a, b in box)])
+
+        return Job(plan_byte_reads(stored, [((0, stored.info.nbytes),)], needed), finish_packed)
+
+    stored_box = (lambda box: box) if transform is None else transform.stored_box
+    shards = tuple(dict.fromkeys(stored_box(box) for box in local))
+
+    def finish(buffers: list[np.ndarray]) -> jax.Array:
+        views = {box: _view(buf, source.slices[0], name, box_shape(box))
+                 for box, buf in zip(shards, buffers)}
+        if transform is None:
+            return _device_array(shape, sharding, dtype, local, views.__getitem__)
+        return _device_array(shape, sharding, dtype, local, lambda box: transform.to_tree(
+            views[stored_box(box)], stored_box(box), box))
+
+    return Job(plan_tensor_reads(source, shards, needed, bounce_bytes), finish)
+
+
+def _device_array(shape, sharding, dtype, local: dict[Box, list[jax.Device]], host_shard) -> jax.Array:
+    """Puts each local shard on its devices and forms the global array."""
+    arrays = []
+    for box, devices in local.items():
+        shard = host_shard(box)
+        if shard.dtype != dtype:
+            shard = shard.astype(dtype)
+        arrays.extend(jax.device_put(shard, device) for device in devices)
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays, dtype=dtype)
+
+
+def _read_once_job(
+    stored: StoredSlice, dtype: np.dtype, sharding: jax.sharding.Sharding, needed: int
+) -> Job:
+    """Each process reads 1/N of the bytes; XLA all-gathers them into ``sharding``."""
+    info = stored.info
+    devices = sorted(sharding.device_set, key=lambda d: d.id)
+    chunk = math.ceil(info.nbytes / len(devices))
+    byte_boxes = read_once_boxes(info.nbytes, len(devices))
+    mine = [k for k, d in enumerate(devices) if d.process_index == jax.process_index()]
+    byte_mesh = jax.sharding.Mesh(np.array(devices), ("bytes",))
+    byte_sharding = jax.sharding.NamedSharding(byte_mesh, jax.sharding.PartitionSpec("bytes"))
+
+    def finish(buffers: list[np.ndarray]) -> jax.Array:
+        parts = []
+        for k, buffer in zip(mine, buffers):
+            padded = np.zeros(chunk, np.uint8)
+            padded[:len(buffer)] = buffer
+            parts.append(jax.device_put(padded, devices[k]))
+        flat = jax.make_array_from_single_device_arrays(
+            (chunk * len(devices),), byte_sharding, parts)
+        convert = _bytes_to_array(info.nbytes, info.shape, info.dtype.numpy, np.dtype(dtype), sharding)
+        return convert(flat)
+
+    return Job(plan_byte_reads(stored, [byte_boxes[k] for k in mine], needed, read_once=True),
+               finish)
+
+
+def _bitcastable(dtype: np.dtype) -> bool:
+    """Dtypes XLA can rebuild from raw bytes on device (not complex, not sub-byte)."""
+    return dtype.kind != "c" and dtype.itemsize >= 1 and dtype.name not in (
+        "float4_e2m1fn", "float6_e2m3fn", "float6_e3m2fn")
+
+
+@functools.lru_cache(maxsize=256)
+def _bytes_to_array(nbytes, shape, stored: np.dtype, target: np.dtype, sharding) -> Callable:
+    """A compiled bytes → typed, reshaped, resharded array (the all-gather happens here)."""
+
+    def convert(flat: jax.Array) -> jax.Array:
+        raw = flat[:nbytes]
+        if stored == np.bool_:
+            typed = raw != 0
+        elif stored.itemsize == 1:
+            typed = jax.lax.bitcast_convert_type(raw, stored)
+        else:
+            typed = jax.lax.bitcast_convert_type(raw.reshape(-1, stored.itemsize), stored)
+        return typed.reshape(shape).astype(target)
+
+    return jax.jit(convert, out_shardings=sharding)
+
+
+def _view(buffer: np.ndarray, stored: StoredSlice, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    try:
+        return from_bytes(buffer, stored.info.dtype, shape)
+    except ValueError as e:
+        raise SafetensorsError(
+            f"cannot hold shape {shape} in an array: {e}", file=stored.file, tensor=name) from None
+
+
+# XLA's CPU client adopts a 64-byte aligned, contiguous host buffer as the device
+# buffer instead of copying it (and copies rather than writes it when donated), so
+# on CPU a shard read into an aligned buffer costs no second copy and no memory.
+_XLA_ALIGNMENT = 64
+
+
+def aligned_buffers(sizes: Sequence[int]) -> list[np.ndarray]:
+    """Uninitialised byte buffers, each 64-byte aligned, carved from one allocation.
+
+    One allocation per tensor rather than per shard: large allocations get
+    transparent huge pages, and faulting in 4 KiB pages one by one costs more
+    than the copy that fills them.
+    """
+    starts = np.cumsum([0] + [-(-n // _XLA_ALIGNMENT) * _XLA_ALIGNMENT for n in sizes])
+    raw = np.empty(int(starts[-1]) + _XLA_ALIGNMENT, np.uint8)
+    base = -raw.ctypes.data % _XLA_ALIGNMENT
+    return [raw[base + int(start):base + int(start) + n] for start, n in zip(starts, sizes)]
+
+
+class _Budget:
+    """Bytes of host buffers alive at once; a request above the total waits for all."""
+
+    def __init__(self, total: int):
+        self.total, self.free = total, total
+        self._cond = threading.Condition()
+
+    def acquire(self, n: int) -> int:
+        n = min(n, self.total)
+        with self._cond:
+            self._cond.wait_for(lambda: self.free >= n)
+            self.free -= n
+        return n
+
+    def release(self, n: int) -> None:
+        with self._cond:
+            self.free += n
+            self._cond.notify_all()
+
+
+def transfer(storage: Storage, file: str, request: Transfer, buffers: Sequence[np.ndarray]) -> None:
+    """One ranged read, scattered into ``buffers`` (gaps into a scratch buffer)."""
+    gaps = request.lengths[request.targets == GAP]
+    scratch = memoryview(np.empty(int(gaps.max()) if len(gaps) else 0, np.uint8))
+    views = [scratch[:length] if target == GAP else memoryview(buffers[target])[offset:offset + length]
+             for target, offset, length in request.segments]
+    storage.read_scatter(file, request.offset, views)
+
+
+def execute(storage: Storage, plan: ReadPlan, jobs: Sequence[Job], *, memory_budget: int,
+            threads: int, stats: LoadStats) -> list[Any]:
+    """Runs ``plan`` (of ``jobs``' reads): every job's result, in job order."""
+    budget = _Budget(memory_budget)
+    lock = threading.Lock()
+    results: list[Any] = [None] * len(jobs)
+    stats.tensors += len(jobs)
+    stats.tensors_read_once += sum(j.reads.read_once for j in jobs)
+    stats.bytes_needed += sum(j.reads.needed for j in jobs)
+    stats.files += len(plan.files)
+
+    def read(file: str, request: Transfer, buffers: Sequence[np.ndarray]) -> None:
+        transfer(storage, file, request, buffers)
+        with lock:
+            stats.bytes_read += request.length
+            stats.requests += 1
+
+    bounce_buffers = threading.local()
+
+    def bounce(bounced: BounceRead, buffers: list[np.ndarray]) -> None:
+        """Reads ``bounced.box`` into a temporary and copies each shard's part out."""
+        tensor = jobs[bounced.tensor].reads
+        if getattr(bounce_buffers, "buffer", np.zeros(0, np.uint8)).size < bounced.nbytes:
+            bounce_buffers.buffer = np.empty(bounced.nbytes, np.uint8)  # reused: faulted in once per thread
+        temp = bounce_buffers.buffer[:bounced.nbytes]
+        for request in bounced.transfers:
+            read(bounced.file, request, [temp])
+        source = temp.reshape(box_shape(bounced.box) + (tensor.itemsize,))
+        for shard, into, out_of in bounced.copies:
+            target = buffers[shard].reshape(box_shape(tensor.shards[shard]) + (tensor.itemsize,))
+            target[into] = source[out_of]
+
+    def finish(batch: Batch, buffers: list[list[np.ndarray]], reads, reserved: int) -> None:
+        try:
+            for future in reads:
+                future.result()
+            for i, job_buffers in zip(batch.tensors, buffers):
+                results[i] = jobs[i].finish(job_buffers)
+                if isinstance(results[i], jax.Array):
+                    results[i].block_until_ready()  # host buffers may go only once copied
+            buffers.clear()
+        finally:
+            budget.release(reserved)
+
+    with Executor(threads, name="orbax_safetensors-read") as pool, \
+            Executor(1, name="orbax_safetensors-transfer") as transferring:
+        finishing = []
+        for batch in plan.batches:
+            if any(f.done() and f.exception() for f in finishing):
+                break
+            reserved = budget.acquire(batch.nbytes)
+            buffers = [aligned_buffers([box_size(b) * jobs[i].reads.itemsize
+                                        for b in jobs[i].reads.shards]) for i in batch.tensors]
+            flat = [b for job_buffers in buffers for b in job_buffers]
+            by_tensor = dict(zip(batch.tensors, buffers))
+            reads = [pool.submit(bounce, b, by_tensor[b.tensor]) for b in batch.bounced]
+            reads += [pool.submit(read, file, request, flat)
+                      for file, transfers in batch.transfers for request in transfers]
+            finishing.append(transferring.submit(finish, batch, buffers, reads, reserved))
+        transferring.wait(finishing)
+    return results
