@@ -86,3 +86,23 @@ def test_an_overwrite_that_fills_the_disk_keeps_the_old_checkpoint(tmpfs, tmp_pa
     ost.save(path, _tree(2), max_shard_size="2MB", overwrite=True)
     assert _same(ost.load(path), _tree(2))
     assert sorted(os.listdir(path)) == sorted(os.listdir(reference) + ["config.json"])
+
+
+def test_a_consolidation_that_fills_the_disk_keeps_the_old_checkpoint(tmpfs, tmp_path):
+    """``consolidate --overwrite`` onto a full disk: ENOSPC naming the file, the old checkpoint
+    and the user's files as they were, nothing of ours left."""
+    source = tmp_path / "distributed"
+    ost.save(source, _tree(2), layout="distributed")
+    path = tmpfs / "ckpt"
+    ost.save(path, _tree(1), max_shard_size="2MB")
+    (path / "config.json").write_text('{"mine": true}')
+    filler = _fill(tmpfs, _pages(source) // 2)
+    with pytest.raises(OSError) as raised:
+        ost.consolidate(source, path, overwrite=True, max_shard_size="2MB")
+    assert raised.value.errno == errno.ENOSPC and str(path) in raised.value.filename, raised.value
+    assert _same(ost.load(path), _tree(1)) and ost.verify(path).ok
+    assert not [n for n in os.listdir(path) if n.startswith(".")], os.listdir(path)
+    assert (path / "config.json").read_text() == '{"mine": true}'
+    filler.unlink()
+    ost.consolidate(source, path, overwrite=True, max_shard_size="2MB")
+    assert _same(ost.load(path), _tree(2))

@@ -161,32 +161,24 @@ def survey(location: Location, findings: Findings, storage: Storage | None = Non
     found = Survey(location, UNKNOWN, view, present=frozenset(shards), transient=transient)
     committed: set[str] = set()
     index: Any = None
-    # Every marker present counts towards what an overwrite replaces; the first decides the layout.
-    if DISTRIBUTED_INDEX_NAME in names:
-        index = _parse(found, storage, findings, DISTRIBUTED_INDEX_NAME, parse_distributed_index)
-        committed |= {DISTRIBUTED_INDEX_NAME} | (
-            shards if index is None else {s.file for t in index[0].values() for s in t.slices})
-    if INDEX_NAME in names:
-        committed.add(INDEX_NAME)
-        if DISTRIBUTED_INDEX_NAME in names:  # not read: the distributed index decides the layout
-            committed |= shards
-        else:
-            index = _parse(found, storage, findings, INDEX_NAME, parse_index)
-            committed |= shards if index is None else set(index.files)
-    if SINGLE_FILE_NAME in names:
-        committed.add(SINGLE_FILE_NAME)
-    interrupted_direct = is_interrupted_direct_save(view.entries, DISTRIBUTED_INDEX_NAME)
     if DISTRIBUTED_INDEX_NAME in names:
         layout = DISTRIBUTED
+        index = _parse(found, storage, findings, DISTRIBUTED_INDEX_NAME, parse_distributed_index)
+        committed = {DISTRIBUTED_INDEX_NAME} | (
+            shards if index is None else {s.file for t in index[0].values() for s in t.slices})
+        if INDEX_NAME in names:  # an hf index beside it is replaced too, but never read
+            committed |= {INDEX_NAME} | shards
     elif INDEX_NAME in names:
         layout = HF_SHARDED
+        index = _parse(found, storage, findings, INDEX_NAME, parse_index)
+        committed = {INDEX_NAME} | (shards if index is None else set(index.files))
     elif SINGLE_FILE_NAME in names:
         layout = HF_SINGLE
     elif any(is_shard_file_name(n) for n in names):
         layout = HF_SHARDED
         findings.problem(f"holds shard files but no {INDEX_NAME}: an interrupted save? (the index "
                          "is written last, so this checkpoint was never committed)", location.url)
-    elif shards and interrupted_direct:
+    elif shards and is_interrupted_direct_save(view.entries, DISTRIBUTED_INDEX_NAME):
         layout = DISTRIBUTED
         findings.problem(f"holds shard files and a temporary {DISTRIBUTED_INDEX_NAME} but not the "
                          "index: an interrupted save (the index is put in place last, so this "
@@ -197,6 +189,8 @@ def survey(location: Location, findings: Findings, storage: Storage | None = Non
         layout = UNKNOWN
         findings.problem(f"no {INDEX_NAME}, {DISTRIBUTED_INDEX_NAME} or {SINGLE_FILE_NAME} in "
                          "this directory", location.url)
+    if SINGLE_FILE_NAME in names:  # beside an index too: an overwrite replaces it
+        committed.add(SINGLE_FILE_NAME)
     return dataclasses.replace(found, layout=layout, committed=frozenset(committed),
                                present=frozenset(shards | committed), index=index)
 
