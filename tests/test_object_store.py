@@ -278,7 +278,8 @@ def test_loads_racing_overwrites_never_mix_two_checkpoints(store):
                 for v in (1, 2)]
     ost.save(url, versions[0], max_shard_size=20_000)
     seen, windows = [0, 0], 0
-    with overwriting(url, versions, max_shard_size=20_000) as errors:
+    # A training loop saves now and then: between saves the checkpoint is committed.
+    with overwriting(url, versions, pause=0.2, max_shard_size=20_000) as errors:
         deadline = time.monotonic() + 8
         while time.monotonic() < deadline:
             try:
