@@ -13,6 +13,7 @@ import platform
 import resource
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 LAYERS = 8
@@ -175,12 +176,106 @@ def reset_peak_rss() -> bool:
 
 
 # ---------------------------------------------------------------------------
+# What a run cost: time, CPU, faults, and whether anyone else used the CPU meanwhile.
+
+
+def _system_cpu() -> tuple[float, float]:
+    """Seconds of (user + nice, system) time all CPUs spent since boot (``/proc/stat``)."""
+    with open("/proc/stat") as f:
+        fields = f.readline().split()[1:]
+    tick = os.sysconf("SC_CLK_TCK")
+    user, nice, system = (int(x) for x in fields[:3])
+    return (user + nice) / tick, system / tick
+
+
+def _thp_faults() -> int:
+    """Transparent huge pages faulted in, system-wide (``/proc/vmstat`` ``thp_fault_alloc``)."""
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                if line.startswith("thp_fault_alloc "):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+class Probe:
+    """Measures a timed region: wall seconds, this process's CPU and page faults, huge-page
+    faults, and the user CPU every *other* process spent meanwhile.
+
+    A run is *disturbed* when other processes used more than ``DISTURBED_SECONDS`` plus
+    ``DISTURBED_FRACTION`` of the run's wall time of user CPU: on a 2-CPU machine anything
+    else running takes a core from the run. Kernel threads (writeback, the page-cache
+    flushers a save wakes) count as system time and are not held against it. Pass
+    ``children=True`` when the measured work runs in child processes (``dd``).
+    """
+
+    def __init__(self, children: bool = False):
+        self.who = resource.RUSAGE_CHILDREN if children else resource.RUSAGE_SELF
+
+    def __enter__(self) -> "Probe":
+        self._usage = resource.getrusage(self.who)
+        self._cpu = _system_cpu()
+        self._thp = _thp_faults()
+        self.started = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.seconds = time.perf_counter() - self.started
+        usage, cpu = resource.getrusage(self.who), _system_cpu()
+        own_user = usage.ru_utime - self._usage.ru_utime
+        self.report = {
+            "seconds": self.seconds,
+            "cpu_user": own_user, "cpu_system": usage.ru_stime - self._usage.ru_stime,
+            "minor_faults": usage.ru_minflt - self._usage.ru_minflt,
+            "major_faults": usage.ru_majflt - self._usage.ru_majflt,
+            "thp_faults": _thp_faults() - self._thp,
+            "others_cpu": max(0.0, cpu[0] - self._cpu[0] - own_user),
+        }
+        self.report["disturbed"] = (
+            self.report["others_cpu"] > DISTURBED_SECONDS + DISTURBED_FRACTION * self.seconds)
+
+
+DISTURBED_SECONDS = 0.05
+DISTURBED_FRACTION = 0.10
+CONDITIONS = ("cold", "warm")
+WARM_GB = 4.0
+CONDITION_NOTES = {
+    "cold": "a fresh process, nothing prefaulted: memory as a user's job finds it",
+    "warm": f"the same, after a child of the worker touched and freed {WARM_GB:g} GB right before "
+            "the timed region, so that free memory is host-backed on a VM that returns freed "
+            "memory to its host",
+}
+
+
+def spread(values: list[float]) -> str:
+    """``median [min–max]``."""
+    import statistics
+    return f"{statistics.median(values):.2f} [{min(values):.2f}–{max(values):.2f}]"
+
+
+# ---------------------------------------------------------------------------
 # Workers: one fresh process per run, one JSON result line.
 
 
 def report_result(report: dict) -> None:
     """Called by a worker: the one line its parent parses."""
     print(RESULT_MARK + json.dumps(report), flush=True)
+
+
+def run_undisturbed(run, attempts: int = 4) -> dict:
+    """``run()``'s result, run again while it was disturbed (see ``Probe``); the result says
+    how many disturbed attempts were discarded."""
+    discarded = 0
+    for _ in range(attempts):
+        result = run()
+        if not result.get("ok") or not result.get("disturbed"):
+            break
+        discarded += 1
+        time.sleep(1.0)
+    result["discarded"] = discarded
+    return result
 
 
 def run_worker(script: Path, arguments: list[str]) -> dict:

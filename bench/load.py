@@ -1,6 +1,6 @@
 """Load throughput of ``ost.load`` against its peers, on the same data, in one run.
 
-    .venv/bin/python bench/load.py                 # ~1.1 GB checkpoint, 3 repeats
+    .venv/bin/python bench/load.py                 # ~1.1 GB checkpoint, 5 repeats, cold and warm
     .venv/bin/python bench/load.py --quick         # ~0.1 GB, 1 repeat: a smoke test
     .venv/bin/python bench/load.py --shardings fsdp --contenders ours,safe_open --repeats 5
 
@@ -46,13 +46,19 @@ every checkpoint file once (untimed), so each contender finds the whole
 checkpoint in the page cache; the numbers are the loaders' CPU/memory cost, not
 the disk's.
 
-Memory: on a VM whose guest returns freed pages to the host (virtio-balloon free
-page reporting, e.g. Firecracker), the first touch of freshly freed memory is
-several times slower than on bare metal, and how much of it is "cold" depends on
-what ran just before, which makes runs noisy and can favour whoever follows a
-big process. ``--prefault-gb N`` touches and frees N GB in the parent before
-every run (untimed), so every contender starts with that much host-backed free
-memory. Off by default; the header says when it was on.
+Memory, cold and warm: on a VM whose guest returns freed pages to its host
+(virtio-balloon free page reporting, e.g. Firecracker), the first touch of
+fresh memory is several times slower than on bare metal, and how much of it is
+cold depends on what ran just before and how long ago. Users load in fresh
+processes, so every contender runs both ways: *cold*, a fresh worker with
+nothing prefaulted, and *warm*, the same after a child of the worker touched
+and freed 4 GB right before the timed region (after imports and building the
+target, so that the pages are still host-backed when the load starts). Runs
+alternate contender by contender and cold/warm (which goes first flips every
+repeat), 5 repeats by default. Each run counts its minor page faults and the
+transparent huge pages faulted system-wide, which is where the cold penalty
+shows; a run during which other processes used the CPU is discarded and run
+again (``common.Probe``, ``common.run_undisturbed``).
 
 Results go to stdout and to ``bench/results/load.md`` (``load-quick.md`` with
 ``--quick``, whose checkpoint uses ``max_shard_size="50MB"`` so that it too is a
@@ -62,6 +68,8 @@ sharded directory with an index), as a markdown table ready to paste into the RE
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import shlex
 import shutil
@@ -74,6 +82,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is not a pack
 import common
 from common import (
     BENCH_DIR,
+    CONDITION_NOTES,
+    CONDITIONS,
+    WARM_GB,
+    Probe,
     current_rss,
     fmt_gb,
     llama_shapes,
@@ -82,8 +94,11 @@ from common import (
     model_spec,
     partition_spec,
     peak_rss,
-    prefault_memory,
+    prefault_memory_in_child,
     report_result,
+    reset_peak_rss,
+    run_undisturbed,
+    spread,
     versions_line,
 )
 
@@ -236,6 +251,17 @@ def load_safe_open(checkpoint: Path, target: dict, extra: dict):
 
 
 LOADERS = {"ours": load_ours, "orbax_layout": load_orbax_layout, "safe_open": load_safe_open}
+PACKAGES = {"ours": "orbax_safetensors",
+            "orbax_layout": "orbax.checkpoint.experimental.v1._src.layout.safetensors_layout",
+            "safe_open": "safetensors"}
+
+
+def available(contender: str) -> bool:
+    """Whether the contender's package is installed (optional peers are skipped when not)."""
+    try:
+        return importlib.util.find_spec(PACKAGES[contender].split(".")[0]) is not None
+    except ModuleNotFoundError:
+        return False
 
 
 def verify(result: dict, target: dict, spec: dict, expected_file: Path) -> None:
@@ -273,18 +299,21 @@ def worker(args) -> None:
             if event.startswith("/jax/orbax/read/safetensors/") else None)
     target = build_target(spec, args.sharding)
     loader = LOADERS[args.contender]
+    importlib.import_module(PACKAGES[args.contender])  # imports are not the load's cost
     extra: dict = {}
+    if args.condition == "warm":
+        prefault_memory_in_child(WARM_GB)
+    reset_peak_rss()
 
     baseline = current_rss()
-    started = time.perf_counter()
-    result = loader(checkpoint, target, extra)
-    jax.block_until_ready(result)
-    seconds = time.perf_counter() - started
+    with Probe() as probe:
+        result = loader(checkpoint, target, extra)
+        jax.block_until_ready(result)
     peak = peak_rss()
 
     verify(result, target, spec, home / "expected.npz")
     report = {
-        "ok": True, "seconds": seconds,
+        "ok": True, **probe.report,
         "bytes": sum(int(x.nbytes) for x in result.values()),
         "tensors": len(result), "peak_rss": peak, "baseline_rss": baseline,
     }
@@ -299,15 +328,16 @@ def worker(args) -> None:
 # The parent: runs the workers, alternating, and prints the table.
 
 
-def run_worker(home: Path, contender: str, sharding: str) -> dict:
+def run_worker(home: Path, contender: str, sharding: str, condition: str) -> dict:
     return common.run_worker(Path(__file__).resolve(), [
-        "--home", str(home), "--contender", contender, "--sharding", sharding])
+        "--home", str(home), "--contender", contender, "--sharding", sharding,
+        "--condition", condition])
 
 
 def render(spec: dict, files: list[Path], results: dict, args, wall: float) -> str:
     total = sum(p.stat().st_size for p in files)
     lines = [
-        f"### `ost.load` vs peers: {spec['bytes'] / 1e9:.2f} GB bf16 checkpoint, 8 CPU devices",
+        f"### `ost.load` vs peers: {spec['bytes'] / 1e9:.2f} GB bf16 checkpoint, 8 CPU devices, cold and warm",
         "",
         f"- command: `{shlex.join(sys.orig_argv)}` ({time.strftime('%Y-%m-%d %H:%M %Z')}, "
         f"whole benchmark {wall:.0f} s)",
@@ -316,57 +346,61 @@ def render(spec: dict, files: list[Path], results: dict, args, wall: float) -> s
         f"- checkpoint: {len(llama_shapes(spec['hidden'], spec['ffn']))} tensors, "
         f"{spec['bytes'] / 1e9:.3f} GB of tensor data in {len(files)} files ({total / 1e9:.3f} GB), "
         f"llama-like (layers {spec['layers']}, hidden {spec['hidden']}, ffn {spec['ffn']}, "
-        f"vocab {spec['vocab']}), HF sharded dir, `max_shard_size=\"{spec['max_shard_size']}\"`",
-        f"- **warm page cache**: every file read once by the parent right before each run. "
-        f"Each run is a fresh Python process (`JAX_PLATFORMS=cpu`, 8 host devices, 1-D mesh); "
-        f"contenders alternate; medians of {args.repeats} run(s). Timed: the load call + "
-        f"`block_until_ready`. GB = 1e9 bytes; GB/s = tensor bytes / median seconds."
-        + (f" Before every run the parent also touched and freed {args.prefault_gb:g} GB of memory "
-           f"(`--prefault-gb`), so that free memory is host-backed on VMs with free page reporting."
-           if args.prefault_gb else ""),
-        "- RSS: peak = the worker's `VmHWM` (its own high-water mark) right after the load; growth = peak − RSS "
-        "just before the load. CPU \"device\" arrays live in host RAM, so both include the "
-        "loaded arrays (×8 when replicated).",
+        f"vocab {spec['vocab']}), HF sharded dir, `max_shard_size=\"{spec['max_shard_size']}\"`, "
+        "in the page cache (the parent reads every file right before each run)",
+        f"- **cold**: {CONDITION_NOTES['cold']}; **warm**: {CONDITION_NOTES['warm']}. "
+        f"Every run is a fresh Python process (`JAX_PLATFORMS=cpu`, 8 host devices, 1-D mesh); "
+        f"runs alternate contender by contender and cold/warm (which goes first alternates), "
+        f"{args.repeats} of each; cells give `median [min–max]` seconds. Timed: the load call + "
+        "`block_until_ready`. A run during which other processes used more than 0.05 s + 10% of "
+        "its wall time of user CPU is discarded and run again (column *discarded*).",
+        "- faults: the run's minor page faults (thousands) and transparent huge pages faulted "
+        "system-wide, medians. RSS: peak = the worker's `VmHWM` over the timed region (reset "
+        "right before it); CPU \"device\" arrays live in host RAM, so it includes the result "
+        "(×8 for peers that copy a replicated tensor to every device).",
+        "- *× ours*: this row's median seconds over ours (above 1: ours is faster).",
         "",
-        "| sharding | contender | seconds (median) | GB/s | peak RSS (GB) | RSS growth (GB) "
-        "| ours ÷ this (GB/s) | runs (s) |",
-        "|---|---|---:|---:|---:|---:|---:|---|",
+        "| sharding | contender | cold s | warm s | × ours cold | × ours warm | faults cold "
+        "(K minor / THP) | faults warm | peak RSS cold (GB) | discarded |",
+        "|---|---|---|---|---:|---:|---|---|---:|---:|",
     ]
     notes = []
     for sharding in args.shardings:
-        ours = results[sharding].get("ours", [])
-        ours_ok = [r for r in ours if r["ok"]]
-        ours_s = statistics.median(r["seconds"] for r in ours_ok) if ours_ok else None
+        ours = {c: [r for r in results[sharding]["ours"][c] if r["ok"]] for c in CONDITIONS} \
+            if "ours" in results[sharding] else {}
         for contender in args.contenders:
             runs = results[sharding][contender]
-            ok = [r for r in runs if r["ok"]]
-            failed = [r for r in runs if not r["ok"]]
-            if not ok:
+            ok = {c: [r for r in runs[c] if r["ok"]] for c in CONDITIONS}
+            failed = [r for c in CONDITIONS for r in runs[c] if not r["ok"]]
+            if not ok["cold"] and not ok["warm"]:
                 error = failed[0]["error"].replace("|", "\\|") if failed else "not run"
-                lines.append(f"| {sharding} | {contender} | failed: {error} | | | | | |")
+                lines.append(f"| {sharding} | {contender} | failed: {error} |" + " |" * 8)
                 continue
-            seconds = statistics.median(r["seconds"] for r in ok)
-            size = statistics.median(r["bytes"] for r in ok)
-            peak = statistics.median(r["peak_rss"] for r in ok)
-            growth = statistics.median(r["peak_rss"] - r["baseline_rss"] for r in ok)
-            if contender == "ours":
-                ratio = "1.00"
-            elif ours_s is not None:
-                ratio = f"{seconds / ours_s:.2f}"
-            else:
-                ratio = "n/a"
-            all_runs = ", ".join(f"{r['seconds']:.2f}" for r in ok)
+            cells = []
+            for c in CONDITIONS:
+                cells.append(spread([r["seconds"] for r in ok[c]]) if ok[c] else "—")
+            for c in CONDITIONS:
+                if ok[c] and ours.get(c):
+                    cells.append(f"{statistics.median(r['seconds'] for r in ok[c]) / statistics.median(r['seconds'] for r in ours[c]):.2f}")
+                else:
+                    cells.append("—")
+            for c in CONDITIONS:
+                cells.append(f"{statistics.median(r['minor_faults'] for r in ok[c]) / 1e3:.0f} / "
+                             f"{statistics.median(r['thp_faults'] for r in ok[c]):.0f}" if ok[c] else "—")
+            cells.append(fmt_gb(statistics.median(r["peak_rss"] for r in ok["cold"])) if ok["cold"] else "—")
+            discarded = sum(r.get("discarded", 0) for c in CONDITIONS for r in runs[c])
+            kept_disturbed = sum(bool(r.get("disturbed")) for c in CONDITIONS for r in ok[c])
+            cells.append(f"{discarded}" + (f" ({kept_disturbed} kept)" if kept_disturbed else ""))
             if failed:
-                all_runs += f"; {len(failed)} failed: {failed[0]['error'].replace('|', '/')}"
-            lines.append(f"| {sharding} | {contender} | {seconds:.2f} | {size / seconds / 1e9:.2f} "
-                         f"| {fmt_gb(peak)} | {fmt_gb(growth)} | {ratio} | {all_runs} |")
-            if contender == "ours" and ok and "load_stats" in ok[0]:
-                s = ok[len(ok) // 2]["load_stats"]
+                cells[-1] += f"; {len(failed)} failed: {failed[0]['error'].replace('|', '/')}"
+            lines.append(f"| {sharding} | {contender} | " + " | ".join(cells) + " |")
+            if contender == "ours" and ok["cold"] and "load_stats" in ok["cold"][0]:
+                s = ok["cold"][len(ok["cold"]) // 2]["load_stats"]
                 notes.append(f"  - {sharding}: bytes_needed {fmt_gb(s['bytes_needed'])} GB, "
                              f"bytes_read {fmt_gb(s['bytes_read'])} GB, {s['requests']} requests, "
                              f"{s['files']} files, {s['tensors']} tensors")
-            if contender == "orbax_layout" and ok and "orbax_read" in ok[0]:
-                s = ok[len(ok) // 2]["orbax_read"]
+            if contender == "orbax_layout" and ok["cold"] and "orbax_read" in ok["cold"][0]:
+                s = ok["cold"][len(ok["cold"]) // 2]["orbax_read"]
                 notes.append(f"  - {sharding} (orbax_layout, its `jax.monitoring` scalars): "
                              f"bytes_read {fmt_gb(s.get('bytes_read', 0))} GB, "
                              f"{int(s.get('num_reads', 0))} coalesced reads, "
@@ -375,58 +409,72 @@ def render(spec: dict, files: list[Path], results: dict, args, wall: float) -> s
               + ". safe_open's numpy backend returns bf16 as `ml_dtypes.bfloat16` in this "
               "safetensors, so no `framework=\"flax\"` detour is needed."]
     if notes:
-        lines += ["", "Read accounting (median run):", *notes]
+        lines += ["", "Read accounting (median cold run):", *notes]
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", default="/tmp/ost-bench", help="checkpoint cache (default %(default)s)")
-    parser.add_argument("--repeats", type=int, default=None, help="runs per contender and sharding (3)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="runs per contender, sharding and condition (5)")
     parser.add_argument("--shardings", default=",".join(SHARDINGS))
-    parser.add_argument("--contenders", default=",".join(CONTENDERS))
+    parser.add_argument("--contenders", default=",".join(CONTENDERS),
+                        help="comma-separated; peers whose package is missing are left out")
+    parser.add_argument("--conditions", default=",".join(CONDITIONS))
     parser.add_argument("--size-gb", type=float, default=None, help="checkpoint size (1.1)")
     parser.add_argument("--quick", action="store_true", help="~0.1 GB model, 1 repeat: a smoke test")
-    parser.add_argument("--prefault-gb", type=float, default=0.0,
-                        help="touch and free this many GB before every run (VMs with free page reporting)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--home", help=argparse.SUPPRESS)
     parser.add_argument("--contender", help=argparse.SUPPRESS)
     parser.add_argument("--sharding", help=argparse.SUPPRESS)
+    parser.add_argument("--condition", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)
         return
 
-    args.repeats = args.repeats or (1 if args.quick else 3)
+    args.repeats = args.repeats or (1 if args.quick else 5)
     args.size_gb = args.size_gb or (0.1 if args.quick else 1.1)
     args.shardings = [s for s in args.shardings.split(",") if s]
     args.contenders = [c for c in args.contenders.split(",") if c]
+    conditions = [c for c in args.conditions.split(",") if c]
     for s in args.shardings:
         if s not in SHARDINGS:
             parser.error(f"unknown sharding {s!r}; choose from {', '.join(SHARDINGS)}")
     for c in args.contenders:
         if c not in CONTENDERS:
             parser.error(f"unknown contender {c!r}; choose from {', '.join(CONTENDERS)}")
+    for c in conditions:
+        if c not in CONDITIONS:
+            parser.error(f"unknown condition {c!r}; choose from {', '.join(CONDITIONS)}")
+    missing = [c for c in args.contenders if not available(c)]
+    if missing:
+        print(f"left out (package not installed): {', '.join(missing)}", file=sys.stderr)
+        args.contenders = [c for c in args.contenders if c not in missing]
 
     started = time.perf_counter()
     spec = model_spec(args.size_gb, QUICK_MAX_SHARD_SIZE if args.quick else MAX_SHARD_SIZE)
     home = ensure_checkpoint(Path(args.dir), spec)
     files = checkpoint_files(home / "checkpoint")
-    results = {s: {c: [] for c in args.contenders} for s in args.shardings}
-    for sharding in args.shardings:
-        for repeat in range(args.repeats):
+    results = {s: {c: {k: [] for k in CONDITIONS} for c in args.contenders} for s in args.shardings}
+    for repeat in range(args.repeats):
+        order = conditions if repeat % 2 == 0 else conditions[::-1]
+        for sharding in args.shardings:
             for contender in args.contenders:
-                if args.prefault_gb:
-                    prefault_memory(args.prefault_gb)
-                warm_page_cache(files)
-                result = run_worker(home, contender, sharding)
-                results[sharding][contender].append(result)
-                shown = (f"{result['seconds']:.2f} s, {result['bytes'] / result['seconds'] / 1e9:.2f} GB/s, "
-                         f"peak RSS {fmt_gb(result['peak_rss'])} GB" if result["ok"]
-                         else "failed: " + result["error"])
-                print(f"[{sharding} {repeat + 1}/{args.repeats}] {contender}: {shown}",
-                      file=sys.stderr, flush=True)
+                for condition in order:
+                    def run() -> dict:
+                        warm_page_cache(files)
+                        return run_worker(home, contender, sharding, condition)
+                    result = run_undisturbed(run)
+                    results[sharding][contender][condition].append(result)
+                    shown = (f"{result['seconds']:.2f} s, {result['minor_faults'] / 1e3:.0f}K faults, "
+                             f"{result['thp_faults']} THP, peak RSS {fmt_gb(result['peak_rss'])} GB"
+                             + (f", {result['discarded']} disturbed run(s) discarded"
+                                if result["discarded"] else "")
+                             if result["ok"] else "failed: " + result["error"])
+                    print(f"[{repeat + 1}/{args.repeats} {sharding} {condition}] {contender}: {shown}",
+                          file=sys.stderr, flush=True)
     table = render(spec, files, results, args, time.perf_counter() - started)
     out = BENCH_DIR / "results" / ("load-quick.md" if args.quick else "load.md")
     out.parent.mkdir(parents=True, exist_ok=True)

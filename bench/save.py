@@ -1,6 +1,6 @@
 """Save throughput of ``ost.save`` against its peers, on the same model, in one run.
 
-    .venv/bin/python bench/save.py                 # ~1.1 GB model, 3 repeats
+    .venv/bin/python bench/save.py                 # ~1.1 GB model, 5 repeats, cold and warm
     .venv/bin/python bench/save.py --quick         # ~0.1 GB, 1 repeat: a smoke test
     .venv/bin/python bench/save.py --contenders ours_hf,orbax_standard --repeats 5
 
@@ -37,22 +37,22 @@ Orbax. Every run writes into a fresh directory under ``--dir`` that the parent
 deletes afterwards (untimed).
 
 Peak RSS is the worker's ``VmHWM``, reset to its current RSS right before the
-timed region (``/proc/self/clear_refs``, so that building the model and
-``--prefault-gb`` do not count) and read right after it; "RSS growth" is that
-peak minus the RSS right before the save, which already holds the model (on
-CPU the "device" buffers live in host memory). Fresh processes and alternation
-as in ``bench/load.py`` (see its docstring).
+timed region (``/proc/self/clear_refs``, so that building the model and the
+warm-up do not count) and read right after it; "RSS growth" is that peak minus
+the RSS right before the save, which already holds the model (on CPU the
+"device" buffers live in host memory). Fresh processes and alternation as in
+``bench/load.py`` (see its docstring).
 
-``--prefault-gb N`` (see ``bench/load.py``) touches and frees N GB right before
-each timed region (in a child process of the worker, so that the worker's own
-allocator is left as it was; in the parent right before ``dd``), not in the
-parent before the worker starts as ``bench/load.py`` does: a save
-worker spends ~10 s importing jax and building the model first, by which time
-a VM with free page reporting has handed the pages back to the host, and the
-page cache the save writes into is then allocated from cold memory. Measured
-on the 2-CPU Firecracker VM of the README (``ours_hf``, 1.08 GB): the buffered
-writes took 0.8-2.3 s after a parent-side prefault and 0.25-0.4 s after a
-worker-side one, the whole save 1.1-2.6 s vs 0.6-0.9 s.
+Cold and warm: every contender runs both ways, alternating (which goes first
+flips every repeat), 5 repeats by default. *Cold* is a fresh worker as a
+training job finds its memory; *warm* touches and frees 4 GB in a child of the
+worker right before the timed region (in the parent right before ``dd``),
+not in the parent before the worker starts: a save worker spends ~10 s
+importing jax and building the model first, by which time a VM with free page
+reporting has handed the pages back to its host, and the page cache the save
+writes into comes from cold memory again. Each run counts its page faults and
+the huge pages faulted system-wide, and a run during which other processes
+used the CPU is discarded and run again (``common.Probe``).
 
 Results go to stdout and to ``bench/results/save.md`` (``save-quick.md`` with
 ``--quick``, whose sharded saves use ``max_shard_size="50MB"`` so that they too
@@ -77,6 +77,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is not a pack
 import common
 from common import (
     BENCH_DIR,
+    CONDITION_NOTES,
+    CONDITIONS,
+    WARM_GB,
+    Probe,
     current_rss,
     fmt_gb,
     llama_shapes,
@@ -89,6 +93,8 @@ from common import (
     prefault_memory_in_child,
     report_result,
     reset_peak_rss,
+    run_undisturbed,
+    spread,
     versions_line,
 )
 
@@ -261,16 +267,15 @@ def worker(args) -> None:
     prepare(args.contender, extra)
     saver = SAVERS[args.contender]
     os.sync()  # start with no dirty pages of anyone else's
-    if args.prefault_gb:
-        prefault_memory_in_child(args.prefault_gb)
+    if args.condition == "warm":
+        prefault_memory_in_child(WARM_GB)
     peak_reset = reset_peak_rss()
 
     baseline = current_rss()
-    started = time.perf_counter()
-    saver(out, params, spec, extra)
-    saved = time.perf_counter()
-    os.sync()
-    seconds = time.perf_counter() - started
+    with Probe() as probe:
+        saver(out, params, spec, extra)
+        saved = time.perf_counter() - probe.started
+        os.sync()
     peak = peak_rss()
 
     if "close" in extra:
@@ -278,8 +283,7 @@ def worker(args) -> None:
     verify(args.contender, out, params, spec)
     disk_bytes, disk_files = tree_size(out)
     report = {
-        "ok": True, "seconds": seconds, "save_seconds": saved - started,
-        "sync_seconds": seconds - (saved - started),
+        "ok": True, **probe.report, "save_seconds": saved, "sync_seconds": probe.seconds - saved,
         "bytes": sum(int(x.nbytes) for x in params.values()), "tensors": len(params),
         "disk_bytes": disk_bytes, "disk_files": disk_files,
         "peak_rss": peak, "baseline_rss": baseline, "peak_reset": peak_reset,
@@ -300,12 +304,11 @@ def run_dd(directory: Path) -> dict:
     command = ["dd", "if=/dev/zero", f"of={directory / 'dd.bin'}", f"bs={DD_BLOCK}",
                f"count={DD_COUNT}", "conv=fsync"]
     try:
-        started = time.perf_counter()
-        done = subprocess.run(command, check=False, capture_output=True, text=True,
-                              timeout=common.WORKER_TIMEOUT)
-        saved = time.perf_counter()
-        os.sync()
-        seconds = time.perf_counter() - started
+        with Probe(children=True) as probe:
+            done = subprocess.run(command, check=False, capture_output=True, text=True,
+                                  timeout=common.WORKER_TIMEOUT)
+            saved = time.perf_counter() - probe.started
+            os.sync()
     except (OSError, subprocess.TimeoutExpired) as e:
         return {"ok": False, "error": f"{type(e).__name__}: {e}"[:200]}
     if done.returncode != 0:
@@ -315,12 +318,12 @@ def run_dd(directory: Path) -> dict:
     match = re.search(r"^(\d+) bytes .* copied, ([\d.]+) s", done.stderr, re.MULTILINE)
     if match is None or int(match.group(1)) != DD_BYTES:
         return {"ok": False, "error": f"unexpected dd output: {done.stderr.strip()[-150:]}"}
-    return {"ok": True, "seconds": seconds, "save_seconds": saved - started,
-            "sync_seconds": seconds - (saved - started), "bytes": DD_BYTES,
-            "disk_bytes": DD_BYTES, "disk_files": 1, "dd_seconds": float(match.group(2))}
+    return {"ok": True, **probe.report, "save_seconds": saved, "sync_seconds": probe.seconds - saved,
+            "bytes": DD_BYTES, "disk_bytes": DD_BYTES, "disk_files": 1,
+            "dd_seconds": float(match.group(2))}
 
 
-def run_one(contender: str, spec: dict, directory: Path, prefault_gb: float) -> dict:
+def run_one(contender: str, condition: str, spec: dict, directory: Path) -> dict:
     """One run in a fresh ``directory``, deleted afterwards (untimed)."""
     if directory.exists():
         shutil.rmtree(directory)
@@ -328,12 +331,12 @@ def run_one(contender: str, spec: dict, directory: Path, prefault_gb: float) -> 
     os.sync()
     try:
         if contender == "dd":
-            if prefault_gb:
-                prefault_memory(prefault_gb)
+            if condition == "warm":
+                prefault_memory(WARM_GB)
             return run_dd(directory)
         return common.run_worker(Path(__file__).resolve(), [
             "--contender", contender, "--spec", json.dumps(spec), "--out", str(directory),
-            "--prefault-gb", repr(prefault_gb)])
+            "--condition", condition])
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 
@@ -381,17 +384,17 @@ def render(spec: dict, results: dict, args, wall: float) -> str:
     names = llama_shapes(spec["hidden"], spec["ffn"], spec["vocab"], spec["layers"])
     rows = [*args.contenders, "dd"]
 
-    def gbps(contender: str) -> float | None:
-        ok = [r for r in results[contender] if r["ok"]]
-        if not ok:
-            return None
-        return median_of(ok, lambda r: r["bytes"]) / median_of(ok, lambda r: r["seconds"]) / 1e9
+    def ok(contender: str, condition: str) -> list[dict]:
+        return [r for r in results[contender][condition] if r["ok"]]
 
-    base = gbps(BASELINE) if BASELINE in results else None
-    dd = gbps("dd")
+    def gbps(contender: str, condition: str) -> float | None:
+        runs = ok(contender, condition)
+        return (median_of(runs, lambda r: r["bytes"]) / median_of(runs, lambda r: r["seconds"]) / 1e9
+                if runs else None)
+
     lines = [
         (f"### `ost.save` vs peers: {spec['bytes'] / 1e9:.2f} GB bf16 model, FSDP on 8 CPU devices, "
-         "to local disk, durable"),
+         "to local disk, durable, cold and warm"),
         "",
         (f"- command: `{shlex.join(sys.orig_argv)}` ({time.strftime('%Y-%m-%d %H:%M %Z')}, "
          f"whole benchmark {wall:.0f} s)"),
@@ -404,64 +407,65 @@ def render(spec: dict, results: dict, args, wall: float) -> str:
          "`jax.random.normal` made on device in each worker (untimed), FSDP: 2-D tensors "
          "`P(\"x\", None)` on a 1-D mesh of 8 host CPU devices, 1-D tensors replicated; "
          f"HF saves use `max_shard_size=\"{spec['max_shard_size']}\"`"),
+        f"- **cold**: {CONDITION_NOTES['cold']}; **warm**: {CONDITION_NOTES['warm']} (for dd: the "
+        "parent, right before dd).",
         f"- **timings include `os.sync()`**: timed = the save call(s) + `os.sync()`, so every "
         "contender's bytes are on disk when the clock stops (the worker `os.sync()`s before the "
         "timed region too). Each run is a fresh Python process (`JAX_PLATFORMS=cpu`, 8 host "
-        "devices) writing into a fresh directory, deleted after the run; contenders alternate; "
-        f"medians of {args.repeats} run(s). GB = 1e9 bytes; GB/s = tensor bytes / median seconds "
-        "(dd: its 1 GiB / median seconds). \"ours_hf ÷ this\" is ours_hf's GB/s over this row's; "
-        "\"% of dd\" is this row's GB/s over dd's."
-        + (f" Right before every timed region a child of the worker (for dd: the parent) touched and freed "
-           f"{args.prefault_gb:g} GB of memory (`--prefault-gb`), so that free memory is host-backed "
-           "on VMs with free page reporting."
-           if args.prefault_gb else ""),
-        ("- RSS: peak = the worker's `VmHWM` (its own high-water mark), reset to its RSS right "
-         "before the timed region and read right after it; growth = peak − RSS just before the "
-         "save, which already holds the model (CPU \"device\" arrays live in host RAM)."),
+        "devices) writing into a fresh directory, deleted after the run; runs alternate contender "
+        f"by contender and cold/warm (which goes first alternates), {args.repeats} of each; cells "
+        "give `median [min–max]` seconds. A run during which other processes used more than "
+        "0.05 s + 10% of its wall time of user CPU is discarded and run again (*discarded*).",
+        "- *× ours_hf*: this row's median seconds over ours_hf's (above 1: ours_hf is faster); "
+        "*% of dd*: this row's GB/s (tensor bytes / median seconds) over dd's (1 GiB / its median); "
+        "*os.sync*, *blocking*: cold medians of the part spent in the final `os.sync()` and until "
+        "the save call returned (async saves return early).",
+        "- faults: the run's minor page faults (thousands) and transparent huge pages faulted "
+        "system-wide, medians. RSS (cold): peak = the worker's `VmHWM` over the timed region "
+        "(reset right before it); growth = peak − RSS just before the save, which already holds "
+        "the model (CPU \"device\" arrays live in host RAM).",
         "",
-        ("| contender | seconds (median, incl. os.sync) | GB/s | blocking (s) | before os.sync (s) "
-         "| os.sync (s) | peak RSS (GB) | RSS growth (GB) | on disk (GB) | ours_hf ÷ this (GB/s) "
-         "| % of dd | runs (s) |"),
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        ("| contender | cold s | warm s | × ours_hf cold | × ours_hf warm | % of dd cold "
+         "| % of dd warm | os.sync s | blocking s | faults cold (K minor / THP) | faults warm "
+         "| peak / growth RSS (GB) | on disk (GB) | discarded |"),
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---|---|---|---:|---:|",
     ]
-    if any(not r.get("peak_reset", True) for runs in results.values() for r in runs if r["ok"]):
+    if any(not r.get("peak_reset", True) for c in rows for runs in results[c].values()
+           for r in runs if r["ok"]):
         lines.insert(len(lines) - 3,  # before the blank line and the table's two header rows
                      "- note: `/proc/self/clear_refs` was not writable, so peak RSS also covers "
-                     "building the model and the prefault.")
+                     "building the model and the warm-up.")
     notes = []
     for contender in rows:
-        runs = results[contender]
-        ok = [r for r in runs if r["ok"]]
+        runs = [r for c in CONDITIONS for r in results[contender][c]]
         failed = [r for r in runs if not r["ok"]]
-        if not ok:
+        cold, warm = ok(contender, "cold"), ok(contender, "warm")
+        if not cold and not warm:
             error = failed[0]["error"].replace("|", "\\|") if failed else "not run"
-            lines.append(f"| {contender} | failed: {error} |" + " |" * 10)
+            lines.append(f"| {contender} | failed: {error} |" + " |" * 12)
             continue
-        seconds = median_of(ok, lambda r: r["seconds"])
-        rate = gbps(contender)
-        if "blocking_seconds" in ok[0] and contender == "ours_async":
-            blocking = f"{median_of(ok, lambda r: r['blocking_seconds']):.2f}"
-        else:
-            blocking = f"{seconds:.2f}"
-        before = median_of(ok, lambda r: r["save_seconds"])
-        sync = median_of(ok, lambda r: r["sync_seconds"])
-        if "peak_rss" in ok[0]:
-            peak = fmt_gb(median_of(ok, lambda r: r["peak_rss"]))
-            growth = fmt_gb(median_of(ok, lambda r: r["peak_rss"] - r["baseline_rss"]))
-        else:
-            peak = growth = "—"
-        disk = fmt_gb(median_of(ok, lambda r: r["disk_bytes"]))
-        ratio = f"{base / rate:.2f}" if base is not None else "n/a"
-        of_dd = f"{100 * rate / dd:.0f}%" if dd is not None else "n/a"
-        if contender == "dd":
-            all_runs = ", ".join(f"{r['seconds']:.2f} (dd: {r['dd_seconds']:.2f})" for r in ok)
-        else:
-            all_runs = ", ".join(f"{r['seconds']:.2f}" for r in ok)
-        if failed:
-            all_runs += f"; {len(failed)} failed: {failed[0]['error'].replace('|', '/')}"
-        lines.append(f"| {contender} | {seconds:.2f} | {rate:.2f} | {blocking} | {before:.2f} "
-                     f"| {sync:.2f} | {peak} | {growth} | {disk} | {ratio} | {of_dd} | {all_runs} |")
-        middle = sorted(ok, key=lambda r: r["seconds"])[len(ok) // 2]
+        cells = [spread([r["seconds"] for r in runs]) if runs else "—" for runs in (cold, warm)]
+        for c in CONDITIONS:
+            mine, base = gbps(contender, c), gbps(BASELINE, c) if BASELINE in results else None
+            cells.append(f"{base / mine:.2f}" if mine and base and contender != "dd" else "—")
+        for c in CONDITIONS:
+            mine, dd = gbps(contender, c), gbps("dd", c)
+            cells.append(f"{100 * mine / dd:.0f}%" if mine and dd else "—")
+        first = cold or warm
+        cells.append(f"{median_of(first, lambda r: r['sync_seconds']):.2f}")
+        cells.append(f"{median_of(first, lambda r: r.get('blocking_seconds', r['seconds'])):.2f}")
+        for runs in (cold, warm):
+            cells.append(f"{median_of(runs, lambda r: r['minor_faults']) / 1e3:.0f} / "
+                         f"{median_of(runs, lambda r: r['thp_faults']):.0f}" if runs else "—")
+        cells.append(f"{fmt_gb(median_of(first, lambda r: r['peak_rss']))} / "
+                     f"{fmt_gb(median_of(first, lambda r: r['peak_rss'] - r['baseline_rss']))}"
+                     if "peak_rss" in first[0] else "—")
+        cells.append(fmt_gb(median_of(first, lambda r: r["disk_bytes"])))
+        discarded = sum(r.get("discarded", 0) for r in runs)
+        cells.append(f"{discarded}" + (f"; {len(failed)} failed: {failed[0]['error'].replace('|', '/')}"
+                                       if failed else ""))
+        lines.append(f"| {contender} | " + " | ".join(cells) + " |")
+        middle = sorted(first, key=lambda r: r["seconds"])[len(first) // 2]
         if "save_stats" in middle:
             s = middle["save_stats"]
             notes.append(f"  - {contender}: bytes_written {fmt_gb(s['bytes_written'])} GB, "
@@ -477,32 +481,49 @@ def render(spec: dict, results: dict, args, wall: float) -> str:
               "Every worker reads two tensors back (one sharded, one replicated) after the timed "
               "region and fails the run if they differ from the source."]
     if notes:
-        lines += ["", "SaveStats and files (median run):", *notes]
+        lines += ["", "SaveStats and files (median cold run):", *notes]
     return "\n".join(lines) + "\n"
+
+
+def describe(result: dict) -> str:
+    """One run, for the progress lines."""
+    if not result["ok"]:
+        return "failed: " + result["error"]
+    shown = (f"{result['seconds']:.2f} s ({result['sync_seconds']:.2f} in os.sync), "
+             f"{result['bytes'] / result['seconds'] / 1e9:.2f} GB/s, "
+             f"{result['minor_faults'] / 1e3:.0f}K faults, {result['thp_faults']} THP")
+    if "peak_rss" in result:
+        shown += f", peak RSS {fmt_gb(result['peak_rss'])} GB"
+    if "blocking_seconds" in result:
+        shown += f", blocking {result['blocking_seconds']:.2f} s"
+    if "dd_seconds" in result:
+        shown += f" (dd itself: {result['dd_seconds']:.2f} s)"
+    if result.get("discarded"):
+        shown += f", {result['discarded']} disturbed run(s) discarded"
+    return shown
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", default="/tmp/ost-bench-save",
                         help="where each run writes (a fresh subdirectory, deleted after it; default %(default)s)")
-    parser.add_argument("--repeats", type=int, default=None, help="runs per contender (3)")
+    parser.add_argument("--repeats", type=int, default=None, help="runs per contender and condition (5)")
     parser.add_argument("--contenders", default=",".join(CONTENDERS),
                         help="comma-separated (dd always runs as the disk reference)")
     parser.add_argument("--size-gb", type=float, default=None, help="model size (1.1)")
     parser.add_argument("--quick", action="store_true", help="~0.1 GB model, 1 repeat: a smoke test")
-    parser.add_argument("--prefault-gb", type=float, default=0.0,
-                        help="touch and free this many GB right before every timed region "
-                             "(VMs with free page reporting)")
+    parser.add_argument("--conditions", default=",".join(CONDITIONS))
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--contender", help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--condition", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)
         return
 
-    args.repeats = args.repeats or (1 if args.quick else 3)
+    args.repeats = args.repeats or (1 if args.quick else 5)
     args.size_gb = args.size_gb or (0.1 if args.quick else 1.1)
     args.contenders = [c for c in args.contenders.split(",") if c and c != "dd"]
     for c in args.contenders:
@@ -514,28 +535,21 @@ def main() -> None:
     spec = model_spec(args.size_gb, QUICK_MAX_SHARD_SIZE if args.quick else MAX_SHARD_SIZE)
     root = Path(args.dir)
     root.mkdir(parents=True, exist_ok=True)
-    results: dict[str, list[dict]] = {c: [] for c in [*args.contenders, "dd"]}
+    conditions = [c for c in args.conditions.split(",") if c]
+    for c in conditions:
+        if c not in CONDITIONS:
+            parser.error(f"unknown condition {c!r}; choose from {', '.join(CONDITIONS)}")
+    results = {c: {k: [] for k in CONDITIONS} for c in [*args.contenders, "dd"]}
     for repeat in range(args.repeats):
+        order = conditions if repeat % 2 == 0 else conditions[::-1]
         for contender in [*args.contenders, "dd"]:
-            result = run_one(contender, spec, root / f"run-{os.getpid()}-{repeat + 1}-{contender}",
-                             args.prefault_gb)
-            results[contender].append(result)
-            if not result["ok"]:
-                shown = "failed: " + result["error"]
-            else:
-                shown = (f"{result['seconds']:.2f} s ({result['sync_seconds']:.2f} in os.sync), "
-                         f"{result['bytes'] / result['seconds'] / 1e9:.2f} GB/s")
-                if "peak_rss" in result:
-                    shown += f", peak RSS {fmt_gb(result['peak_rss'])} GB"
-                if "blocking_seconds" in result:
-                    shown += f", blocking {result['blocking_seconds']:.2f} s"
-                if "save_stats" in result:
-                    s = result["save_stats"]
-                    shown += (f", SaveStats(bytes_written={s['bytes_written']}, requests={s['requests']}, "
-                              f"files={s['files']})")
-                if "dd_seconds" in result:
-                    shown += f" (dd itself: {result['dd_seconds']:.2f} s)"
-            print(f"[{repeat + 1}/{args.repeats}] {contender}: {shown}", file=sys.stderr, flush=True)
+            for condition in order:
+                result = run_undisturbed(lambda: run_one(
+                    contender, condition, spec,
+                    root / f"run-{os.getpid()}-{repeat + 1}-{contender}-{condition}"))
+                results[contender][condition].append(result)
+                print(f"[{repeat + 1}/{args.repeats} {condition}] {contender}: {describe(result)}",
+                      file=sys.stderr, flush=True)
     table = render(spec, results, args, time.perf_counter() - started)
     out = BENCH_DIR / "results" / ("save-quick.md" if args.quick else "save.md")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -3,6 +3,7 @@
     import orbax_safetensors as ost
     ost.save("ckpt/", params, max_shard_size="2GB")
     params = ost.load("ckpt/", target=abstract_params)   # sharded like the target
+    loading = ost.async_load("ckpt/", abstract_params)     # planned; reads in the background
 """
 
 from orbax_safetensors.engine import (
@@ -12,6 +13,7 @@ from orbax_safetensors.engine import (
     ReadOptions,
     SaveStats,
     VerifyReport,
+    async_load,
     async_save,
     consolidate,
     load,
@@ -61,7 +63,7 @@ __all__ = [
     "Mapping", "MappingError", "Rule", "Transform", "mappings",
     "CheckpointBusyError", "CheckpointMetadata", "DistributedError", "LoadStats", "ProcessFailure", "Problem", "ReadOptions", "SafetensorsError", "SaveStats",
     "StorageError", "UnsupportedOrbaxError", "VerifyReport",
-    "async_save", "consolidate", "load", "metadata", "save", "verify", "__version__",
+    "async_load", "async_save", "consolidate", "load", "metadata", "save", "verify", "__version__",
     "SafetensorsCheckpointHandler", "SafetensorsHandler", "SafetensorsLayout",
     "SafetensorsRestore", "SafetensorsSave", "ConvertStats", "convert",
 ]

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 OUTPUT = REPO / "docs" / "api.md"
 
 GROUPS = {
-    "Save, load, inspect": ["save", "async_save", "load", "metadata", "verify", "consolidate",
+    "Save, load, inspect": ["save", "async_save", "load", "async_load", "metadata", "verify", "consolidate",
                             "convert"],
     "Options and results": ["ReadOptions", "LoadStats", "SaveStats", "CheckpointMetadata",
                             "VerifyReport", "Problem", "ConvertStats"],

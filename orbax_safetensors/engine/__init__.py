@@ -16,6 +16,7 @@ from orbax_safetensors.engine.consolidate import (
 from orbax_safetensors.engine.load import (
     CheckpointMetadata,
     ReadOptions,
+    async_load,
     load,
     metadata,
     metadata_of,
@@ -36,7 +37,7 @@ from orbax_safetensors.engine.verify import Problem, VerifyReport, verify
 
 __all__ = [
     "CheckpointMetadata", "LoadStats", "Problem", "ReadOptions", "SaveStats", "VerifyReport",
-    "async_save", "consolidate", "load", "metadata", "save", "verify",
+    "async_load", "async_save", "consolidate", "load", "metadata", "save", "verify",
     "BlockSource", "Checkpoint", "CheckpointBlocks", "Progress", "SaveJob", "SaveOptions",
     "StreamOptions", "check_tree", "flatten_with_names", "format_seconds", "metadata_of",
     "open_checkpoint", "prepare_save", "summary_line", "write_blocks",

@@ -7,11 +7,13 @@ sharding. Without a target the result is a flat ``{name: numpy array}``.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import os
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import fsspec
@@ -153,33 +155,125 @@ def load(
         reshaped on the host, shard by shard. Without a target the result is
         keyed by tree names.
     """
-    started = time.perf_counter()
+    loading = _Loading(Location.resolve(path, storage_options, filesystem), target, strict,
+                       options or ReadOptions(), stats if stats is not None else LoadStats(), mapping)
+    return loading.run(loading.plan())
+
+
+def async_load(
+    path: str | os.PathLike,
+    target: Any = None,
+    *,
+    strict: bool = True,
+    options: ReadOptions | None = None,
+    stats: LoadStats | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    filesystem: fsspec.AbstractFileSystem | None = None,
+    mapping: mapping_rules.Mapping | None = None,
+) -> concurrent.futures.Future[Any]:
+    """Like ``load``, but returns once the load is planned; the reads run in the background.
+
+    What can fail before a byte is read fails here, raised to the caller:
+    the checkpoint is opened (one version, pinned where the backend allows),
+    checked against the target, and every read is planned. The future then
+    resolves to what ``load`` returns, or raises what it would. Meanwhile the
+    caller can do what does not need the weights, typically compiling the
+    train or serve step (``jax.jit(step).lower(...).compile()``), whose time
+    the load then hides, as Orbax's ``load_pytree_async`` allows.
+
+    Arguments as for ``load``. One difference: ``replicated_read_once`` is off
+    unless ``options`` turns it on, because it ends in an all-gather, a device
+    collective, and one issued from a background thread can deadlock against
+    collectives the caller issues meanwhile on the other processes.
+    """
     options = options or ReadOptions()
-    stats = stats if stats is not None else LoadStats()
-    key = next_operation_key("load")
-    location = Location.resolve(path, storage_options, filesystem)
-    for attempt in range(_READ_ATTEMPTS):
-        with open_checkpoint(location) as checkpoint:
-            if not _same_everywhere(f"{key}/{attempt}", checkpoint):
-                continue
-            try:
-                result = _load(checkpoint, target, strict, options, stats, mapping, started)
-            except Exception:
-                # A file that vanished or changed under a backend that cannot pin it: read again.
-                if jax.process_count() > 1 or checkpoint.storage.capabilities.pins_versions \
-                        or checkpoint.unchanged():
-                    raise
+    if options.replicated_read_once is None:
+        options = dataclasses.replace(options, replicated_read_once=False)
+    loading = _Loading(Location.resolve(path, storage_options, filesystem), target, strict,
+                       options, stats if stats is not None else LoadStats(), mapping,
+                       abandoned=_Abandoned())
+    planned = loading.plan()
+    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    future.set_running_or_notify_cancel()
+
+    def run() -> None:
+        try:
+            future.set_result(loading.run(planned))
+        except BaseException as e:  # the caller gets it from the future
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="orbax_safetensors-load").start()
+    return future
+
+
+@dataclasses.dataclass(frozen=True)
+class _Planned:
+    """One opened version of the checkpoint and the plan to read it; ``read()`` runs the plan."""
+
+    checkpoint: Checkpoint
+    attempt: int
+    read: Callable[[], Any]
+
+
+@dataclasses.dataclass
+class _Loading:
+    """A load: open and plan, then read; again if an overwrite changed what it read.
+
+    Where the backend pins what it opened (local files) one attempt always
+    suffices; on object stores a commit landing mid-load means reading again.
+    """
+
+    location: Location
+    target: Any
+    strict: bool
+    options: ReadOptions
+    stats: LoadStats
+    mapping: mapping_rules.Mapping | None
+    abandoned: threading.Event | None = None  # stops the reads (KeyboardInterrupt) once set
+    started: float = dataclasses.field(default_factory=time.perf_counter)
+    key: str = dataclasses.field(default_factory=lambda: next_operation_key("load"))
+
+    def plan(self, first: int = 0) -> _Planned:
+        """Opens the checkpoint (the version every process opened) and plans its reads."""
+        for attempt in range(first, _READ_ATTEMPTS):
+            if attempt > first:
                 time.sleep(min(0.01 * 2 ** attempt, 0.2))
-                continue
-            read_one_version = (checkpoint.storage.capabilities.pins_versions
-                                or checkpoint.unchanged())
-            if _all_processes(f"{key}/{attempt}/read", read_one_version):
-                return result
-        _LOG.info("%s changed while it was read (an overwrite committed); reading it again",
-                  location.url)
-        time.sleep(min(0.01 * 2 ** attempt, 0.2))
-    raise SafetensorsError(f"the checkpoint kept changing while it was read ({_READ_ATTEMPTS} "
-                           "attempts)", file=location.url)
+            checkpoint = open_checkpoint(self.location)
+            try:
+                if _same_everywhere(f"{self.key}/{attempt}", checkpoint):
+                    return _Planned(checkpoint, attempt, _plan(checkpoint, self))
+            except Exception:
+                if not self._changed(checkpoint):
+                    checkpoint.close()
+                    raise
+            checkpoint.close()
+        raise SafetensorsError(f"the checkpoint kept changing while it was read ({_READ_ATTEMPTS} "
+                               "attempts)", file=self.location.url)
+
+    def run(self, planned: _Planned) -> Any:
+        """Reads what ``planned`` planned; reads again if it changed meanwhile."""
+        while True:
+            with planned.checkpoint as checkpoint:
+                try:
+                    result = planned.read()
+                    whole = (checkpoint.storage.capabilities.pins_versions
+                             or checkpoint.unchanged())
+                except Exception:
+                    if not self._changed(checkpoint):
+                        raise
+                    whole = False
+                if _all_processes(f"{self.key}/{planned.attempt}/read", whole):
+                    return result
+            _LOG.info("%s changed while it was read (an overwrite committed); reading it again",
+                      self.location.url)
+            planned = self.plan(planned.attempt + 1)
+
+    @staticmethod
+    def _changed(checkpoint: Checkpoint) -> bool:
+        """Whether a failure may be a file that vanished or changed under a backend that
+        cannot pin it (then reading again is the answer, not the error)."""
+        return not (jax.process_count() > 1 or checkpoint.storage.capabilities.pins_versions
+                    or checkpoint.unchanged())
 
 
 def _same_everywhere(key: str, checkpoint: Checkpoint) -> bool:
@@ -200,8 +294,24 @@ def _all_processes(key: str, value: bool) -> bool:
     return all(v == "1" for v in gather_to_all(key, "1" if value else "0"))
 
 
-def _load(checkpoint: Checkpoint, target: Any, strict: bool, options: ReadOptions,
-          stats: LoadStats, mapping: mapping_rules.Mapping | None, started: float) -> Any:
+_EXITING = threading.Event()
+# Set when the interpreter starts to exit, before it joins threads: the hook concurrent.futures
+# uses to stop its pools (atexit would run only after the joins). Absent: loads run to the end.
+getattr(threading, "_register_atexit", lambda hook: None)(_EXITING.set)
+
+
+class _Abandoned(threading.Event):
+    """Set, or the interpreter is exiting: a Ctrl-C or the end of the script left nobody to
+    take a background load's result, so its reads stop instead of holding the exit."""
+
+    def is_set(self) -> bool:
+        return super().is_set() or _EXITING.is_set()
+
+
+def _plan(checkpoint: Checkpoint, loading: _Loading) -> Callable[[], Any]:
+    """Checks the target against the checkpoint and plans every read; the result reads them."""
+    target, strict, options, mapping = loading.target, loading.strict, loading.options, loading.mapping
+    stats = loading.stats
     if target is None:
         names = sorted(checkpoint.tensors)
         requests = [_Request(None, None, None)] * len(names)
@@ -235,16 +345,20 @@ def _load(checkpoint: Checkpoint, target: Any, strict: bool, options: ReadOption
                  bounce_bytes, transforms[i])
             for i in wanted]
     plan = plan_reads([job.reads for job in jobs], profile)
-    values = execute(checkpoint.storage, plan, jobs, memory_budget=profile.memory_budget,
-                     threads=options.threads, stats=stats)
-    stats.seconds += time.perf_counter() - started
-    _LOG.debug("loaded %s: %s", checkpoint.survey.location.url, stats)
-    if treedef is None:
-        return dict(zip([names[i] for i in wanted], values))
-    result = list(leaves)
-    for i, value in zip(wanted, values):
-        result[i] = value
-    return jax.tree_util.tree_unflatten(treedef, result)
+
+    def read() -> Any:
+        values = execute(checkpoint.storage, plan, jobs, memory_budget=profile.memory_budget,
+                         threads=options.threads, stats=stats, cancelled=loading.abandoned)
+        stats.seconds += time.perf_counter() - loading.started
+        _LOG.debug("loaded %s: %s", checkpoint.survey.location.url, stats)
+        if treedef is None:
+            return dict(zip([names[i] for i in wanted], values))
+        result = list(leaves)
+        for i, value in zip(wanted, values):
+            result[i] = value
+        return jax.tree_util.tree_unflatten(treedef, result)
+
+    return read
 
 
 def _job(name: str, source: TensorSource, request: _Request, read_once: bool, bounce_bytes: int,

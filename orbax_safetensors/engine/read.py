@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from orbax_safetensors.engine.executor import Executor
+from orbax_safetensors.engine.host_memory import host_buffers, populate
 from orbax_safetensors.errors import SafetensorsError
 from orbax_safetensors.format import from_bytes
 from orbax_safetensors.planning import (
@@ -227,25 +228,6 @@ def _view(buffer: np.ndarray, stored: StoredSlice, name: str, shape: tuple[int, 
             f"cannot hold shape {shape} in an array: {e}", file=stored.file, tensor=name) from None
 
 
-# XLA's CPU client adopts a 64-byte aligned, contiguous host buffer as the device
-# buffer instead of copying it (and copies rather than writes it when donated), so
-# on CPU a shard read into an aligned buffer costs no second copy and no memory.
-_XLA_ALIGNMENT = 64
-
-
-def aligned_buffers(sizes: Sequence[int]) -> list[np.ndarray]:
-    """Uninitialised byte buffers, each 64-byte aligned, carved from one allocation.
-
-    One allocation per tensor rather than per shard: large allocations get
-    transparent huge pages, and faulting in 4 KiB pages one by one costs more
-    than the copy that fills them.
-    """
-    starts = np.cumsum([0] + [-(-n // _XLA_ALIGNMENT) * _XLA_ALIGNMENT for n in sizes])
-    raw = np.empty(int(starts[-1]) + _XLA_ALIGNMENT, np.uint8)
-    base = -raw.ctypes.data % _XLA_ALIGNMENT
-    return [raw[base + int(start):base + int(start) + n] for start, n in zip(starts, sizes)]
-
-
 class _Budget:
     """Bytes of host buffers alive at once; a request above the total waits for all."""
 
@@ -276,8 +258,9 @@ def transfer(storage: Storage, file: str, request: Transfer, buffers: Sequence[n
 
 
 def execute(storage: Storage, plan: ReadPlan, jobs: Sequence[Job], *, memory_budget: int,
-            threads: int, stats: LoadStats) -> list[Any]:
-    """Runs ``plan`` (of ``jobs``' reads): every job's result, in job order."""
+            threads: int, stats: LoadStats, cancelled: threading.Event | None = None) -> list[Any]:
+    """Runs ``plan`` (of ``jobs``' reads): every job's result, in job order; stops with
+    ``KeyboardInterrupt`` once ``cancelled`` is set."""
     budget = _Budget(memory_budget)
     lock = threading.Lock()
     results: list[Any] = [None] * len(jobs)
@@ -287,6 +270,7 @@ def execute(storage: Storage, plan: ReadPlan, jobs: Sequence[Job], *, memory_bud
     stats.files += len(plan.files)
 
     def read(file: str, request: Transfer, buffers: Sequence[np.ndarray]) -> None:
+        pool.check_cancelled()  # queued reads of a cancelled load end here, unread
         transfer(storage, file, request, buffers)
         with lock:
             stats.bytes_read += request.length
@@ -305,6 +289,7 @@ def execute(storage: Storage, plan: ReadPlan, jobs: Sequence[Job], *, memory_bud
         source = temp.reshape(box_shape(bounced.box) + (tensor.itemsize,))
         for shard, into, out_of in bounced.copies:
             target = buffers[shard].reshape(box_shape(tensor.shards[shard]) + (tensor.itemsize,))
+            populate(target[into])  # faulting page by page from a copy loop costs twice as much
             target[into] = source[out_of]
 
     def finish(batch: Batch, buffers: list[list[np.ndarray]], reads, reserved: int) -> None:
@@ -319,14 +304,15 @@ def execute(storage: Storage, plan: ReadPlan, jobs: Sequence[Job], *, memory_bud
         finally:
             budget.release(reserved)
 
-    with Executor(threads, name="orbax_safetensors-read") as pool, \
-            Executor(1, name="orbax_safetensors-transfer") as transferring:
+    with Executor(threads, name="orbax_safetensors-read", cancelled=cancelled) as pool, \
+            Executor(1, name="orbax_safetensors-transfer", cancelled=cancelled) as transferring:
         finishing = []
         for batch in plan.batches:
             if any(f.done() and f.exception() for f in finishing):
                 break
+            pool.check_cancelled()
             reserved = budget.acquire(batch.nbytes)
-            buffers = [aligned_buffers([box_size(b) * jobs[i].reads.itemsize
+            buffers = [host_buffers([box_size(b) * jobs[i].reads.itemsize
                                         for b in jobs[i].reads.shards]) for i in batch.tensors]
             flat = [b for job_buffers in buffers for b in job_buffers]
             by_tensor = dict(zip(batch.tensors, buffers))

@@ -9,6 +9,7 @@ only translate Orbax's calling conventions.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 from collections.abc import Mapping
 from typing import Any
@@ -19,6 +20,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from orbax_safetensors.engine import (
+    async_load,
     ReadOptions,
     SaveJob,
     SaveOptions,
@@ -102,6 +104,18 @@ def prepare_item_save(directory: Any, args: SafetensorsSave) -> SaveJob:
 
 
 def restore_item(directory: Any, args: SafetensorsRestore | None) -> Any:
+    path, target, kwargs = _restore_call(directory, args)
+    return load(path, target, **kwargs)
+
+
+def start_restore_item(directory: Any, args: SafetensorsRestore | None) -> concurrent.futures.Future:
+    """Plans the restore (errors raise here); the future gives the item once read."""
+    path, target, kwargs = _restore_call(directory, args)
+    return async_load(path, target, **kwargs)
+
+
+def _restore_call(directory: Any, args: SafetensorsRestore | None) -> tuple[str, Any, dict[str, Any]]:
+    """``load``'s arguments for restoring ``args`` from ``directory``."""
     args = args or SafetensorsRestore()
     path = _url(directory)
     target = args.item
@@ -110,9 +124,9 @@ def restore_item(directory: Any, args: SafetensorsRestore | None) -> Any:
         stored = metadata(path, storage_options=args.storage_options, filesystem=args.filesystem)
         target = {name: jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=replicated)
                   for name, t in stored.tensors.items()}
-    return load(path, target, strict=args.strict, options=args.options,
-                storage_options=args.storage_options, filesystem=args.filesystem,
-                mapping=args.mapping)
+    return path, target, dict(strict=args.strict, options=args.options,
+                              storage_options=args.storage_options, filesystem=args.filesystem,
+                              mapping=args.mapping)
 
 
 def item_tensors(directory: Any) -> dict[str, jax.ShapeDtypeStruct]:

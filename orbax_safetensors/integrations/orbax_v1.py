@@ -14,7 +14,8 @@ the way Orbax's own ``SafetensorsLayout`` does, and adds saving. Orbax
 selected with ``ocp.v1.Context(checkpoint_layout=...)``; use it directly:
 
     layout = ost.SafetensorsLayout()
-    params = await (await layout.load(path, abstract_state=abstract_params))
+    loading = await layout.load(path, abstract_state=abstract_params)  # opened and planned
+    params = await loading                                              # once the reads are done
     await (await layout.save_checkpointables(path, checkpointables={"params": params}))
 
 Compared with Orbax's layout, a load is planned per process from the target
@@ -42,7 +43,7 @@ from orbax_safetensors.integrations.orbax_items import (
     SafetensorsSave,
     item_tensors,
     prepare_item_save,
-    restore_item,
+    start_restore_item,
 )
 
 STATE = "state"  # the name a flat checkpoint's one checkpointable goes by (Orbax's "state")
@@ -84,7 +85,15 @@ class SafetensorsHandler:
         return await _save(directory, checkpointable)
 
     async def load(self, directory: Any, abstract_checkpointable: Any = None) -> Awaitable[Any]:
-        return asyncio.to_thread(restore_item, directory, _restore_args(abstract_checkpointable))
+        """Opens and plans now (what can fail before a read raises here); the returned
+        awaitable gives the item once the background reads finish (``ost.async_load``)."""
+        loading = await asyncio.to_thread(
+            start_restore_item, directory, _restore_args(abstract_checkpointable))
+
+        async def loaded() -> Any:
+            return await asyncio.wrap_future(loading)
+
+        return loaded()
 
     async def metadata(self, directory: Any) -> dict[str, jax.ShapeDtypeStruct]:
         return item_tensors(directory)
