@@ -80,6 +80,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is not a package
 import common
+import peers
 from common import (
     BENCH_DIR,
     CONDITION_NOTES,
@@ -103,7 +104,7 @@ from common import (
 )
 
 SHARDINGS = ("fsdp", "tensor_parallel", "replicated")
-CONTENDERS = ("ours", "orbax_layout", "safe_open")
+CONTENDERS = ("ours", "orbax_layout", "safe_open", "runai", "fastsafetensors")
 MAX_SHARD_SIZE = "500MB"
 QUICK_MAX_SHARD_SIZE = "50MB"  # --quick: still a sharded dir with an index
 CONTENDER_NOTES = {
@@ -250,18 +251,28 @@ def load_safe_open(checkpoint: Path, target: dict, extra: dict):
     return result
 
 
-LOADERS = {"ours": load_ours, "orbax_layout": load_orbax_layout, "safe_open": load_safe_open}
+LOADERS = {"ours": load_ours, "orbax_layout": load_orbax_layout, "safe_open": load_safe_open,
+           "runai": peers.load_runai, "fastsafetensors": peers.load_fastsafetensors}
 PACKAGES = {"ours": "orbax_safetensors",
             "orbax_layout": "orbax.checkpoint.experimental.v1._src.layout.safetensors_layout",
             "safe_open": "safetensors"}
+CONTENDER_NOTES.update({c: peers.CONTENDER_NOTES[c] for c in ("runai", "fastsafetensors")})
 
 
 def available(contender: str) -> bool:
-    """Whether the contender's package is installed (optional peers are skipped when not)."""
-    try:
-        return importlib.util.find_spec(PACKAGES[contender].split(".")[0]) is not None
-    except ModuleNotFoundError:
-        return False
+    """Whether the contender can run here (optional peers, the ``bench-peers`` extra, are
+    skipped when not installed)."""
+    if contender in peers.LOADERS:
+        return peers.installed(contender)
+    return importlib.util.find_spec(PACKAGES[contender].split(".")[0]) is not None
+
+
+def prepare(contender: str) -> None:
+    """Imports before the clock: a load's cost is not its imports."""
+    if contender in peers.LOADERS:
+        peers.prepare(contender)
+    else:
+        importlib.import_module(PACKAGES[contender])
 
 
 def verify(result: dict, target: dict, spec: dict, expected_file: Path) -> None:
@@ -299,7 +310,7 @@ def worker(args) -> None:
             if event.startswith("/jax/orbax/read/safetensors/") else None)
     target = build_target(spec, args.sharding)
     loader = LOADERS[args.contender]
-    importlib.import_module(PACKAGES[args.contender])  # imports are not the load's cost
+    prepare(args.contender)
     extra: dict = {}
     if args.condition == "warm":
         prefault_memory_in_child(WARM_GB)

@@ -98,6 +98,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is not a package
 import common
 import load as load_bench
+import peers
 import save as save_bench
 from common import (
     BENCH_DIR,
@@ -114,7 +115,7 @@ from common import (
     versions_line,
 )
 
-LOAD_CONTENDERS = ("ours", "download", "orbax_layout", "ours_2proc", "download_2proc")
+LOAD_CONTENDERS = ("ours", "download", "orbax_layout", "runai_s3", "ours_2proc", "download_2proc")
 SAVE_CONTENDERS = ("save_ours", "save_ours_async", "save_orbax")
 MULTIPROCESS = {"ours_2proc": "ours", "download_2proc": "download_parts", "ours_2proc_traced": "ours_traced"}
 MAX_SHARD_SIZE = "64MB"
@@ -125,6 +126,7 @@ CONTENDER_NOTES = {
     "download": "`fs.get(dir, tmp, recursive=True)` → `safe_open(f, framework=\"numpy\").get_tensor(name)` "
                 "→ `jax.device_put(x, sharding)`, download timed",
     "orbax_layout": "Orbax v1 `SafetensorsLayout().load(epath.Path(\"s3://…\"), abstract_state=target)`",
+    "runai_s3": peers.CONTENDER_NOTES["runai_s3"] + " (optional: the `bench-peers` extra)",
     "ours_2proc": "`ost.load` in 2 processes × 4 devices (`jax.distributed`), FSDP over all 8; slowest process",
     "download_2proc": "every process `fs.get`s everything, then `jax.make_array_from_callback` over "
                       "`safe_open(...).get_slice(name)`; slowest process",
@@ -268,6 +270,9 @@ def prepare_load(loader: str) -> None:
     import s3fs  # noqa: F401  (fsspec would import it at the first s3:// URL, inside the timed region)
     if loader.startswith("ours"):
         import orbax_safetensors  # noqa: F401
+    elif loader in peers.LOADERS:
+        peers.prepare(loader)
+        peers.configure_runai_s3()
     elif loader == "orbax_layout":
         from etils import epath  # noqa: F401
         from orbax.checkpoint.experimental.v1._src.layout import safetensors_layout  # noqa: F401
@@ -276,6 +281,7 @@ def prepare_load(loader: str) -> None:
 
 
 LOADERS = {"ours": load_ours, "download": load_download, "orbax_layout": load_bench.load_orbax_layout,
+           "runai_s3": peers.load_runai_s3,
            "download_parts": load_download_parts, "ours_traced": load_ours_traced}
 
 
@@ -894,6 +900,10 @@ def main() -> None:
     for c in args.contenders:
         if c not in LOAD_CONTENDERS:
             parser.error(f"unknown load contender {c!r}; choose from {', '.join(LOAD_CONTENDERS)}")
+    missing = [c for c in args.contenders if c in peers.LOADERS and not peers.installed(c)]
+    if missing:
+        print(f"left out (package not installed): {', '.join(missing)}", file=sys.stderr)
+        args.contenders = [c for c in args.contenders if c not in missing]
     for c in args.save_contenders:
         if c not in SAVE_CONTENDERS:
             parser.error(f"unknown save contender {c!r}; choose from {', '.join(SAVE_CONTENDERS)}")
