@@ -148,7 +148,7 @@ def test_replication_and_read_once_split():
     everywhere = {p: [((0, 8), (0, 4))] * 4 for p in range(3)}
     assert replication_factor(shape, everywhere) == 3.0
     boxes = read_once_boxes(10, 4)
-    assert boxes == [((0, 3),), ((3, 6),), ((6, 9),), ((9, 10),)]
+    assert boxes == (((0, 3),), ((3, 6),), ((6, 9),), ((9, 10),))
     assert read_once_boxes(2, 4)[-1] == ((2, 2),)
 
 
@@ -206,14 +206,15 @@ def test_owned_write_ranges_of_all_processes_tile_every_file_once(tiling, owners
         boxes = [(s.name, tile) for s in specs for i, tile in enumerate(tiles) if i % owners == owner]
         payloads = [np.frombuffer(values[n][tuple(slice(a, b) for a, b in box)].tobytes(), np.uint8)
                     for n, box in boxes]
-        for file, transfer in owned_ranges(plan.files, boxes, chunk):
-            assert transfer.length <= max(chunk, max(s.length for s in transfer.segments))
-            position = transfer.offset
-            for segment in transfer.segments:
-                files[file][position:position + segment.length] = \
-                    payloads[segment.target][segment.offset:segment.offset + segment.length]
-                written[file][position:position + segment.length] += 1
-                position += segment.length
+        for file, transfers in owned_ranges(plan.files, boxes, chunk):
+            for transfer in transfers:
+                assert transfer.length <= max(chunk, max(s.length for s in transfer.segments))
+                position = transfer.offset
+                for segment in transfer.segments:
+                    files[file][position:position + segment.length] = \
+                        payloads[segment.target][segment.offset:segment.offset + segment.length]
+                    written[file][position:position + segment.length] += 1
+                    position += segment.length
     for f in plan.files:
         for info in f.tensors:
             start = f.data_start + info.begin

@@ -36,6 +36,7 @@ from orbax_safetensors.planning import (
     FilePlan,
     Segment,
     Transfer,
+    Transfers,
     Upload,
     WritePlan,
     plan_uploads,
@@ -73,7 +74,7 @@ class Strategy(abc.ABC):
 
 
 def for_storage(storage: Storage, plan: WritePlan,
-                owned: Callable[[], Sequence[tuple[str, Transfer]]],
+                owned: Callable[[], Sequence[tuple[str, Transfers]]],
                 payloads: Callable[[], Payloads], streamed: Chunks) -> Strategy:
     """The strategy an hf save takes on ``storage``, from its declared capabilities.
 
@@ -104,7 +105,7 @@ def _views(segments: Iterable[Segment], payloads: Payloads, header: bytes = b"")
 class InPlace(Strategy):
     """Shared files created at their final size; every process fills its own ranges."""
 
-    def __init__(self, plan: WritePlan, owned: Sequence[tuple[str, Transfer]],
+    def __init__(self, plan: WritePlan, owned: Sequence[tuple[str, Transfers]],
                  payloads: Callable[[], Payloads]):
         self.plan, self.owned, self.payloads = plan, owned, payloads
 
@@ -136,18 +137,19 @@ class InPlace(Strategy):
 
         def write_all() -> None:
             with op.executor(_WRITE_THREADS, "orbax_safetensors-write") as pool:
-                pool.wait([pool.submit(write_range, name, r) for name, r in self.owned])
+                pool.wait([pool.submit(write_range, name, r)
+                           for name, transfers in self.owned for r in transfers])
                 pool.wait([pool.submit(storage.sync, commit.temporary(name)) for name in files])
 
         op.run("written", write_all, lambda: commit.discard(names) if op.is_primary else None)
-        return Written(names, self.plan.index, sum(len(p) for p in payloads), len(self.owned),
-                       len(files))
+        return Written(names, self.plan.index, sum(len(p) for p in payloads),
+                       sum(len(transfers) for _, transfers in self.owned), len(files))
 
 
 class InParts(Strategy):
     """Part objects uploaded in parallel by their owners, merged server-side by process 0."""
 
-    def __init__(self, plan: WritePlan, owned: Sequence[tuple[str, Transfer]],
+    def __init__(self, plan: WritePlan, owned: Sequence[tuple[str, Transfers]],
                  payloads: Callable[[], Payloads]):
         self.plan, self.payloads = plan, payloads
         headers = self.plan.files if jax.process_index() == 0 else ()

@@ -60,6 +60,51 @@ def intersect(a: Box, b: Box) -> Box | None:
     return bounds if all(start < stop for start, stop in bounds) else None
 
 
+def is_contiguous(box: Box, shape: Sequence[int]) -> bool:
+    """Whether ``box`` occupies at most one run of a C-order tensor of ``shape``: every
+    dimension after its innermost partial one is whole, every one before it a single index
+    (``byte_runs`` without building the offsets)."""
+    if box_size(box) == 0:
+        return True
+    split = len(shape) - 1
+    while split >= 0 and box[split] == (0, shape[split]):
+        split -= 1
+    return all(stop - start == 1 for start, stop in box[:max(split, 0)])
+
+
+def tiles(boxes: Sequence[Box], outer: Box) -> bool:
+    """Whether the distinct ``boxes`` cover ``outer`` exactly once.
+
+    The bounds of all boxes cut ``outer`` into a grid of cells; boxes whose sizes
+    add up to ``outer``'s tile it when every cell is covered exactly once. The
+    boxes of a sharding are cells of that grid themselves, so thousands of them
+    cost a few vectorised passes, not a comparison of every pair. A grid too fine
+    to count (boxes staggered arbitrarily) counts as not tiling: the caller then
+    reads box by box, which is always correct.
+    """
+    if sum(box_size(b) for b in boxes) != box_size(outer):
+        return False
+    if not outer:  # a scalar: one box is all of it
+        return len(boxes) == 1
+    bounds = np.array(boxes, np.int64).reshape(len(boxes), len(outer), 2)
+    cuts = [np.unique(bounds[:, d]) for d in range(len(outer))]
+    first = np.stack([np.searchsorted(c, bounds[:, d, 0]) for d, c in enumerate(cuts)], axis=1)
+    last = np.stack([np.searchsorted(c, bounds[:, d, 1]) for d, c in enumerate(cuts)], axis=1)
+    grid = tuple(len(c) - 1 for c in cuts)
+    cells = np.prod(last - first, axis=1)
+    if int(cells.sum()) != math.prod(grid) or math.prod(grid) > _MAX_GRID_CELLS:
+        return False
+    covered = np.zeros(grid, np.int64)
+    single = cells == 1
+    np.add.at(covered.reshape(-1), np.ravel_multi_index(tuple(first[single].T), grid), 1)
+    for lo, hi in zip(first[~single & (cells > 0)].tolist(), last[~single & (cells > 0)].tolist()):
+        covered[tuple(slice(a, b) for a, b in zip(lo, hi))] += 1
+    return bool((covered == 1).all())
+
+
+_MAX_GRID_CELLS = 1 << 22  # beyond this, ``tiles`` does not look
+
+
 def byte_runs(box: Box, shape: Sequence[int], itemsize: int) -> tuple[np.ndarray, int]:
     """Where ``box`` lives in a C-order tensor of ``shape``: ``(offsets, run_length)``.
 

@@ -26,8 +26,12 @@ never re-plans. Four steps, all pure:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
+
+import numpy as np
 
 from orbax_safetensors.format import DType, TensorInfo
 from orbax_safetensors.planning.boxes import (
@@ -38,7 +42,9 @@ from orbax_safetensors.planning.boxes import (
     byte_runs,
     full_box,
     intersect,
+    is_contiguous,
     relative_slices,
+    tiles,
 )
 from orbax_safetensors.planning.transfers import Runs, Transfers, coalesce
 
@@ -99,10 +105,8 @@ def plan_regions(shape: Sequence[int], boxes: Sequence[Box]) -> list[Region]:
     distinct = list(dict.fromkeys(boxes))
     if not distinct:
         return []
-    disjoint = all(
-        intersect(a, b) is None for i, a in enumerate(distinct) for b in distinct[i + 1:])
     outer = bounding_box(distinct)
-    if disjoint and sum(box_size(b) for b in distinct) == box_size(outer):
+    if len(distinct) == 1 or tiles(distinct, outer):
         return [Region(outer, tuple(distinct))]
     return [Region(b, (b,)) for b in distinct]
 
@@ -130,8 +134,7 @@ def plan_region_reads(
     ``block_bytes`` (at least one index of that dimension), so the bounce
     memory per read stays bounded whatever the tensor's size.
     """
-    if region.members == (region.box,) or all(
-            len(byte_runs(m, shape, itemsize)[0]) <= 1 for m in region.members):
+    if region.members == (region.box,) or all(is_contiguous(m, shape) for m in region.members):
         return [RegionRead(m, m) for m in region.members]
     return [RegionRead(block, None) for block in row_blocks(region.box, itemsize, block_bytes)]
 
@@ -159,15 +162,25 @@ def replication_factor(shape: Sequence[int], boxes_by_process: Mapping[int, Sequ
     total = box_size(full_box(shape))
     if total == 0:
         return 1.0
-    held = sum(
-        sum(box_size(b) for b in dict.fromkeys(boxes)) for boxes in boxes_by_process.values())
-    return held / total
+    # Each distinct box sized once (with numpy): a sharding over thousands of devices hands
+    # in thousands of boxes per tensor, a replicated tensor the same box thousands of times.
+    held = collections.Counter(b for boxes in boxes_by_process.values() for b in set(boxes))
+    if not held:
+        return 0.0
+    bounds = np.array(list(held), np.int64).reshape(len(held), len(shape), 2)
+    sizes = np.prod(bounds[:, :, 1] - bounds[:, :, 0], axis=1)
+    return int(sizes @ np.fromiter(held.values(), np.int64, len(held))) / total
 
 
-def read_once_boxes(nbytes: int, parts: int) -> list[Box]:
-    """``parts`` consecutive byte ranges of equal size (the last ones may be short or empty)."""
+@functools.lru_cache(maxsize=64)
+def read_once_boxes(nbytes: int, parts: int) -> tuple[Box, ...]:
+    """``parts`` consecutive byte ranges of equal size (the last ones may be short or empty).
+
+    Cached: every process asks it for each replicated tensor, with one ``parts`` (the
+    devices) and a few sizes (a model's norms are all alike).
+    """
     chunk = -(-nbytes // parts)
-    return [((min(k * chunk, nbytes), min((k + 1) * chunk, nbytes)),) for k in range(parts)]
+    return tuple(((min(k * chunk, nbytes), min((k + 1) * chunk, nbytes)),) for k in range(parts))
 
 
 def box_runs(box: Box, shape: Sequence[int], itemsize: int, base: int, target: int) -> Runs:
@@ -278,15 +291,36 @@ class ReadProfile:
 @dataclasses.dataclass(frozen=True)
 class BounceRead:
     """``box`` of tensor ``tensor`` read into a bounce buffer of ``nbytes`` (``transfers``
-    target buffer 0), then cut into its shards: ``copies`` are ``(shard, slices into the
-    shard, slices of the bounce buffer)``, over arrays of the boxes' shapes."""
+    target buffer 0), then cut into the tensor's shards, whose bounds ``shards`` holds as
+    an array ``(shard, dimension, start/stop)`` shared by all the tensor's bounce reads."""
 
     tensor: int
     box: Box
     nbytes: int
     file: str
     transfers: Transfers
-    copies: tuple[tuple[int, tuple[slice, ...], tuple[slice, ...]], ...]
+    shards: np.ndarray
+
+    @property
+    def copies(self) -> tuple[tuple[int, tuple[slice, ...], tuple[slice, ...]], ...]:
+        """``(shard, slices into the shard, slices of the bounce buffer)`` for every shard the
+        box intersects, over arrays of the boxes' shapes.
+
+        Derived when asked, not stored: a block of a wide region feeds hundreds of
+        shards (a process holding every column block of a tensor), and listing every
+        (block, shard) pair up front would cost more than the reads themselves.
+        """
+        box = np.array(self.box, np.int64).reshape(-1, 2)
+        start = np.maximum(self.shards[:, :, 0], box[:, 0])
+        stop = np.minimum(self.shards[:, :, 1], box[:, 1])
+        return tuple(
+            (k, _slices(start[k] - self.shards[k, :, 0], stop[k] - self.shards[k, :, 0]),
+             _slices(start[k] - box[:, 0], stop[k] - box[:, 0]))
+            for k in np.flatnonzero((start < stop).all(axis=1)).tolist())
+
+
+def _slices(starts: np.ndarray, stops: np.ndarray) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in zip(starts.tolist(), stops.tolist()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -344,18 +378,18 @@ def _batch(tensors: Sequence[TensorReads], group: list[int], profile: ReadProfil
     for i in group:
         tensor = tensors[i]
         shard_index = {box: k for k, box in enumerate(tensor.shards)}
+        shard_bounds = None
         for read in tensor.reads:
             file = tensor.slices[read.slice].file
             if read.direct is not None:
                 runs_by_file.setdefault(file, []).append(
                     tensor.runs(read, first_buffer + shard_index[read.direct]))
                 continue
-            copies = tuple(
-                (k, relative_slices(part, shard), relative_slices(part, read.box))
-                for k, shard in enumerate(tensor.shards)
-                for part in [intersect(read.box, shard)] if part is not None)
+            if shard_bounds is None:
+                shard_bounds = np.array(tensor.shards, np.int64).reshape(
+                    len(tensor.shards), len(tensor.shape), 2)
             bounced.append(BounceRead(i, read.box, box_size(read.box) * tensor.itemsize, file,
-                                      cut(tensor.runs(read, 0)), copies))
+                                      cut(tensor.runs(read, 0)), shard_bounds))
         first_buffer += len(tensor.shards)
     transfers = tuple((file, cut(Runs.concatenate(runs))) for file, runs in runs_by_file.items())
     return Batch(tuple(group), sum(tensors[i].nbytes for i in group), transfers, tuple(bounced))

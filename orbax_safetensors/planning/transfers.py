@@ -48,11 +48,6 @@ class Transfer:
     offsets: np.ndarray
     lengths: np.ndarray
 
-    @staticmethod
-    def of(offset: int, segments: Sequence[Segment]) -> Transfer:
-        arrays = np.array(segments, np.int64).reshape(-1, 3).T
-        return Transfer(offset, int(arrays[2].sum()), *arrays)
-
     @property
     def segments(self) -> Iterator[Segment]:
         return map(Segment._make, zip(self.targets.tolist(), self.offsets.tolist(),
@@ -61,13 +56,6 @@ class Transfer:
     @property
     def needed(self) -> int:
         return int(self.lengths[self.targets != GAP].sum())
-
-    def joined(self, other: Transfer) -> Transfer:
-        """This transfer followed by ``other``, which starts where this one ends."""
-        return Transfer(self.offset, self.length + other.length,
-                        *(np.concatenate([a, b]) for a, b in (
-                            (self.targets, other.targets), (self.offsets, other.offsets),
-                            (self.lengths, other.lengths))))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +87,42 @@ class Transfers:
     def nbytes(self) -> int:
         """Bytes the requests move (gaps included)."""
         return int(self.lengths.sum())
+
+    @staticmethod
+    def single(offset: int, target: int, length: int) -> Transfers:
+        """One request of ``length`` bytes at ``offset``, all of buffer ``target`` from its start."""
+        one = np.array([length], np.int64)
+        return Transfers(np.array([offset], np.int64), one, np.array([0, 1], np.int64),
+                         np.array([target], np.int64), np.zeros(1, np.int64), one)
+
+    @staticmethod
+    def concatenate(parts: Sequence[Transfers]) -> Transfers:
+        """The requests of ``parts`` one after the other."""
+        counts = np.cumsum([0] + [len(p.targets) for p in parts])
+        bounds = np.concatenate([p.bounds[:-1] + shift for p, shift in zip(parts, counts)]
+                                + [counts[-1:]])
+        return Transfers(*(np.concatenate([p.offsets for p in parts]),
+                           np.concatenate([p.lengths for p in parts]), bounds),
+                         *(np.concatenate([getattr(p, name) for p in parts])
+                           for name in ("targets", "target_offsets", "segment_lengths")))
+
+    def take(self, requests: np.ndarray) -> Transfers:
+        """Requests ``requests`` (indices), in that order, with their segments."""
+        counts = np.diff(self.bounds)[requests]
+        starts = self.bounds[:-1][requests]
+        within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+        segments = np.repeat(starts, counts) + within
+        return Transfers(self.offsets[requests], self.lengths[requests],
+                         np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+                         self.targets[segments], self.target_offsets[segments],
+                         self.segment_lengths[segments])
+
+    def merged(self, starts: np.ndarray) -> Transfers:
+        """Requests ``starts[k]`` up to ``starts[k + 1]`` each made one request (they must
+        continue each other in the file): the same segments, fewer requests."""
+        return Transfers(self.offsets[starts], np.add.reduceat(self.lengths, starts),
+                         np.concatenate([self.bounds[starts], self.bounds[-1:]]),
+                         self.targets, self.target_offsets, self.segment_lengths)
 
 
 @dataclasses.dataclass(frozen=True)

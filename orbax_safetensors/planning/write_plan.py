@@ -26,7 +26,7 @@ from orbax_safetensors.index import (
 )
 from orbax_safetensors.index.hf_index import INDEX_NAME, SINGLE_FILE_NAME
 from orbax_safetensors.planning.boxes import Box, byte_runs
-from orbax_safetensors.planning.transfers import Runs, Segment, Transfer, coalesce
+from orbax_safetensors.planning.transfers import Runs, Transfers, coalesce
 
 HF_METADATA = {"format": "pt"}  # transformers refuses files without it
 
@@ -165,14 +165,15 @@ def plan_distributed_files(
 
 
 def owned_ranges(files: Sequence[FilePlan], boxes: Sequence[tuple[str, Box]],
-                 chunk_bytes: int) -> list[tuple[str, Transfer]]:
-    """Where the shards a process writes land: contiguous byte ranges per file, cut at
-    ``chunk_bytes``, each with the segments that fill it in order (``Segment.target``
-    indexes ``boxes``, ``Segment.offset`` is the byte offset within that shard's row-major
-    bytes).
+                 chunk_bytes: int) -> list[tuple[str, Transfers]]:
+    """Where the shards a process writes land: contiguous byte ranges of each file, cut at
+    ``chunk_bytes``, each with the segments that fill it in order (``targets`` index
+    ``boxes``, ``target_offsets`` are byte offsets within that shard's row-major bytes).
 
     ``boxes`` are ``(tensor name, box)`` of the shards, in the tensor's global coordinates;
-    a packed dtype (sub-byte values) can only be written whole.
+    a packed dtype (sub-byte values) can only be written whole. The ranges of a file are
+    one ``Transfers`` (arrays): a strided shard owns a range per row, millions of them
+    for a process holding a column block of every layer.
     """
     location = {t.name: (f, t) for f in files for t in f.tensors}
     runs_by_file: dict[str, list[Runs]] = collections.defaultdict(list)
@@ -184,10 +185,9 @@ def owned_ranges(files: Sequence[FilePlan], boxes: Sequence[tuple[str, Box]],
         else:
             offsets, length = byte_runs(box, info.shape, info.dtype.bits // 8)
         runs_by_file[file.name].append(Runs.of(offsets + start, length, index))
-    return [(file_name, transfer)
-            for file_name, runs in runs_by_file.items()
-            for transfer in coalesce(Runs.concatenate(runs), max_gap=0, max_overread=1.0,
-                                     chunk_bytes=chunk_bytes)]
+    return [(file_name, coalesce(Runs.concatenate(runs), max_gap=0, max_overread=1.0,
+                                 chunk_bytes=chunk_bytes))
+            for file_name, runs in runs_by_file.items()]
 
 
 HEADER = -2  # Segment.target of a file's header bytes, which process 0 writes
@@ -197,21 +197,21 @@ HEADER = -2  # Segment.target of a file's header bytes, which process 0 writes
 class Upload:
     """One object a process uploads before the merge: ranges of one file, back to back.
 
-    ``ranges`` are ``(offset in the file, transfer)``; the object holds their
-    bytes in order, so range k sits at the sum of the earlier lengths. ``key``
-    (the first range's file offset) names the object.
+    ``ranges`` are requests (``offset`` in the file, segments); the object holds
+    their bytes in order, so range k sits at the sum of the earlier lengths.
+    ``key`` (the first range's file offset) names the object.
     """
 
     file: str
     key: int
-    ranges: tuple[Transfer, ...]
+    ranges: Transfers
 
     @property
     def length(self) -> int:
-        return sum(r.length for r in self.ranges)
+        return self.ranges.nbytes
 
 
-def plan_uploads(ranges: Sequence[tuple[str, Transfer]], headers: Sequence[FilePlan] = (), *,
+def plan_uploads(ranges: Sequence[tuple[str, Transfers]], headers: Sequence[FilePlan] = (), *,
                  max_objects_per_file: int, small_object: int) -> list[Upload]:
     """Objects that carry a process's ranges (and, given ``headers``, those files' headers)
     to an object store, where a server-side merge assembles each file from them.
@@ -221,28 +221,37 @@ def plan_uploads(ranges: Sequence[tuple[str, Transfer]], headers: Sequence[FileP
     owning many small ranges of a file (strided shards) packs them all into one
     object instead, read back in order at the merge.
     """
-    by_file: dict[str, list[Transfer]] = collections.defaultdict(list)
-    for name, transfer in ranges:
-        by_file[name].append(transfer)
+    by_file: dict[str, list[Transfers]] = collections.defaultdict(list)
+    for name, transfers in ranges:
+        by_file[name].append(transfers)
     for file in headers:
-        by_file[file.name].append(Transfer.of(0, [Segment(HEADER, 0, len(file.header))]))
+        by_file[file.name].append(Transfers.single(0, HEADER, len(file.header)))
     uploads = []
-    for name, transfers in by_file.items():
-        spans = _join_small_neighbours(sorted(transfers, key=lambda t: t.offset), small_object)
-        if len(spans) <= max_objects_per_file or \
-                sum(t.length for t in spans) >= len(spans) * small_object:
-            uploads += [Upload(name, t.offset, (t,)) for t in spans]
-        else:
-            uploads.append(Upload(name, spans[0].offset, tuple(spans)))
+    for name, parts in by_file.items():
+        transfers = Transfers.concatenate(parts)
+        spans = _join_small_neighbours(
+            transfers.take(np.argsort(transfers.offsets, kind="stable")), small_object)
+        if len(spans) <= max_objects_per_file or spans.nbytes >= len(spans) * small_object:
+            uploads += [Upload(name, int(spans.offsets[k]), spans.take(np.array([k])))
+                        for k in range(len(spans))]
+        elif len(spans):
+            uploads.append(Upload(name, int(spans.offsets[0]), spans))
     return uploads
 
 
-def _join_small_neighbours(transfers: list[Transfer], small: int) -> list[Transfer]:
-    joined: list[Transfer] = []
-    for transfer in transfers:
-        last = joined[-1] if joined else None
-        if last is not None and last.length < small and last.offset + last.length == transfer.offset:
-            joined[-1] = last.joined(transfer)
-        else:
-            joined.append(transfer)
-    return joined
+def _join_small_neighbours(transfers: Transfers, small: int) -> Transfers:
+    """Each range shorter than ``small`` joined with the range right after it (repeatedly).
+
+    Only ranges that continue each other can join: chunks of one contiguous range and a
+    header with the bytes after it, a few per file, so the loop runs over those alone.
+    """
+    if len(transfers) == 0:
+        return transfers
+    length = transfers.lengths.copy()  # of the span each range ends so far
+    starts = np.ones(len(transfers), bool)
+    continued = transfers.offsets[:-1] + transfers.lengths[:-1] == transfers.offsets[1:]
+    for i in np.flatnonzero(continued).tolist():
+        if length[i] < small:
+            starts[i + 1] = False
+            length[i + 1] += length[i]
+    return transfers.merged(np.flatnonzero(starts))
