@@ -238,15 +238,18 @@ class _Loading:
         for attempt in range(first, _READ_ATTEMPTS):
             if attempt > first:
                 time.sleep(min(0.01 * 2 ** attempt, 0.2))
-            checkpoint = open_checkpoint(self.location)
+            checkpoint, planned = open_checkpoint(self.location), None
             try:
                 if _same_everywhere(f"{self.key}/{attempt}", checkpoint):
-                    return _Planned(checkpoint, attempt, _plan(checkpoint, self))
+                    planned = _Planned(checkpoint, attempt, _plan(checkpoint, self))
             except Exception:
                 if not self._changed(checkpoint):
-                    checkpoint.close()
                     raise
-            checkpoint.close()
+            finally:
+                if planned is None:  # also on Ctrl-C: nothing keeps this version open
+                    checkpoint.close()
+            if planned is not None:
+                return planned
         raise SafetensorsError(f"the checkpoint kept changing while it was read ({_READ_ATTEMPTS} "
                                "attempts)", file=self.location.url)
 
