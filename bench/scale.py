@@ -18,15 +18,17 @@ are several) it reports:
 
 * **load**: everything ``ost.load`` plans before its first read, with the
   default ``ReadOptions`` on local disk (32 MB chunks, 16 KiB gaps, 2x
-  over-read, 1 GB budget, 4 MB bounce blocks): ``replication_factor`` of each
-  tensor over every process's boxes (several processes only, as the engine
-  does), each tensor's reads (``plan_tensor_reads``, or ``plan_byte_reads`` of
-  its 1/N for a replicated tensor read once), then ``plan_reads``. Time (best
-  of ``--repeats`` untraced runs), tracemalloc's peak during a traced run,
+  over-read, 1 GB budget, 4 MB bounce blocks): ``replication_factor`` and
+  ``reshard_parts`` of each (shape, sharding) over every process's boxes
+  (several processes only, once per pair as the engine caches them), each
+  tensor's reads (``plan_tensor_reads`` of its shards, ``plan_byte_reads`` of
+  its 1/N for a replicated tensor read once, or of its row blocks for a tensor
+  resharded on device), then ``plan_reads``. Time (best of ``--repeats``
+  untraced runs), tracemalloc's peak during a traced run,
   the bytes the finished plan keeps, its ranged requests and bytes read.
 * **save**: the hf write plan every process derives (``plan_hf_checkpoint``),
   the byte ranges this process owns (``owned_ranges`` of its ``replica_id ==
-  0`` shards, 64 MB writes) and its part objects for an object store
+  0`` shards -- row blocks for a tensor resharded on device --, 64 MB writes) and its part objects for an object store
   (``plan_uploads``), measured the same way. A process owning more than
   ``MAX_SAVE_RUNS`` byte runs (one process holding every column block of
   every tensor) is not planned: its plan would take tens of GB, a segment
@@ -71,6 +73,7 @@ from orbax_safetensors.planning import (  # noqa: E402
     TensorSpec,
     WritePlan,
     box_size,
+    full_box,
     owned_ranges,
     plan_byte_reads,
     plan_hf_checkpoint,
@@ -79,6 +82,7 @@ from orbax_safetensors.planning import (  # noqa: E402
     plan_uploads,
     read_once_boxes,
     replication_factor,
+    reshard_parts,
 )
 
 # Llama-3.1-405B (config.json of meta-llama/Llama-3.1-405B)
@@ -171,8 +175,8 @@ class Inputs:
 
     source: TensorSource
     local: tuple[Box, ...]  # distinct boxes of this process's devices
-    by_process: dict[int, list[Box]] | None  # every process's boxes (several processes only)
     read_once_parts: list[int]  # this process's indices among the sharding's devices
+    sharing: Callable[[], tuple[bool, int | None]]  # ``sharing`` of its (shape, sharding)
 
 
 def sources(plan: WritePlan) -> dict[str, TensorSource]:
@@ -188,12 +192,29 @@ def inputs(layout: Layout, process: int, specs: list[tuple[TensorSpec, Spec]],
     mine = layout.devices_of(process)
     for spec, partition in specs:
         boxes = layout.boxes(spec.shape, partition)
-        by_process = None
-        if layout.processes > 1:
-            by_process = {p: boxes[p * layout.per_process:(p + 1) * layout.per_process]
-                          for p in range(layout.processes)}
         local = tuple(dict.fromkeys(boxes[mine.start:mine.stop]))
-        yield Inputs(stored[spec.name], local, by_process, list(mine))
+        yield Inputs(stored[spec.name], local, list(mine), functools.partial(
+            sharing, layout, spec.shape, partition, spec.dtype.bits // 8))
+
+
+@functools.lru_cache(maxsize=None)
+def sharing(layout: Layout, shape: tuple[int, ...], partition: Spec, itemsize: int
+            ) -> tuple[bool, int | None]:
+    """Whether processes share bytes of the tensor (read it once), and the row blocks to read
+    it in and reshard (``reshard_parts``): ``engine.resharding``'s decisions, cached per
+    (shape, sharding) as there. Several processes only."""
+    if layout.processes == 1:
+        return False, None
+    boxes = layout.boxes(shape, partition)
+    by_process = {p: boxes[p * layout.per_process:(p + 1) * layout.per_process]
+                  for p in range(layout.processes)}
+    return replication_factor(shape, by_process) > 1.0, reshard_parts(
+        shape, itemsize, by_process, [layout.per_process] * layout.processes, PROFILE.max_gap)
+
+
+def row_block(shape: tuple[int, ...], parts: int, block: int) -> Box:
+    rows = shape[0] // parts
+    return ((block * rows, (block + 1) * rows),) + full_box(shape[1:])
 
 
 def plan_load(items: list[Inputs], devices: int) -> tuple[Any, ...]:
@@ -203,22 +224,38 @@ def plan_load(items: list[Inputs], devices: int) -> tuple[Any, ...]:
 
 
 def tensor_reads(item: Inputs, devices: int) -> TensorReads:
-    """``sharded_job``'s planning: read once (replicated over processes) or read the shards."""
+    """``sharded_job``'s planning: read once (replicated over processes), read row blocks to
+    reshard on device (thin strips over processes), or read the shards."""
     source = item.source
     needed = sum(box_size(b) for b in item.local) * source.dtype.bits // 8
-    if item.by_process is not None and replication_factor(source.shape, item.by_process) > 1.0:
+    shared, row_parts = item.sharing()
+    if shared:
         parts = read_once_boxes(source.nbytes, devices)
         return plan_byte_reads(source.slices[0], [parts[k] for k in item.read_once_parts], needed,
                                read_once=True)
+    if row_parts is not None:  # row blocks, each on ``devices // parts`` devices
+        per_part = devices // row_parts
+        boxes = [row_block(source.shape, row_parts, j)
+                 for j in sorted({k // per_part for k in item.read_once_parts})]
+        return dataclasses.replace(plan_tensor_reads(source, boxes, needed, BOUNCE_BYTES),
+                                   resharded=True)
     return plan_tensor_reads(source, item.local, needed, BOUNCE_BYTES)
 
 
 def owned_boxes(layout: Layout, process: int, specs: list[tuple[TensorSpec, Spec]]
                 ) -> list[tuple[str, Box]]:
-    """This process's shards with ``replica_id == 0`` (a replicated tensor: device 0's)."""
+    """This process's shards with ``replica_id == 0`` (a replicated tensor: device 0's),
+    after ``engine.save`` moved thin strips to row blocks (the first device of each holds
+    replica 0)."""
     mine = layout.devices_of(process)
     owned = []
     for spec, partition in specs:
+        parts = sharing(layout, spec.shape, partition, spec.dtype.bits // 8)[1]
+        if parts is not None:
+            per_part = layout.devices // parts
+            owned += [(spec.name, row_block(spec.shape, parts, j))
+                      for j in range(parts) if j * per_part in mine]
+            continue
         first: dict[Box, int] = {}  # box -> the first device holding it, whose copy is replica 0
         for device, box in enumerate(layout.boxes(spec.shape, partition)):
             first.setdefault(box, device)
@@ -276,6 +313,7 @@ def requests_of(plan) -> tuple[int, int]:
 def run(layout: Layout, process: int, specs: list[tuple[TensorSpec, Spec]],
         stored: dict[str, TensorSource], repeats: int) -> dict[str, Any]:
     items = list(inputs(layout, process, specs, stored))
+    sharing.cache_clear()  # each row pays for its decisions, as a fresh process does
     (load_plan, _), load = measure(functools.partial(plan_load, items, layout.devices), repeats)
     requests, read_bytes = requests_of(load_plan)
     del items, load_plan

@@ -61,7 +61,8 @@ def _child_save(args):
     else:
         stats = ost.save(args["path"], arrays, max_shard_size=_MAX_SHARD,
                          layout=args.get("layout", "hf"))
-    assert stats.bytes_written == local, (stats.bytes_written, local)
+    if stats.tensors_resharded == 0:  # else it wrote row blocks: the parent counts the bytes
+        assert stats.bytes_written == local, (stats.bytes_written, local)
     reload = _RELOAD[args["scenario"]]
     target = target_for(values, reload)
     restored = ost.load(args["path"], target=target, strict=False)  # all but host.counter
@@ -100,13 +101,19 @@ def test_files_equal_a_single_process_save_and_no_byte_is_written_twice(
     assert sum(written) == total, written
     if scenario in ("fsdp", "tensor_parallel", "mesh_2d"):
         assert all(w > 0 for w in written), written  # every process wrote its own part
+    # Column strips across processes are written as row blocks (moved on device first);
+    # row shards and replicated tensors as they are.
+    resharded = [r.value["tensors_resharded"] for r in results]
+    least = {"tensor_parallel": 3, "mesh_2d": 3}.get(scenario, 0)
+    assert all(n >= least for n in resharded) and (least or not any(resharded)), resharded
 
 
-def test_async_save_survives_the_caller_donating_its_arrays(multiprocess, tmp_path):
+@pytest.mark.parametrize("scenario", ["fsdp", "mesh_2d"])
+def test_async_save_survives_the_caller_donating_its_arrays(multiprocess, tmp_path, scenario):
     reference, _ = _single_process_reference(tmp_path)
     results = multiprocess(
         f"{_MODULE}:_child_save", num_processes=2, devices_per_process=4,
-        args={"path": str(tmp_path / "parallel"), "scenario": "fsdp", "async": True})
+        args={"path": str(tmp_path / "parallel"), "scenario": scenario, "async": True})
     _assert_identical_directories(tmp_path / "parallel", reference)
     for r in results:
         assert r.value["blocking_seconds"] <= r.value["seconds"]

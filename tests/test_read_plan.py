@@ -18,6 +18,7 @@ from orbax_safetensors.planning import (
     read_once_boxes,
     relative_slices,
     replication_factor,
+    reshard_parts,
     box_runs,
 )
 
@@ -150,6 +151,47 @@ def test_replication_and_read_once_split():
     boxes = read_once_boxes(10, 4)
     assert boxes == (((0, 3),), ((3, 6),), ((6, 9),), ((9, 10),))
     assert read_once_boxes(2, 4)[-1] == ((2, 2),)
+
+
+def _column_strips(shape, processes, devices_each):
+    """Each process's devices hold its column block, cut in rows among them (P("tp", "fsdp"))."""
+    rows, cols = shape[0] // devices_each, shape[1] // processes
+    return {p: [((d * rows, (d + 1) * rows), (p * cols, (p + 1) * cols)) for d in range(devices_each)]
+            for p in range(processes)}
+
+
+def test_reshard_parts_for_thin_strips_across_processes():
+    shape = (4096, 512)  # float32: a process's column block is 1 KiB of every row
+    strips = _column_strips(shape, 2, 4)
+    assert reshard_parts(shape, 4, strips, [4, 4], thin=16384) == 8  # a block per device
+    assert reshard_parts(shape, 4, strips, [4, 4], thin=1024) is None  # runs not thinner
+    assert reshard_parts(shape, 4, {0: strips[0]}, [8], thin=16384) is None  # one process
+    assert reshard_parts((4096,), 4, {0: [((0, 2048),)], 1: [((2048, 4096),)]}, [4, 4],
+                         thin=1 << 30) is None  # 1-D: already contiguous
+    # 12 rows on 8 devices: 4 blocks of 3 rows, each on 2 devices of one process.
+    assert reshard_parts((12, 512), 4, _column_strips((12, 512), 2, 4), [4, 4], thin=16384) == 4
+    # 6 rows on 8 devices: 2 blocks of 4 devices; with 4 processes of 2 each block would
+    # straddle two processes (both would read it).
+    assert reshard_parts((6, 512), 4, _column_strips((6, 512), 4, 2), [2, 2, 2, 2],
+                         thin=16384) is None
+    # Leading-dim shards are whole rows: never thin, whatever the threshold says.
+    rows = {p: [((p * 2048, (p + 1) * 2048), (0, 512))] for p in range(2)}
+    assert reshard_parts(shape, 4, rows, [4, 4], thin=1 << 30) is None
+    single_rows = {p: [((r, r + 1), (0, 512)) for r in range(p * 4, p * 4 + 4)] for p in range(2)}
+    assert reshard_parts((8, 512), 4, single_rows, [4, 4], thin=1 << 30) is None
+    # Whole rows cut into column blocks among a process's devices (P("fsdp", "tp")): each
+    # device's box is strided, but the process reads the row block they tile, in one run.
+    fsdp_tp = {p: [((p * 2048, (p + 1) * 2048), (d * 128, (d + 1) * 128)) for d in range(4)]
+               for p in range(2)}
+    assert reshard_parts(shape, 4, fsdp_tp, [4, 4], thin=1 << 30) is None
+    # A process whose two boxes do not tile their bounding box reads each: thin here.
+    corners = {0: [((0, 2048), (0, 128)), ((2048, 4096), (384, 512))],
+               1: [((0, 2048), (128, 384)), ((2048, 4096), (0, 384))]}
+    assert reshard_parts(shape, 4, corners, [2, 2], thin=16384) == 4
+    # A 3-D shard cut on its middle axis: 4 runs of 2 rows each.
+    middle = {p: [((0, 4), (p * 2, p * 2 + 2), (0, 8))] for p in range(2)}
+    assert reshard_parts((4, 4, 8), 4, middle, [1, 1], thin=1024) == 2
+    assert reshard_parts((4, 4, 8), 4, middle, [1, 1], thin=64) is None
 
 
 def test_normalize_index_and_relative_slices():

@@ -26,6 +26,7 @@ from orbax_safetensors.planning import (
     plan_tensor_reads,
     plan_uploads,
     replication_factor,
+    reshard_parts,
 )
 
 BF16 = DTYPES["BF16"]
@@ -144,3 +145,31 @@ def test_one_process_of_512_plans_its_load_in_linear_work():
     copies = [c for b in read_plan.batches for r in b.bounced for c in r.copies]
     assert all(0 <= shard < TP for shard, _, _ in copies)
     assert np.unique([shard for shard, _, _ in copies]).size == TP
+
+
+def test_one_process_of_512_reads_thin_strips_as_row_blocks():
+    """``P("tp", "fsdp")`` gives process 0 a 16-byte piece of every row of q and up: read as
+    row blocks (resharded on device) those are a few requests, not one per row; o and down
+    (``P("fsdp", "tp")``) are a contiguous row block per process already and stay as they are."""
+    model = _model()
+    plan = plan_hf_checkpoint([s for s, _ in model], max_shard_size="64MB")
+    stored = {i.name: TensorSource(i.dtype, i.shape, (StoredSlice(
+        i, f.name, f.data_start + i.begin, (0,) * len(i.shape)),))
+        for f in plan.files for i in f.tensors}
+    devices = FSDP * TP
+    reads = []
+    for spec, tp_rows in model:
+        boxes = _boxes(spec, tp_rows)
+        by_process = {p: boxes[p * TP:(p + 1) * TP] for p in range(FSDP)}
+        parts, calls = _calls(lambda: reshard_parts(spec.shape, 2, by_process, [TP] * FSDP, 16 << 10))
+        assert calls < 4 * devices  # linear in the boxes, numpy per box
+        assert (parts is not None) == bool(tp_rows), spec
+        if parts is not None:
+            rows = spec.shape[0] // parts
+            blocks = sorted({d // (devices // parts) for d in range(TP)})  # process 0's devices
+            local = [((j * rows, (j + 1) * rows), (0, spec.shape[1])) for j in blocks]
+            reads.append(plan_tensor_reads(stored[spec.name], local, 0, 4 << 20))
+    read_plan = plan_reads(reads, PROFILE)
+    requests = sum(len(t) for b in read_plan.batches for _, t in b.transfers)
+    assert not any(b.bounced for b in read_plan.batches)
+    assert requests <= len(reads)  # process 0's row blocks, coalesced within each file

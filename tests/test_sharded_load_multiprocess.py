@@ -95,3 +95,22 @@ def test_host_targets_need_a_single_process(multiprocess, checkpoint):
                            args={"path": checkpoint["path"]})
     for r in results:
         assert "needs a sharding" in r.value and "embed" in r.value
+
+
+def test_thin_strips_are_read_in_row_blocks_and_resharded_on_device(multiprocess, checkpoint):
+    """Under mesh_2d each process holds 64-256-byte pieces of every row of several tensors:
+    without resharding that is a request per row (no over-read allowed here); read as row
+    blocks and moved by XLA, a few requests, and the shards still equal the source."""
+    def run(reshard):
+        results = multiprocess(
+            f"{_MODULE}:_child_load", num_processes=2, devices_per_process=4,
+            args={"path": checkpoint["path"], "scenario": "mesh_2d",
+                  "options": {"max_overread": 1.0, "reshard_thin_shards": reshard}})
+        return [r.value for r in results]
+
+    resharded, strided = run(True), run(False)
+    for on, off in zip(resharded, strided):
+        assert on["tensors_resharded"] >= 3 and off["tensors_resharded"] == 0, (on, off)
+        assert on["bytes_needed"] == off["bytes_needed"]
+        assert on["requests"] * 20 < off["requests"], (on, off)
+        assert on["bytes_read"] <= off["bytes_read"], (on, off)

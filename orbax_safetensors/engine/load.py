@@ -107,6 +107,12 @@ class ReadOptions:
         several processes need (replicated across hosts) once per cluster,
         1/N per process, and all-gather it on device. ``None``: on whenever
         ``jax.process_count() > 1``.
+      reshard_thin_shards: with several processes, read a tensor whose shards
+        are strided strips too thin to read well (runs shorter than
+        ``max_gap``: under ``P("tp", "fsdp")`` on hundreds of devices, a ranged
+        request per 512-byte row piece) in contiguous row blocks, one set per
+        process, and move it to the target sharding on device (an all-to-all).
+        ``None``: on whenever ``jax.process_count() > 1``.
     """
 
     memory_budget: int | str = "1GB"
@@ -115,6 +121,7 @@ class ReadOptions:
     max_gap: int | None = None
     threads: int = 16
     replicated_read_once: bool | None = None
+    reshard_thin_shards: bool | None = None
 
 
 def load(
@@ -181,14 +188,17 @@ def async_load(
     train or serve step (``jax.jit(step).lower(...).compile()``), whose time
     the load then hides, as Orbax's ``load_pytree_async`` allows.
 
-    Arguments as for ``load``. One difference: ``replicated_read_once`` is off
-    unless ``options`` turns it on, because it ends in an all-gather, a device
-    collective, and one issued from a background thread can deadlock against
-    collectives the caller issues meanwhile on the other processes.
+    Arguments as for ``load``. One difference: ``replicated_read_once`` and
+    ``reshard_thin_shards`` are off unless ``options`` turns them on, because
+    they end in device collectives (an all-gather, an all-to-all), and one
+    issued from a background thread can deadlock against collectives the
+    caller issues meanwhile on the other processes.
     """
     options = options or ReadOptions()
-    if options.replicated_read_once is None:
-        options = dataclasses.replace(options, replicated_read_once=False)
+    options = dataclasses.replace(
+        options,
+        replicated_read_once=bool(options.replicated_read_once),
+        reshard_thin_shards=bool(options.reshard_thin_shards))
     loading = _Loading(Location.resolve(path, storage_options, filesystem), target, strict,
                        options, stats if stats is not None else LoadStats(), mapping,
                        abandoned=_Abandoned())
@@ -334,8 +344,9 @@ def _plan(checkpoint: Checkpoint, loading: _Loading) -> Callable[[], Any]:
             raise ValueError(
                 "with several processes every target leaf needs a sharding (a jax.Array or a "
                 "jax.ShapeDtypeStruct with .sharding); host-array leaves: " + ", ".join(hosted[:10]))
-    read_once = (options.replicated_read_once if options.replicated_read_once is not None
-                 else jax.process_count() > 1)
+    several = jax.process_count() > 1
+    read_once = options.replicated_read_once if options.replicated_read_once is not None else several
+    reshard = options.reshard_thin_shards if options.reshard_thin_shards is not None else several
     capabilities = checkpoint.storage.capabilities
     profile = ReadProfile(
         chunk_bytes=(capabilities.chunk_bytes if options.chunk_bytes is None
@@ -344,8 +355,9 @@ def _plan(checkpoint: Checkpoint, loading: _Loading) -> Callable[[], Any]:
         max_overread=options.max_overread,
         memory_budget=parse_size(options.memory_budget))
     bounce_bytes = min(profile.chunk_bytes, _BOUNCE_BYTES)
+    reshard_below = profile.max_gap if reshard else 0
     jobs = [_job(stored_names[i], checkpoint.tensors[stored_names[i]], requests[i], read_once,
-                 bounce_bytes, transforms[i])
+                 reshard_below, bounce_bytes, transforms[i])
             for i in wanted]
     plan = plan_reads([job.reads for job in jobs], profile)
 
@@ -364,14 +376,15 @@ def _plan(checkpoint: Checkpoint, loading: _Loading) -> Callable[[], Any]:
     return read
 
 
-def _job(name: str, source: TensorSource, request: _Request, read_once: bool, bounce_bytes: int,
-         transform: Transform | None = None) -> Job:
+def _job(name: str, source: TensorSource, request: _Request, read_once: bool, reshard_below: int,
+         bounce_bytes: int, transform: Transform | None = None) -> Job:
     if transform is not None and transform.is_identity:
         transform = None
     if request.sharding is None:
         return host_job(name, source, request.dtype, bounce_bytes=bounce_bytes, transform=transform)
     return sharded_job(name, source, request.dtype, request.sharding,
-                       read_once=read_once, bounce_bytes=bounce_bytes, transform=transform)
+                       read_once=read_once, bounce_bytes=bounce_bytes, reshard_below=reshard_below,
+                       transform=transform)
 
 
 def _map(

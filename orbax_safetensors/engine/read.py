@@ -15,7 +15,6 @@ transfer thread also keeps every process issuing cross-process collectives
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import math
@@ -28,6 +27,12 @@ import numpy as np
 
 from orbax_safetensors.engine.executor import Executor
 from orbax_safetensors.engine.host_memory import host_buffers, populate
+from orbax_safetensors.engine.resharding import (
+    device_boxes,
+    resharding,
+    row_sharding,
+    shared_across_processes,
+)
 from orbax_safetensors.errors import SafetensorsError
 from orbax_safetensors.format import from_bytes
 from orbax_safetensors.planning import (
@@ -43,11 +48,9 @@ from orbax_safetensors.planning import (
     box_shape,
     box_size,
     full_box,
-    normalize_index,
     plan_byte_reads,
     plan_tensor_reads,
     read_once_boxes,
-    replication_factor,
 )
 from orbax_safetensors.planning.mapping import Transform
 from orbax_safetensors.storage import Storage
@@ -60,7 +63,9 @@ class LoadStats:
     ``bytes_needed`` counts the bytes of the shards this process's devices
     hold (a replicated tensor counts in full); ``bytes_read`` the bytes it
     fetched from storage, which exceeds it by coalesced gaps and falls below
-    it for tensors read once per cluster and all-gathered.
+    it for tensors read once per cluster and all-gathered. ``tensors_resharded``
+    counts tensors read in row blocks and moved to the target sharding on
+    device (``ReadOptions.reshard_thin_shards``).
     """
 
     bytes_needed: int = 0
@@ -69,6 +74,7 @@ class LoadStats:
     files: int = 0
     tensors: int = 0
     tensors_read_once: int = 0
+    tensors_resharded: int = 0
     seconds: float = 0.0
 
 
@@ -106,7 +112,7 @@ def host_job(name: str, source: TensorSource, dtype: np.dtype | None, *, bounce_
 
 def sharded_job(
     name: str, source: TensorSource, dtype: np.dtype, sharding: jax.sharding.Sharding,
-    *, read_once: bool, bounce_bytes: int, transform: Transform | None = None,
+    *, read_once: bool, bounce_bytes: int, reshard_below: int = 0, transform: Transform | None = None,
 ) -> Job:
     """This process's shards of a tensor, assembled into a global ``jax.Array``.
 
@@ -114,17 +120,26 @@ def sharded_job(
     the devices of this process); the reads from the planner. With a
     ``transform`` (a mapping rule) the array has the tree's shape: each device
     box is read as the stored box holding it and transformed on the host, so
-    a transposed or head-split shard still costs only its own bytes.
+    a transposed or head-split shard still costs only its own bytes. A tensor
+    whose shards across processes have runs under ``reshard_below`` bytes is
+    read in row blocks and resharded on device (``planning.reshard_parts``).
     """
     shape = source.shape if transform is None else transform.tree_shape
     try:
-        local, by_process = _device_boxes(sharding, shape)
+        local, _ = device_boxes(sharding, shape)
     except Exception as e:  # jax raises several types for shardings that do not fit
         raise ValueError(f"tensor {name!r} of shape {shape}: target sharding does not fit: {e}") from None
     needed = sum(box_size(b) for b in local) * source.dtype.bits // 8
     if (read_once and transform is None and source.whole is not None and source.nbytes > 0
-            and _bitcastable(source.dtype.numpy) and replication_factor(shape, by_process) > 1.0):
+            and _bitcastable(source.dtype.numpy) and shared_across_processes(sharding, shape)):
         return _read_once_job(source.whole, dtype, sharding, needed)
+    if reshard_below and transform is None and source.whole is not None and not source.dtype.is_packed:
+        rows = row_sharding(sharding, shape, source.dtype.bits // 8, reshard_below)
+        if rows is not None:
+            inner = sharded_job(name, source, dtype, rows, read_once=False, bounce_bytes=bounce_bytes)
+            move = resharding(rows, sharding)
+            return Job(dataclasses.replace(inner.reads, needed=needed, resharded=True),
+                       lambda buffers: move(inner.finish(buffers)))
 
     if source.dtype.is_packed:  # read the bytes, unpack, then cut the shards in memory
         stored = _whole_slice(name, source, f"a {source.dtype.code} tensor")
@@ -149,25 +164,6 @@ def sharded_job(
             views[stored_box(box)], stored_box(box), box))
 
     return Job(plan_tensor_reads(source, shards, needed, bounce_bytes), finish)
-
-
-@functools.lru_cache(maxsize=256)
-def _device_boxes(sharding: jax.sharding.Sharding, shape: tuple[int, ...]
-                  ) -> tuple[dict[Box, list[jax.Device]], dict[int, list[Box]]]:
-    """This process's boxes (with the devices holding each) and every process's boxes.
-
-    Cached: a model repeats a few shapes under a few shardings (126 layers of a
-    405B model, 9 distinct pairs), and each answer walks every device of the mesh.
-    """
-    me = jax.process_index()
-    local: dict[Box, list[jax.Device]] = collections.defaultdict(list)
-    by_process: dict[int, list[Box]] = collections.defaultdict(list)
-    for device, index in sharding.devices_indices_map(shape).items():
-        box = normalize_index(index, shape)
-        by_process[device.process_index].append(box)
-        if device.process_index == me:
-            local[box].append(device)
-    return dict(local), dict(by_process)
 
 
 def _device_array(shape, sharding, dtype, local: dict[Box, list[jax.Device]], host_shard) -> jax.Array:
@@ -280,6 +276,7 @@ def execute(storage: Storage, plan: ReadPlan, jobs: Sequence[Job], *, memory_bud
     results: list[Any] = [None] * len(jobs)
     stats.tensors += len(jobs)
     stats.tensors_read_once += sum(j.reads.read_once for j in jobs)
+    stats.tensors_resharded += sum(j.reads.resharded for j in jobs)
     stats.bytes_needed += sum(j.reads.needed for j in jobs)
     stats.files += len(plan.files)
 

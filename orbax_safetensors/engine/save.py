@@ -38,6 +38,7 @@ from orbax_safetensors.engine.coordination import (
     share_from_primary,
 )
 from orbax_safetensors.engine.operation import Operation
+from orbax_safetensors.engine.resharding import resharding, row_sharding
 from orbax_safetensors.engine.tree_names import flatten_with_names
 from orbax_safetensors.errors import DistributedError, ProcessFailure
 from orbax_safetensors.format import dtype_for_numpy, to_bytes
@@ -79,13 +80,17 @@ class SaveStats:
 
     ``bytes_written`` counts tensor bytes this process wrote: the shards it
     holds with ``replica_id == 0``, so across processes every byte is written
-    exactly once. ``blocking_seconds`` is how long ``async_save`` held the
-    caller (the device→host copies); ``seconds`` runs until the commit.
+    exactly once. ``tensors_resharded`` counts tensors whose shards were thin
+    strips across processes, moved to row blocks on device before the copy
+    (``planning.reshard_parts``), so each process writes contiguous rows.
+    ``blocking_seconds`` is how long ``async_save`` held the caller (the
+    device→host copies); ``seconds`` runs until the commit.
     """
 
     bytes_written: int = 0
     requests: int = 0
     files: int = 0
+    tensors_resharded: int = 0
     blocking_seconds: float = 0.0
     seconds: float = 0.0
 
@@ -231,13 +236,16 @@ def prepare_save(location: Location, tree: Any, options: SaveOptions, *, copy: b
     parse_size(options.max_shard_size)  # a bad size is the caller's error, before anything starts
     key = next_operation_key("save")
     commit = take_location(location, key, overwrite=options.overwrite, fresh=new_directory)
+    # Several processes writing one hf file: thin strips are written as row blocks instead.
+    several_writers = jax.process_count() > 1 and options.layout == "hf" and transforms is None
+    reshard_below = location.storage.capabilities.max_gap if several_writers else 0
     try:
-        shards = _host_shards(arrays, {s.name: s for s in tree_specs}, copy=copy,
-                              transforms=transforms)
+        shards, resharded = _host_shards(arrays, {s.name: s for s in tree_specs}, copy=copy,
+                                         transforms=transforms, reshard_below=reshard_below)
     except BaseException:
         commit.release()
         raise
-    stats = SaveStats(blocking_seconds=time.perf_counter() - started)
+    stats = SaveStats(tensors_resharded=resharded, blocking_seconds=time.perf_counter() - started)
     if options.layout == "distributed":
         strategy = lambda: _distributed(shards, {s.name: s for s in specs}, options)  # noqa: E731
     else:
@@ -321,9 +329,10 @@ def _spec(name: str, array: jax.Array | np.ndarray) -> TensorSpec:
 
 def _host_shards(
     arrays: Mapping[str, Any], specs: Mapping[str, TensorSpec], *, copy: bool,
-    transforms: Mapping[str, tuple[str, Transform]] | None = None,
-) -> list[HostShard]:
-    """Host values of the shards this process writes (``replica_id == 0``).
+    transforms: Mapping[str, tuple[str, Transform]] | None = None, reshard_below: int = 0,
+) -> tuple[list[HostShard], int]:
+    """Host values of the shards this process writes (``replica_id == 0``), and how many
+    arrays were resharded into row blocks first (runs under ``reshard_below`` bytes).
 
     All device→host transfers are started before the first is awaited. With
     ``copy`` (``async_save``) the caller may donate or overwrite its arrays as
@@ -331,26 +340,36 @@ def _host_shards(
     numpy leaves are copied. CPU shards are not: their immutable buffers
     already are host memory, and the view we keep is a reference XLA honours
     (a donation of a still-referenced buffer is skipped, not performed), so a
-    gigabyte memcpy on the caller's critical path buys nothing there.
+    gigabyte memcpy on the caller's critical path buys nothing there. A
+    resharded array is ours, never the caller's: its shards are brought to the
+    host at once (copied off an accelerator, viewed on CPU), so at most one
+    such extra array is alive on device at a time.
     """
-    owned = []
+    owned, resharded = [], 0
     for name, array in arrays.items():
-        shape = specs[name].shape
+        spec = specs[name]
         if isinstance(array, jax.Array):
-            for shard in array.addressable_shards:
-                if shard.replica_id == 0:
-                    shard.data.copy_to_host_async()
-                    owned.append((name, normalize_index(shard.index, shape), shard.data))
+            rows = (row_sharding(array.sharding, spec.shape, spec.dtype.bits // 8, reshard_below)
+                    if reshard_below and not spec.dtype.is_packed else None)
+            if rows is not None:
+                array, resharded = resharding(array.sharding, rows)(array), resharded + 1
+            mine = [shard for shard in array.addressable_shards if shard.replica_id == 0]
+            for shard in mine:
+                shard.data.copy_to_host_async()
+            for shard in mine:  # a resharded array's shards come to the host now, not later
+                data = shard.data if rows is None else np.asarray(shard.data)
+                owned.append((name, normalize_index(shard.index, spec.shape), data, rows is not None))
         elif jax.process_index() == 0:
-            owned.append((name, full_box(shape), array))
-    shards = [HostShard(name, box, np.array(data, copy=True if copy and _copied(data) else None))
-              for name, box, data in owned]
+            owned.append((name, full_box(spec.shape), array, False))
+    shards = [HostShard(name, box, np.array(
+        data, copy=True if copy and not ours and _copied(data) else None))
+              for name, box, data, ours in owned]
     for shard in shards:
         if specs[shard.name].dtype.is_packed and shard.box != full_box(specs[shard.name].shape):
             raise ValueError(
                 f"leaf {shard.name!r}: {specs[shard.name].dtype.code} packs values below a byte, "
                 "so it can only be saved from an unsharded (replicated) array")
-    return shards if transforms is None else _map_shards(shards, transforms, copy=copy)
+    return (shards if transforms is None else _map_shards(shards, transforms, copy=copy)), resharded
 
 
 def _map_shards(shards: list[HostShard], transforms: Mapping[str, tuple[str, Transform]],

@@ -22,7 +22,8 @@ Compared with Orbax's layout, a load is planned per process from the target
 sharding the same way, but strided (column-sharded) tensors are served by
 coalesced reads into bounce buffers instead of many small requests, and a
 tensor replicated across processes can be read once and shared over the
-devices (``ReadOptions.replicated_read_once``).
+devices (``ReadOptions.replicated_read_once``); thin strips across processes
+are read as row blocks and resharded on device (``reshard_thin_shards``).
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ from orbax_safetensors.planning.read_plan import (
     plan_tensor_reads,
     read_once_boxes,
     replication_factor,
+    reshard_parts,
     row_blocks,
 )
 from orbax_safetensors.planning.transfers import GAP, Runs, Segment, Transfer, Transfers, coalesce
@@ -56,7 +57,7 @@ __all__ = [
     "Batch", "BlockPart", "BounceRead", "ReadPlan", "ReadProfile", "Region", "RegionRead", "SliceRead",
     "StoredSlice", "TensorReads", "TensorSource", "box_runs", "plan_block", "plan_byte_reads", "plan_reads",
     "plan_region_reads", "plan_regions", "plan_tensor_reads", "read_once_boxes",
-    "replication_factor", "row_blocks",
+    "replication_factor", "reshard_parts", "row_blocks",
     "GAP", "Runs", "Segment", "Transfer", "Transfers", "coalesce",
     "HEADER", "FilePlan", "SliceSpec", "TensorSpec", "Upload", "WritePlan", "owned_ranges",
     "plan_distributed_files", "plan_file", "plan_hf_checkpoint", "plan_single_file",

@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -183,6 +184,71 @@ def read_once_boxes(nbytes: int, parts: int) -> tuple[Box, ...]:
     return tuple(((min(k * chunk, nbytes), min((k + 1) * chunk, nbytes)),) for k in range(parts))
 
 
+def reshard_parts(shape: Sequence[int], itemsize: int, boxes_by_process: Mapping[int, Sequence[Box]],
+                  devices_per_process: Sequence[int], thin: int) -> int | None:
+    """How many row blocks to read a tensor in and reshard on device, instead of reading
+    its shards (``None``: read the shards).
+
+    A target sharding can give each process a strided strip of a tensor: under
+    ``P("tp", "fsdp")`` with 64 fsdp columns, each process of a 512-device
+    cluster holds 512-byte pieces of every row of a projection, and reading
+    them is a ranged request per row, millions per checkpoint (a bounce read
+    cannot help: the rows in between belong to other processes). The same
+    number of bytes read as whole rows, one contiguous block per process, and
+    moved to the target sharding by XLA (an all-to-all over the interconnect,
+    faster than any storage) costs a few requests. Chosen when several
+    processes hold the tensor and what some process reads (its boxes, or the
+    box they tile) is strided in runs shorter than ``thin`` bytes (the gap a
+    backend would rather read through than request apart). A contiguous part
+    is one request, however short; a process holding whole rows cut into
+    column blocks among its devices (``P("fsdp", "tp")``) reads them as one.
+
+    XLA shards evenly, so the tensor is cut into ``gcd(rows, devices)`` blocks,
+    each on ``devices / blocks`` consecutive devices (ordered by process);
+    when a block would straddle two processes -- both would read it -- the
+    shards are read instead.
+    """
+    if len(shape) < 2 or len(boxes_by_process) < 2:
+        return None
+    regions = _process_regions(boxes_by_process, len(shape))
+    extents = regions[:, :, 1] - regions[:, :, 0]
+    partial = extents != np.asarray(shape, np.int64)
+    # A run spans the innermost partial dimension and every dimension after it; the
+    # dimensions before it count the runs. One run is one request, however short.
+    split = np.where(partial.any(axis=1), len(shape) - 1 - np.argmax(partial[:, ::-1], axis=1), 0)
+    every = np.arange(len(split))
+    runs = np.cumprod(np.c_[np.ones(len(split), np.int64), extents], axis=1)[every, split]
+    run_bytes = np.cumprod(extents[:, ::-1], axis=1)[:, ::-1][every, split] * itemsize
+    if not ((runs > 1) & (run_bytes < thin)).any():
+        return None
+    parts = math.gcd(shape[0], sum(devices_per_process))
+    per_part = sum(devices_per_process) // parts
+    if any(n % per_part for n in devices_per_process):
+        return None
+    return parts
+
+
+def _process_regions(boxes_by_process: Mapping[int, Sequence[Box]], ndim: int) -> np.ndarray:
+    """``(regions, ndim, 2)`` bounds of what each process reads: its bounding box where its
+    distinct non-empty boxes tile it (as ``plan_regions`` reads them), else each box."""
+    counts = [len(boxes) for boxes in boxes_by_process.values()]
+    bounds = np.array([b for boxes in boxes_by_process.values() for b in boxes],
+                      np.int64).reshape(sum(counts), ndim, 2)
+    table = np.c_[np.repeat(np.fromiter(boxes_by_process, np.int64), counts),
+                  bounds.reshape(len(bounds), 2 * ndim)]
+    table = np.unique(table[np.all(bounds[:, :, 1] > bounds[:, :, 0], axis=1)], axis=0)
+    if not len(table):
+        return np.zeros((0, ndim, 2), np.int64)
+    process, bounds = table[:, 0], table[:, 1:].reshape(len(table), ndim, 2)
+    first = np.r_[True, process[1:] != process[:-1]]
+    starts, group = np.flatnonzero(first), np.cumsum(first) - 1
+    low = np.minimum.reduceat(bounds[:, :, 0], starts)
+    high = np.maximum.reduceat(bounds[:, :, 1], starts)
+    held = np.add.reduceat(np.prod(bounds[:, :, 1] - bounds[:, :, 0], axis=1), starts)
+    tiled = held == np.prod(high - low, axis=1)  # distinct device boxes never half-overlap
+    return np.concatenate([np.stack([low, high], axis=2)[tiled], bounds[~tiled[group]]])
+
+
 def box_runs(box: Box, shape: Sequence[int], itemsize: int, base: int, target: int) -> Runs:
     """The runs of ``box`` in a C-order tensor of ``shape`` whose data starts at file offset
     ``base``, landing back to back in buffer ``target``."""
@@ -222,6 +288,7 @@ class TensorReads:
     needed: int
     read_once: bool = False
     byte_space: bool = False
+    resharded: bool = False
 
     @property
     def nbytes(self) -> int:
