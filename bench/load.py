@@ -367,13 +367,14 @@ def render(spec: dict, files: list[Path], results: dict, args, wall: float) -> s
         "its wall time of user CPU is discarded and run again (column *discarded*).",
         "- faults: the run's minor page faults (thousands) and transparent huge pages faulted "
         "system-wide, medians. RSS: peak = the worker's `VmHWM` over the timed region (reset "
-        "right before it); CPU \"device\" arrays live in host RAM, so it includes the result "
+        "right before it); growth = peak − RSS just before the load, ÷ the tensor bytes loaded. "
+        "CPU \"device\" arrays live in host RAM, so both include the result "
         "(×8 for peers that copy a replicated tensor to every device).",
         "- *× ours*: this row's median seconds over ours (above 1: ours is faster).",
         "",
         "| sharding | contender | cold s | warm s | × ours cold | × ours warm | faults cold "
-        "(K minor / THP) | faults warm | peak RSS cold (GB) | discarded |",
-        "|---|---|---|---|---:|---:|---|---|---:|---:|",
+        "(K minor / THP) | faults warm | peak RSS cold (GB) | RSS growth ÷ loaded | discarded |",
+        "|---|---|---|---|---:|---:|---|---|---:|---:|---:|",
     ]
     notes = []
     for sharding in args.shardings:
@@ -385,7 +386,7 @@ def render(spec: dict, files: list[Path], results: dict, args, wall: float) -> s
             failed = [r for c in CONDITIONS for r in runs[c] if not r["ok"]]
             if not ok["cold"] and not ok["warm"]:
                 error = failed[0]["error"].replace("|", "\\|") if failed else "not run"
-                lines.append(f"| {sharding} | {contender} | failed: {error} |" + " |" * 8)
+                lines.append(f"| {sharding} | {contender} | failed: {error} |" + " |" * 9)
                 continue
             cells = []
             for c in CONDITIONS:
@@ -399,6 +400,8 @@ def render(spec: dict, files: list[Path], results: dict, args, wall: float) -> s
                 cells.append(f"{statistics.median(r['minor_faults'] for r in ok[c]) / 1e3:.0f} / "
                              f"{statistics.median(r['thp_faults'] for r in ok[c]):.0f}" if ok[c] else "—")
             cells.append(fmt_gb(statistics.median(r["peak_rss"] for r in ok["cold"])) if ok["cold"] else "—")
+            cells.append(f"{statistics.median((r['peak_rss'] - r['baseline_rss']) / spec['bytes'] for r in ok['cold']):.2f}"
+                         if ok["cold"] else "—")
             discarded = sum(r.get("discarded", 0) for c in CONDITIONS for r in runs[c])
             kept_disturbed = sum(bool(r.get("disturbed")) for c in CONDITIONS for r in ok[c])
             cells.append(f"{discarded}" + (f" ({kept_disturbed} kept)" if kept_disturbed else ""))
