@@ -10,7 +10,7 @@ decided; here a batch is read by the executor's threads while the previous
 one is converted and transferred to devices by a single transfer thread, and
 its host buffers are released as soon as its arrays exist. The single
 transfer thread also keeps every process issuing cross-process collectives
-(the replicated read-once path) in the same order.
+(replicated read-once, thin strips resharded) in the same order.
 """
 
 from __future__ import annotations
