@@ -28,11 +28,12 @@ are several) it reports:
   the bytes the finished plan keeps, its ranged requests and bytes read.
 * **save**: the hf write plan every process derives (``plan_hf_checkpoint``),
   the byte ranges this process owns (``owned_ranges`` of its ``replica_id ==
-  0`` shards -- row blocks for a tensor resharded on device --, 64 MB writes) and its part objects for an object store
-  (``plan_uploads``), measured the same way. A process owning more than
-  ``MAX_SAVE_RUNS`` byte runs (one process holding every column block of
-  every tensor) is not planned: its plan would take tens of GB, a segment
-  per run; the row says how many runs it owns.
+  0`` shards -- row blocks for a tensor resharded on device --, 64 MB writes)
+  and its part objects for an object store (``plan_uploads``), measured the
+  same way. A process owning more than ``MAX_SAVE_RUNS`` byte runs (one
+  process holding every column block of every tensor) is not planned: its
+  plan would take tens of GB, a segment per run; the row says how many runs
+  it owns.
 
 Building the boxes is the bench's (and, in ``ost.load``, JAX's and the
 engine's) work, not the planner's: it happens outside the timed and traced
