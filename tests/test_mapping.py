@@ -110,7 +110,7 @@ def test_map_specs_renames_and_reshapes_and_rejects_collisions():
     specs, transforms = m.map_specs([TensorSpec("layers_0.q.kernel", f32, (16, 4, 8)),
                                      TensorSpec("layers_0.o.kernel", f32, (4, 8, 16))])
     assert [(s.name, s.shape) for s in specs] == [("layers.0.q.weight", (32, 16)), ("layers.0.o.weight", (16, 32))]
-    assert transforms["layers_0.q.kernel"][0] == "layers.0.q.weight"
+    assert [p.stored for p in transforms["layers_0.q.kernel"].pieces] == ["layers.0.q.weight"]
     with pytest.raises(MappingError, match="no rule maps the tree name 'x'.*unmapped or ambiguous: x, y"):
         m.map_specs([TensorSpec("x", f32, (1,)), TensorSpec("y", f32, (1,))])
     clash = Mapping([Rule("w", "a"), Rule("w", "b")])
@@ -384,11 +384,11 @@ def test_distributed_layout_stores_mapped_slices(tmp_path, stored_checkpoint):
 def test_mapped_shards_never_view_the_callers_array_when_copying():
     from orbax_safetensors.engine.save import HostShard, _map_shards
 
-    transform = Rule("w", "w", split={0: (2, 3)}).resolve(tree_shape=(2, 3, 2))  # a pure reshape
+    assembly = Mapping([Rule("w", "w", split={0: (2, 3)})]).assembly("w", tree_shape=(2, 3, 2))  # a reshape
     value = np.arange(12, dtype=np.float32).reshape(2, 3, 2)
     shard = HostShard("w", ((0, 2), (0, 3), (0, 2)), value)
-    [copied] = _map_shards([shard], {"w": ("w", transform)}, copy=True)
-    [viewed] = _map_shards([shard], {"w": ("w", transform)}, copy=False)
+    [copied] = _map_shards([shard], {"w": assembly}, copy=True)
+    [viewed] = _map_shards([shard], {"w": assembly}, copy=False)
     assert copied.box == viewed.box == ((0, 6), (0, 2))
     assert not np.shares_memory(copied.data, value) and np.shares_memory(viewed.data, value)
     np.testing.assert_array_equal(copied.data, value.reshape(6, 2))

@@ -22,13 +22,13 @@ import numpy as np
 
 from orbax_safetensors.engine.catalog import Checkpoint, open_checkpoint
 from orbax_safetensors.engine.coordination import gather_to_all, next_operation_key
-from orbax_safetensors.engine.read import Job, LoadStats, execute, host_job, sharded_job
+from orbax_safetensors.engine.read import AssembledLeaf, Job, LoadStats, execute, host_job, sharded_job
 from orbax_safetensors.engine.tree_names import flatten_with_names
 from orbax_safetensors.errors import SafetensorsError
 from orbax_safetensors.index import parse_size
 from orbax_safetensors.planning import ReadProfile, TensorSource, plan_reads
 from orbax_safetensors.planning import mapping as mapping_rules
-from orbax_safetensors.planning.mapping import MappingError, Transform
+from orbax_safetensors.planning.mapping import Assembly, MappingError, Transform
 from orbax_safetensors.storage import Location
 
 _LOG = logging.getLogger("orbax_safetensors")
@@ -332,12 +332,12 @@ def _plan(checkpoint: Checkpoint, loading: _Loading) -> Callable[[], Any]:
     else:
         names, leaves, treedef = flatten_with_names(target, is_leaf=lambda x: x is None)
         requests = [_request_for(name, leaf) for name, leaf in zip(names, leaves)]
-    stored_names, transforms = names, [None] * len(names)
+    assemblies = None
     if mapping is not None:
-        stored_names, requests, transforms = _map(checkpoint, mapping, names, requests, target is None, strict)
-        if target is None:
-            names = [mapping.tree_name(n) if n is not None else None for n in stored_names]
-    wanted = _match(checkpoint, stored_names, requests, strict)
+        names, requests, assemblies = _map(checkpoint, mapping, names, requests, target is None, strict)
+        wanted = [i for i, assembly in enumerate(assemblies) if assembly is not None]
+    else:
+        wanted = _match(checkpoint, names, requests, strict)
     if jax.process_count() > 1:
         hosted = [names[i] for i in wanted if requests[i].sharding is None]
         if hosted:
@@ -356,9 +356,22 @@ def _plan(checkpoint: Checkpoint, loading: _Loading) -> Callable[[], Any]:
         memory_budget=parse_size(options.memory_budget))
     bounce_bytes = min(profile.chunk_bytes, _BOUNCE_BYTES)
     reshard_below = profile.max_gap if reshard else 0
-    jobs = [_job(stored_names[i], checkpoint.tensors[stored_names[i]], requests[i], read_once,
-                 reshard_below, bounce_bytes, transforms[i])
-            for i in wanted]
+    jobs: list[Job] = []
+    outputs: list[int | AssembledLeaf] = []  # per wanted leaf: its job, or the leaf its jobs build
+    for i in wanted:
+        request = requests[i]
+        assembly = None if assemblies is None else assemblies[i]
+        if assembly is None or assembly.transform is not None:
+            stored = names[i] if assembly is None else assembly.pieces[0].stored
+            outputs.append(len(jobs))
+            jobs.append(_job(stored, checkpoint.tensors[stored], request, read_once, reshard_below,
+                             bounce_bytes, None if assembly is None else assembly.transform))
+            continue
+        sources = [checkpoint.tensors[piece.stored] for piece in assembly.pieces]
+        dtype = request.dtype or _assembled_dtype(sources[0].dtype.numpy, assembly)
+        leaf = AssembledLeaf(names[i], sources, assembly, dtype, request.sharding, bounce_bytes=bounce_bytes)
+        outputs.append(leaf)
+        jobs.extend(leaf.jobs)
     plan = plan_reads([job.reads for job in jobs], profile)
 
     def read() -> Any:
@@ -366,10 +379,11 @@ def _plan(checkpoint: Checkpoint, loading: _Loading) -> Callable[[], Any]:
                          threads=options.threads, stats=stats, cancelled=loading.abandoned)
         stats.seconds += time.perf_counter() - loading.started
         _LOG.debug("loaded %s: %s", checkpoint.survey.location.url, stats)
+        loaded = [values[out] if isinstance(out, int) else out.value for out in outputs]
         if treedef is None:
-            return dict(zip([names[i] for i in wanted], values))
+            return dict(zip([names[i] for i in wanted], loaded))
         result = list(leaves)
-        for i, value in zip(wanted, values):
+        for i, value in zip(wanted, loaded):
             result[i] = value
         return jax.tree_util.tree_unflatten(treedef, result)
 
@@ -390,38 +404,58 @@ def _job(name: str, source: TensorSource, request: _Request, read_once: bool, re
 def _map(
     checkpoint: Checkpoint, mapping: mapping_rules.Mapping, names: list[str], requests: list[_Request],
     from_checkpoint: bool, strict: bool,
-) -> tuple[list[str | None], list[_Request], list[Transform | None]]:
-    """Stored names, requests in stored shapes, and transforms of the leaves ``names``.
+) -> tuple[list[str], list[_Request], list[Assembly | None]]:
+    """Tree names, their requests, and how each leaf is made of stored tensors.
 
-    ``names`` are tree names, or (``from_checkpoint``, no target) stored ones.
-    A name no rule maps, or one whose shapes the rule cannot map, gets ``None``
-    (not loaded) unless ``strict``, which reports every such name at once.
+    ``names`` are tree names, or (``from_checkpoint``, no target) stored ones,
+    which become the tree leaves they map to (a stacked leaf gathers many).
+    A leaf no rule maps, or whose stored tensors are missing or of shapes the
+    rule cannot map, gets ``None`` (not loaded) unless ``strict``, which
+    reports every such leaf at once, and every stored tensor no leaf uses.
     """
+    shapes = {name: tensor.shape for name, tensor in checkpoint.tensors.items()}
     side = "stored" if from_checkpoint else "tree"
     unmapped = set(mapping.unmapped(names, side))
     problems = [f"no single rule maps the {side} names: {', '.join(sorted(unmapped))}"] if unmapped else []
-    stored_names: list[str | None] = []
-    mapped_requests, transforms = [], []
+    if from_checkpoint:
+        names = list(dict.fromkeys(mapping.tree_name(n) for n in names if n not in unmapped))
+        requests = [_Request(None, None, None)] * len(names)
+        unmapped = set()
+    assemblies: list[Assembly | None] = []
+    used: set[str] = set()
     for name, request in zip(names, requests):
-        stored = transform = None
+        assembly = None
         if name not in unmapped:
-            stored, rule = (name, mapping.tree_rule(name)[1]) if from_checkpoint else mapping.stored_rule(name)
-            if stored in checkpoint.tensors:
-                try:
-                    transform = rule.resolve(stored_shape=checkpoint.tensors[stored].shape,
-                                             tree_shape=request.shape, dims=mapping.dims)
-                    request = dataclasses.replace(request, shape=transform.stored_shape)
-                except MappingError as e:
-                    problems.append(f"{name}: {e}")
-                    stored = None
-        stored_names.append(stored)
-        mapped_requests.append(request)
-        transforms.append(transform)
+            try:
+                assembly = mapping.assembly(name, tree_shape=request.shape, stored_shapes=shapes)
+                missing = [p.stored for p in assembly.pieces if p.stored not in shapes]
+                if missing:
+                    raise MappingError(f"missing from the checkpoint: {', '.join(missing)}")
+                wrong = [f"{p.stored} {shapes[p.stored]} (needs {p.transform.stored_shape})"
+                         for p in assembly.pieces if tuple(shapes[p.stored]) != p.transform.stored_shape]
+                if wrong:
+                    raise MappingError(f"shape mismatch: {'; '.join(wrong)}")
+                used.update(p.stored for p in assembly.pieces)
+            except MappingError as e:
+                problems.append(f"{name}: {e}")
+                assembly = None
+        assemblies.append(assembly)
+    unexpected = sorted(set(shapes) - used)
+    if strict and unexpected and not from_checkpoint:
+        problems.append(f"in the checkpoint but not the target: {', '.join(unexpected)}")
     if strict and problems:
         raise SafetensorsError(
             "target does not map to the checkpoint (pass strict=False to load what does): "
             + " | ".join(problems))
-    return stored_names, mapped_requests, transforms
+    return names, requests, assemblies
+
+
+def _assembled_dtype(stored: np.dtype, assembly: Assembly) -> np.dtype:
+    """What a stacked leaf loaded without a target holds: the stored dtype, widened to
+    float32 (float64) where a piece is scaled (``Transform.to_tree``)."""
+    if any(p.transform.scale is not None for p in assembly.pieces):
+        return np.dtype(np.float64 if stored == np.float64 else np.float32)
+    return stored
 
 
 def _request_for(name: str, leaf: Any) -> _Request:

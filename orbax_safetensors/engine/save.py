@@ -65,7 +65,7 @@ from orbax_safetensors.planning import (
     relative_slices,
 )
 from orbax_safetensors.planning import mapping as mapping_rules
-from orbax_safetensors.planning.mapping import Transform
+from orbax_safetensors.planning.mapping import Assembly
 from orbax_safetensors.storage import Location
 from orbax_safetensors.storage.commit import Commit
 
@@ -228,20 +228,20 @@ def prepare_save(location: Location, tree: Any, options: SaveOptions, *, copy: b
     """
     started = time.perf_counter()
     arrays, tree_specs = check_tree(tree, options.layout)
-    specs, transforms = tree_specs, None
+    specs, assemblies = tree_specs, None
     if options.mapping is not None:  # plan in stored names and shapes; shards are mapped below
-        specs, transforms = options.mapping.map_specs(tree_specs)
+        specs, assemblies = options.mapping.map_specs(tree_specs)
     if location.is_single_file and options.layout == "distributed":
         raise ValueError(f"{location.url!r}: the distributed layout is a directory of files")
     parse_size(options.max_shard_size)  # a bad size is the caller's error, before anything starts
     key = next_operation_key("save")
     commit = take_location(location, key, overwrite=options.overwrite, fresh=new_directory)
     # Several processes writing one hf file: thin strips are written as row blocks instead.
-    several_writers = jax.process_count() > 1 and options.layout == "hf" and transforms is None
+    several_writers = jax.process_count() > 1 and options.layout == "hf" and assemblies is None
     reshard_below = location.storage.capabilities.max_gap if several_writers else 0
     try:
         shards, resharded = _host_shards(arrays, {s.name: s for s in tree_specs}, copy=copy,
-                                         transforms=transforms, reshard_below=reshard_below)
+                                         assemblies=assemblies, reshard_below=reshard_below)
     except BaseException:
         commit.release()
         raise
@@ -329,7 +329,7 @@ def _spec(name: str, array: jax.Array | np.ndarray) -> TensorSpec:
 
 def _host_shards(
     arrays: Mapping[str, Any], specs: Mapping[str, TensorSpec], *, copy: bool,
-    transforms: Mapping[str, tuple[str, Transform]] | None = None, reshard_below: int = 0,
+    assemblies: Mapping[str, Assembly] | None = None, reshard_below: int = 0,
 ) -> tuple[list[HostShard], int]:
     """Host values of the shards this process writes (``replica_id == 0``), and how many
     arrays were resharded into row blocks first (runs under ``reshard_below`` bytes).
@@ -369,23 +369,31 @@ def _host_shards(
             raise ValueError(
                 f"leaf {shard.name!r}: {specs[shard.name].dtype.code} packs values below a byte, "
                 "so it can only be saved from an unsharded (replicated) array")
-    return (shards if transforms is None else _map_shards(shards, transforms, copy=copy)), resharded
+    return (shards if assemblies is None else _map_shards(shards, assemblies, copy=copy)), resharded
 
 
-def _map_shards(shards: list[HostShard], transforms: Mapping[str, tuple[str, Transform]],
+def _map_shards(shards: list[HostShard], assemblies: Mapping[str, Assembly],
                 *, copy: bool) -> list[HostShard]:
-    """Tree shards → stored names, boxes and bytes, one shard at a time (see ``Mapping``).
+    """Tree shards → stored names, boxes and bytes, one shard at a time (see ``Mapping``):
+    each piece of the leaf the shard meets (a layer of a stacked leaf, a projection of a
+    fused one) gets the shard's part of it, so every process writes its own rows of
+    every per-layer tensor and nothing is gathered.
 
     A transposed shard is a fresh array; a merely reshaped one may still view
     the caller's, so ``async_save`` copies it like any other shard.
     """
     mapped = []
     for shard in shards:
-        stored, transform = transforms[shard.name]
-        for box, data in transform.to_stored(shard.box, shard.data):
-            if copy and np.may_share_memory(data, shard.data):
-                data = data.copy()
-            mapped.append(HostShard(stored, box, data))
+        for piece in assemblies[shard.name].pieces:
+            part = piece.part(shard.box)
+            if part is None:
+                continue
+            inside, own = part
+            values = np.asarray(shard.data)[relative_slices(inside, shard.box)].reshape(box_shape(own))
+            for box, data in piece.transform.to_stored(own, values):
+                if copy and np.may_share_memory(data, shard.data):
+                    data = data.copy()
+                mapped.append(HostShard(piece.stored, box, data))
     return mapped
 
 
