@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import orbax_safetensors as ost
+from tests.trees import flat, nest
 from orbax_safetensors.planning.mapping import Mapping, MappingError, Rule, halves_to_interleaved
 
 L, D, H, K, HD, F, E, V = 8, 8, 4, 2, 4, 16, 4, 16
@@ -93,27 +94,6 @@ def _target(case: str, dtype=np.float32) -> dict:
     shapes = {name: value.shape for name, value in _expected(_stored()).items()}
     return {name: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, SPECS[case].get(name, P())))
             for name, shape in shapes.items()}
-
-
-def _nest(flat: dict) -> dict:
-    tree: dict = {}
-    for name, value in flat.items():
-        *parents, leaf = name.split(".")
-        node = tree
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = value
-    return tree
-
-
-def _flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[prefix + key] = value
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -205,10 +185,10 @@ def test_permuted_scaled_boxes_read_and_write_exactly_their_values(data):
 @pytest.mark.parametrize("case", sorted(SPECS))
 def test_sharded_load_reads_exactly_each_devices_layers_rows_columns_or_experts(checkpoint, case):
     stats = ost.LoadStats()
-    loaded = ost.load(checkpoint, _nest(_target(case)), mapping=_mapping(), stats=stats,
+    loaded = ost.load(checkpoint, nest(_target(case)), mapping=_mapping(), stats=stats,
                       options=ost.ReadOptions(max_gap=0, max_overread=1.0))
     expected = _expected(_stored())
-    for name, leaf in _flat(loaded).items():
+    for name, leaf in flat(loaded).items():
         assert leaf.sharding == _target(case)[name].sharding
         for shard in leaf.addressable_shards:
             np.testing.assert_array_equal(np.asarray(shard.data), expected[name][shard.index], err_msg=name)
@@ -217,7 +197,7 @@ def test_sharded_load_reads_exactly_each_devices_layers_rows_columns_or_experts(
 
 
 def test_save_from_shards_gives_back_the_same_file(checkpoint, tmp_path):
-    loaded = ost.load(checkpoint, _nest(_target("layer")), mapping=_mapping())
+    loaded = ost.load(checkpoint, nest(_target("layer")), mapping=_mapping())
     ost.save(str(tmp_path / "out"), loaded, mapping=_mapping())
     with open(os.path.join(checkpoint, "model.safetensors"), "rb") as a, \
             open(tmp_path / "out" / "model.safetensors", "rb") as b:
@@ -231,9 +211,9 @@ def test_bfloat16_checkpoint_round_trips_through_a_float32_tree_and_an_inexact_s
     stored = _stored(ml_dtypes.bfloat16)
     ost.save(str(tmp_path / "bf16"), stored)
     mapping = _mapping(scale, dtype="bfloat16")
-    loaded = ost.load(str(tmp_path / "bf16"), _nest(_target("row")), mapping=mapping)
+    loaded = ost.load(str(tmp_path / "bf16"), nest(_target("row")), mapping=mapping)
     expected = _expected(stored, scale)
-    for name, leaf in _flat(loaded).items():
+    for name, leaf in flat(loaded).items():
         assert leaf.dtype == np.float32
         np.testing.assert_array_equal(np.asarray(leaf), expected[name], err_msg=name)
     ost.save(str(tmp_path / "back"), loaded, mapping=mapping)
@@ -277,7 +257,7 @@ def test_fused_projections_concatenate_per_shard_both_ways(checkpoint, tmp_path)
                                                               sharding=NamedSharding(mesh, P("b", "a")))
     target["embed.embedding"] = jax.ShapeDtypeStruct((V, D), np.float32)
     stats = ost.LoadStats()
-    loaded = _flat(ost.load(checkpoint, _nest(target), mapping=fused, stats=stats,
+    loaded = flat(ost.load(checkpoint, nest(target), mapping=fused, stats=stats,
                             options=ost.ReadOptions(max_gap=0, max_overread=1.0)))
     assert stats.bytes_read == stats.bytes_needed
     for i in range(L):
@@ -286,7 +266,7 @@ def test_fused_projections_concatenate_per_shard_both_ways(checkpoint, tmp_path)
         np.testing.assert_array_equal(np.asarray(loaded[f"layers_{i}.qk.kernel"]), qk)
     untargeted = ost.load(checkpoint, mapping=fused)
     assert untargeted["layers_0.qk.kernel"].shape == (D, H + K, HD)  # sizes from the stored shapes
-    ost.save(str(tmp_path / "fused"), _nest(loaded), mapping=fused)
+    ost.save(str(tmp_path / "fused"), nest(loaded), mapping=fused)
     with open(os.path.join(checkpoint, "model.safetensors"), "rb") as a, \
             open(tmp_path / "fused" / "model.safetensors", "rb") as b:
         assert a.read() == b.read()
@@ -299,11 +279,11 @@ def _child_layers_per_process(args):
     """Each of 2 processes holds half the layers (and experts); it reads only those and
     writes only those rows back."""
     stats = ost.LoadStats()
-    target = _nest(_target(args["case"]))
+    target = nest(_target(args["case"]))
     loaded = ost.load(args["path"], target, mapping=_mapping(), stats=stats,  # each reads embed whole
                       options=ost.ReadOptions(max_gap=0, max_overread=1.0, replicated_read_once=False))
     expected = _expected(_stored())
-    for name, leaf in _flat(loaded).items():
+    for name, leaf in flat(loaded).items():
         for shard in leaf.addressable_shards:
             np.testing.assert_array_equal(np.asarray(shard.data), expected[name][shard.index], err_msg=name)
     save_stats = ost.save(args["out"], loaded, mapping=_mapping())

@@ -1,5 +1,18 @@
-"""Shipped ``ost.Mapping``s for well-known architectures (Hugging Face names ↔ Flax trees)."""
+"""Shipped ``ost.Mapping``s: Hugging Face decoder checkpoints ↔ Flax trees
+(``llama`` … ``qwen3_moe``, ``for_config``) and ↔ MaxText's own params tree (``maxtext``)."""
 
-from orbax_safetensors.mappings.llama import llama
+from orbax_safetensors.mappings.huggingface import (
+    for_config,
+    gemma2,
+    gemma3,
+    llama,
+    mistral,
+    mixtral,
+    qwen2,
+    qwen3,
+    qwen3_moe,
+)
+from orbax_safetensors.mappings.maxtext import maxtext
 
-__all__ = ["llama"]
+__all__ = ["for_config", "gemma2", "gemma3", "llama", "maxtext", "mistral", "mixtral", "qwen2", "qwen3",
+           "qwen3_moe"]

@@ -1,0 +1,22 @@
+"""Reading a Hugging Face config given as a transformers config object or a plain dict."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def config_value(config: Any, key: str, default: Any = None) -> Any:
+    """``config[key]`` for a dict, ``config.key`` for a transformers config; ``default``
+    when absent or ``None``."""
+    value = config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+    return default if value is None else value
+
+
+def attention_dims(config: Any) -> dict[str, int]:
+    """The head sizes a decoder's attention rules split by (``heads``, ``kv_heads``,
+    ``head_dim``); empty without a config, when the target's shapes give them."""
+    if config is None:
+        return {}
+    heads = config_value(config, "num_attention_heads")
+    return {"heads": heads, "kv_heads": config_value(config, "num_key_value_heads", heads),
+            "head_dim": config_value(config, "head_dim", config_value(config, "hidden_size", 0) // heads)}

@@ -1,0 +1,142 @@
+"""Hugging Face decoder checkpoints ↔ Flax params trees, one function per family.
+
+The tree keeps Hugging Face's module names (so a reader can follow one into
+the other) with Flax's leaf names and layouts::
+
+    model.embed_tokens.embedding                  (vocab, hidden)
+    model.norm.scale                              (hidden,)
+    lm_head.kernel                                (hidden, vocab)   absent when tied (Gemma)
+    model.layers_{i}.<leaf>                       scan_layers=False, or
+    model.layers.<leaf>                           scan_layers=True: layer i at index i of a leading axis
+    <leaf>:
+      input_layernorm.scale, post_attention_layernorm.scale        (hidden,)
+      pre_feedforward_layernorm.scale, post_feedforward_layernorm.scale   Gemma 2/3
+      self_attn.{q,k,v}_proj.kernel               (hidden, heads | kv_heads, head_dim)
+      self_attn.o_proj.kernel                     (heads, head_dim, hidden)
+      self_attn.{q,k,v}_proj.bias                 (heads | kv_heads, head_dim)   Qwen2, attention_bias
+      self_attn.o_proj.bias                       (hidden,)                      attention_bias
+      self_attn.{q,k}_norm.scale                  (head_dim,)                    Qwen3, Gemma 3, Qwen3-MoE
+      mlp.{gate,up}_proj.kernel (hidden, intermediate), mlp.down_proj.kernel (intermediate, hidden)
+      block_sparse_moe.gate.kernel (hidden, experts); block_sparse_moe.experts.{w1,w3}.kernel
+        (experts, hidden, intermediate), .w2.kernel (experts, intermediate, hidden)       Mixtral
+      mlp.gate.kernel, mlp.experts.{gate,up,down}_proj.kernel (the same, Qwen3-MoE names)
+
+Kernels are the transposed ``Linear`` weights; attention kernels keep heads as
+their own axis, so a device holding some heads reads only their rows. Norm
+leaves hold the stored weight as it is (Gemma's forward adds the 1). Scanned
+layers and stacked experts are ``Rule.stack``: each device still reads only
+its own layers, experts, rows and columns, and a save writes the per-layer,
+per-expert tensors ``save_pretrained`` writes.
+
+``config`` (a transformers config or a dict of its fields) pins the head
+sizes, needed only when loading without a target; ``dtype`` is the dtype a
+save writes (a float32 tree saved as the bfloat16 checkpoint it came from).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from orbax_safetensors.mappings._config import attention_dims, config_value
+from orbax_safetensors.planning.mapping import Mapping, Rule
+
+
+def _decoder(config: Any, *, scan_layers: bool, dtype: Any, attention_bias: bool = False,
+             output_bias: bool = False, qk_norm: bool = False, ffn_norms: bool = False,
+             tied: bool = False, moe: tuple[str, str, tuple[str, str, str]] | None = None) -> Mapping:
+    """The rules every family shares, and the ones its flags add.
+
+    ``moe``: (router module, experts module, (gate, up, down) names), e.g.
+    ``("block_sparse_moe.gate", "block_sparse_moe.experts", ("w1", "w3", "w2"))``.
+    """
+    tree_layer = "model.layers" if scan_layers else "model.layers_{i}"
+    layer_stack = {"i": 0} if scan_layers else {}
+
+    def layer(stored: str, tree: str, *, experts: bool = False, **layout) -> Rule:
+        stack = dict(layer_stack)
+        if experts:
+            stack["e"] = len(stack)
+        return Rule(f"model.layers.{{i}}.{stored}", f"{tree_layer}.{tree}", stack=stack, dtype=dtype, **layout)
+
+    linear = {"transpose": (1, 0)}
+    rules = [Rule("model.embed_tokens.weight", "model.embed_tokens.embedding", dtype=dtype),
+             Rule("model.norm.weight", "model.norm.scale", dtype=dtype)]
+    if not tied:
+        rules.append(Rule("lm_head.weight", "lm_head.kernel", dtype=dtype, **linear))
+    norms = ["input_layernorm", "post_attention_layernorm"]
+    norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"] if ffn_norms else []
+    norms += ["self_attn.q_norm", "self_attn.k_norm"] if qk_norm else []
+    rules += [layer(f"{norm}.weight", f"{norm}.scale") for norm in norms]
+    for proj, heads in (("q_proj", "heads"), ("k_proj", "kv_heads"), ("v_proj", "kv_heads")):
+        rules.append(layer(f"self_attn.{proj}.weight", f"self_attn.{proj}.kernel",
+                           split={1: (heads, "head_dim")}, **linear))
+        if attention_bias:
+            rules.append(layer(f"self_attn.{proj}.bias", f"self_attn.{proj}.bias", split={0: (heads, "head_dim")}))
+    rules.append(layer("self_attn.o_proj.weight", "self_attn.o_proj.kernel",
+                       split={0: ("heads", "head_dim")}, **linear))
+    if output_bias:
+        rules.append(layer("self_attn.o_proj.bias", "self_attn.o_proj.bias"))
+    if moe is None:
+        rules += [layer(f"mlp.{p}.weight", f"mlp.{p}.kernel", **linear) for p in ("gate_proj", "up_proj", "down_proj")]
+    else:
+        router, experts, projections = moe
+        rules.append(layer(f"{router}.weight", f"{router}.kernel", **linear))
+        rules += [layer(f"{experts}.{{e}}.{p}.weight", f"{experts}.{p}.kernel", experts=True, **linear)
+                  for p in projections]
+    return Mapping(rules, dims=attention_dims(config))
+
+
+def llama(config: Any = None, *, scan_layers: bool = False, dtype: Any = None) -> Mapping:
+    """``LlamaForCausalLM`` (Llama 2, 3.x: RoPE scaling is config, not weights); biases
+    when the config sets ``attention_bias``."""
+    bias = bool(config is not None and config_value(config, "attention_bias", False))
+    return _decoder(config, scan_layers=scan_layers, dtype=dtype, attention_bias=bias, output_bias=bias)
+
+
+def mistral(config: Any = None, *, scan_layers: bool = False, dtype: Any = None) -> Mapping:
+    """``MistralForCausalLM``: Llama's tensors (the sliding window is config)."""
+    return _decoder(config, scan_layers=scan_layers, dtype=dtype)
+
+
+def qwen2(config: Any = None, *, scan_layers: bool = False, dtype: Any = None) -> Mapping:
+    """``Qwen2ForCausalLM``: q/k/v biases."""
+    return _decoder(config, scan_layers=scan_layers, dtype=dtype, attention_bias=True)
+
+
+def qwen3(config: Any = None, *, scan_layers: bool = False, dtype: Any = None) -> Mapping:
+    """``Qwen3ForCausalLM``: RMS norms of each query and key head."""
+    return _decoder(config, scan_layers=scan_layers, dtype=dtype, qk_norm=True)
+
+
+def gemma2(config: Any = None, *, scan_layers: bool = False, dtype: Any = None) -> Mapping:
+    """``Gemma2ForCausalLM``: tied embeddings, norms around the MLP too."""
+    return _decoder(config, scan_layers=scan_layers, dtype=dtype, ffn_norms=True, tied=True)
+
+
+def gemma3(config: Any = None, *, scan_layers: bool = False, dtype: Any = None) -> Mapping:
+    """``Gemma3ForCausalLM`` (text): Gemma 2's tensors and query/key norms."""
+    return _decoder(config, scan_layers=scan_layers, dtype=dtype, ffn_norms=True, tied=True, qk_norm=True)
+
+
+def mixtral(config: Any = None, *, scan_layers: bool = False, dtype: Any = None) -> Mapping:
+    """``MixtralForCausalLM``: a router and experts ``w1, w3, w2`` stacked on a leading axis."""
+    return _decoder(config, scan_layers=scan_layers, dtype=dtype,
+                    moe=("block_sparse_moe.gate", "block_sparse_moe.experts", ("w1", "w3", "w2")))
+
+
+def qwen3_moe(config: Any = None, *, scan_layers: bool = False, dtype: Any = None) -> Mapping:
+    """``Qwen3MoeForCausalLM`` (every layer sparse): query/key norms, experts stacked."""
+    return _decoder(config, scan_layers=scan_layers, dtype=dtype, qk_norm=True,
+                    moe=("mlp.gate", "mlp.experts", ("gate_proj", "up_proj", "down_proj")))
+
+
+FAMILIES = {"llama": llama, "mistral": mistral, "qwen2": qwen2, "qwen3": qwen3, "gemma2": gemma2,
+            "gemma3_text": gemma3, "mixtral": mixtral, "qwen3_moe": qwen3_moe}
+
+
+def for_config(config: Any, *, scan_layers: bool = False, dtype: Any = None) -> Mapping:
+    """The mapping of the family ``config.model_type`` names."""
+    model_type = config_value(config, "model_type")
+    if model_type not in FAMILIES:
+        raise ValueError(f"no shipped mapping for model_type {model_type!r}; shipped: {', '.join(FAMILIES)}")
+    return FAMILIES[model_type](config, scan_layers=scan_layers, dtype=dtype)
