@@ -135,6 +135,10 @@ def test_experts_stack_under_layers_and_counts_come_from_the_names():
         _mapping().assembly("layers.norm.scale", stored_shapes=gap)
     with pytest.raises(MappingError, match="several stored tensors"):
         _mapping().stored_name("layers.norm.scale")
+    shapes = {name: value.shape for name, value in _stored().items()}
+    assert _mapping().tree_shapes(shapes) == {name: value.shape for name, value in _expected(_stored()).items()}
+    with pytest.raises(MappingError, match="no single rule maps the stored names: extra"):
+        _mapping().tree_shapes({**shapes, "extra": (1,)})
 
 
 def test_rules_are_checked_when_written():

@@ -740,6 +740,15 @@ class Mapping:
             raise MappingError(f"{where}: concat sizes {tuple(declared)} do not add up to {total}")
         return tuple(declared)
 
+    def tree_shapes(self, stored_shapes: MappingABC[str, Sequence[int]]) -> dict[str, tuple[int, ...]]:
+        """The tree leaves a checkpoint's tensors make and their shapes (from headers alone,
+        e.g. ``ost.metadata(path).tensors``): the skeleton of a target, before shardings."""
+        bad = self.unmapped(stored_shapes, "stored")
+        if bad:
+            raise MappingError(f"no single rule maps the stored names: {', '.join(sorted(bad))}")
+        leaves = dict.fromkeys(self.tree_name(name) for name in stored_shapes)
+        return {leaf: self.assembly(leaf, stored_shapes=stored_shapes).shape for leaf in leaves}
+
     def map_specs(self, specs: Sequence[TensorSpec]) -> tuple[list[TensorSpec], dict[str, Assembly]]:
         """Tree-named specs → stored specs, and each tree leaf's ``Assembly``."""
         bad = self.unmapped(s.name for s in specs)
