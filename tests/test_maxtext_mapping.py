@@ -1,0 +1,392 @@
+"""``ost.mappings.maxtext`` against MaxText 0.2.5 itself: same logits as transformers.
+
+One tiny Hugging Face model per family the mapping supports, every weight random (norms, q/k
+norms and routers included), untied head, saved with ``save_pretrained`` and run by transformers
+in float32 (eager attention) for the reference logits:
+
+* ``llama3.1``: ``LlamaForCausalLM``, llama3 RoPE scaling, GQA (MaxText ``llama3.1-8b``);
+* ``qwen3``: ``Qwen3ForCausalLM``, q/k norms, ``head_dim`` != hidden/heads (``qwen3-0.6b``; the
+  q/k RMSNorms undo a wrong query or key scale, so only the converter check catches one);
+* ``qwen3-moe``: ``Qwen3MoeForCausalLM``, every layer sparse, 4 experts top-2, renormalised
+  (``qwen3-30b-a3b``);
+* ``mixtral``: ``MixtralForCausalLM``, 4 experts top-2 (``mixtral-8x7b``).
+
+MaxText needs Python 3.12 and its own pinned stack (JAX 0.12, Flax 0.12), so
+``tests/maxtext_child.py`` runs in a separate venv, once for every family: MaxText's own model
+(its model yml overridden to the tiny config; MoE through its dense, dropless ``dense_matmul``),
+its abstract params sharded over a 4-device CPU mesh (fsdp 2 x tensor 2, MaxText's logical axis
+rules), scanned and unscanned layers; ``ost.load`` through the mapping fills it, MaxText's
+forward must give the reference logits, every tensor must equal what MaxText's own converter
+(``checkpoint_conversion``'s tables and ``to_maxtext.py``'s stacking) makes of the checkpoint,
+and ``ost.save`` through the mapping must write the checkpoint's tensors back byte for byte.
+The tests are parametrized by (family, scan) so a failure names both.
+
+The venv is ``$OST_MAXTEXT_VENV`` or ``~/.cache/orbax_safetensors/maxtext-0.2.5-venv``, built on
+first use (about 2.5 min from local wheels): Python 3.12 (pyenv's, else ``python3.12``), ``pip
+install --no-deps maxtext==0.2.5``, then the pinned requirements file
+``../shared/maxtext/requirements-maxtext-cpu.txt`` (relative to the repo root, or
+``$OST_MAXTEXT_REQUIREMENTS``), then whatever of this project's runtime dependencies is missing.
+Skipped, with the reason, when there is no Python 3.12, the venv has to be built and the
+requirements file is absent, or an install fails (offline). orbax_safetensors itself is not
+installed there: the child imports this checkout (a venv shared by several checkouts would
+otherwise test whichever was installed last).
+
+    python -m pytest tests/test_maxtext_mapping.py -m slow -s
+
+``OST_MAXTEXT_LOADER=path/to/module.py`` swaps the mapping for another loader (see the child's
+``--loader``), to debug the harness itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHILD = os.path.join(REPO, "tests", "maxtext_child.py")
+MAXTEXT_VERSION = "0.2.5"
+REQUIREMENTS = os.environ.get("OST_MAXTEXT_REQUIREMENTS") or os.path.normpath(
+    os.path.join(REPO, "..", "shared", "maxtext", "requirements-maxtext-cpu.txt"))
+DEFAULT_VENV = os.path.join(os.path.expanduser("~"), ".cache", "orbax_safetensors",
+                            f"maxtext-{MAXTEXT_VERSION}-venv")
+VARIANTS = ("scan", "unscan")  # scan_layers=True / False
+DEVICES, MESH = 4, "fsdp=2,tensor=2"
+ATOL = 1e-4
+CHILD_TIMEOUT = 600
+PIP_TIMEOUT = 1800
+TOKENS = np.random.default_rng(7).integers(0, 256, (2, 16), dtype=np.int32)
+_COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               tie_word_embeddings=False, hidden_act="silu", attention_bias=False)
+LLAMA31 = dict(
+    _COMMON, intermediate_size=128, head_dim=16, rms_norm_eps=1e-5, mlp_bias=False,
+    max_position_embeddings=131072,
+    rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                         high_freq_factor=4.0, original_max_position_embeddings=8192),
+)
+QWEN3 = dict(  # head_dim 32: 4 heads x 32 != hidden 64, as in the real Qwen3s
+    _COMMON, intermediate_size=96, head_dim=32, rms_norm_eps=1e-6, max_position_embeddings=40960,
+    rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+)
+QWEN3_MOE = dict(  # intermediate_size is for dense layers: there are none (decoder_sparse_step 1)
+    _COMMON, intermediate_size=96, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], head_dim=16, rms_norm_eps=1e-6,
+    max_position_embeddings=40960, rope_parameters=dict(rope_type="default", rope_theta=10000000.0),
+)
+MIXTRAL = dict(
+    _COMMON, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, head_dim=16, rms_norm_eps=1e-5,
+    sliding_window=None, router_jitter_noise=0.0, max_position_embeddings=32768,
+    rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+)
+# case -> (family for ost.mappings.maxtext, transformers model class, config class, config)
+CASES = {
+    "llama3.1": ("llama3.1", "LlamaForCausalLM", "LlamaConfig", LLAMA31),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM", "Qwen3Config", QWEN3),
+    "qwen3-moe": ("qwen3", "Qwen3MoeForCausalLM", "Qwen3MoeConfig", QWEN3_MOE),
+    "mixtral": ("mixtral", "MixtralForCausalLM", "MixtralConfig", MIXTRAL),
+}
+# Routers' k-th and (k+1)-th logits at least this far apart for every token, so float32
+# rounding (MaxText's vs transformers') cannot pick different experts.
+ROUTER_MARGIN = 1e-3
+# (case, variant) -> mark: known disagreements of the mapping with MaxText (strict xfail, flips
+# to a failure when fixed) and families MaxText cannot run here (skip).
+KNOWN = {}
+# (case, variant) -> leaves where MaxText 0.2.5's own converter contradicts MaxText's own tree, so
+# the child compares them with its hooks stacked at param_scan_axis instead (its
+# "converter_workarounds"). to_maxtext.py's _build_single_axis_stacked_tensor takes any scanned key
+# containing "MoeBlock" for an unscanned expert stack and stacks its layers at axis 0: Mixtral's
+# scanned router becomes (layers, embed, experts), the tree's leaf is (embed, layers, experts), and
+# to_maxtext.py stops with "Shape mismatch" (so it cannot convert Mixtral with scan_layers=True).
+MAXTEXT_CONVERTER_BUGS = {("mixtral", "scan"): {"decoder.layers.MoeBlock_0.gate.kernel"}}
+
+# Run inside the venv: which of the requirements (argv[1], JSON) are not installed as asked.
+_PROBE = r"""
+import json, re, sys
+import importlib.metadata as md
+try:
+    from packaging.requirements import Requirement
+except ImportError:
+    Requirement = None
+unmet = []
+for line in json.loads(sys.argv[1]):
+    name = re.split(r"[\s<>=!~;\[]", line, maxsplit=1)[0]
+    try:
+        version = md.version(name)
+    except md.PackageNotFoundError:
+        unmet.append(line)
+        continue
+    if Requirement is None:
+        if "==" in line and line.split("==", 1)[1].strip() != version:
+            unmet.append(line)
+    elif not Requirement(line).specifier.contains(version, prereleases=True):
+        unmet.append(line)
+print(json.dumps({"python": sys.version.split()[0], "unmet": unmet}))
+"""
+
+
+def _clean_env(**extra):
+    """The 3.11 test process's environment minus what would leak into the 3.12 venv."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "XLA_FLAGS", "PYTHONSTARTUP")}
+    env.update(JAX_PLATFORMS="cpu", DECOUPLE_GCLOUD="TRUE", PIP_DISABLE_PIP_VERSION_CHECK="1", **extra)
+    return env
+
+
+def _version_key(path):
+    match = re.search(r"3\.12\.(\d+)", path)
+    return int(match.group(1)) if match else -1
+
+
+def _find_python312():
+    candidates = [os.environ.get("OST_MAXTEXT_PYTHON")]
+    roots = []
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        roots.append(subprocess.run(["pyenv", "root"], capture_output=True, text=True, timeout=30,
+                                    check=False).stdout.strip())
+    roots.append(os.path.expanduser("~/.pyenv"))
+    for root in filter(None, roots):
+        candidates += sorted(glob.glob(os.path.join(root, "versions", "3.12*", "bin", "python")),
+                             key=_version_key, reverse=True)
+    candidates.append(shutil.which("python3.12"))
+    for python in filter(None, candidates):
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            out = subprocess.run([python, "-c", "import sys, venv; print(sys.version_info[:2])"],
+                                 capture_output=True, text=True, timeout=60, env=_clean_env(), check=False)
+            if out.returncode == 0 and out.stdout.strip() == "(3, 12)":
+                return python
+    return None
+
+
+def _requirements_file_lines():
+    with open(REQUIREMENTS) as f:
+        return [line.split("#", 1)[0].strip() for line in f if line.split("#", 1)[0].strip()]
+
+
+def _project_dependencies():
+    import tomllib
+
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        return tomllib.load(f)["project"]["dependencies"]
+
+
+def _unmet(python, requirements):
+    out = subprocess.run([python, "-c", _PROBE, json.dumps(requirements)], capture_output=True, text=True,
+                         timeout=120, env=_clean_env(), check=False)
+    if out.returncode != 0:
+        return list(requirements)
+    return json.loads(out.stdout.strip().splitlines()[-1])["unmet"]
+
+
+def _run_or_skip(command, what, timings):
+    start = time.perf_counter()
+    try:
+        out = subprocess.run(command, capture_output=True, text=True, timeout=PIP_TIMEOUT, env=_clean_env(),
+                             check=False)
+    except subprocess.TimeoutExpired:
+        pytest.skip(f"MaxText venv: {what} timed out after {PIP_TIMEOUT} s")
+    timings[what] = round(time.perf_counter() - start, 1)
+    if out.returncode != 0:
+        tail = (out.stdout + out.stderr).strip().splitlines()[-15:]
+        pytest.skip(f"MaxText venv: {what} failed (offline?): " + "\n".join(tail))
+
+
+@contextlib.contextmanager
+def _locked(path):
+    import fcntl
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent sessions (xdist) build the venv once
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _venv_python(venv):
+    return os.path.join(venv, "bin", "python")
+
+
+def ensure_maxtext_venv(venv: str, timings: dict) -> str:
+    """The venv's python, with MaxText 0.2.5, its pinned stack and our runtime dependencies.
+
+    Idempotent: only what the probe finds missing is installed; nothing is ever deleted.
+    """
+    python = _venv_python(venv)
+    have_requirements = os.path.isfile(REQUIREMENTS)
+    stack = [f"maxtext=={MAXTEXT_VERSION}"] + (_requirements_file_lines() if have_requirements else [])
+    ours = _project_dependencies()
+    with _locked(venv.rstrip("/") + ".lock"):
+        start = time.perf_counter()
+        unmet = _unmet(python, stack + ours) if os.path.exists(python) else stack + ours
+        timings["probe"] = round(time.perf_counter() - start, 1)
+        if set(unmet) & set(stack):
+            if not have_requirements:
+                pytest.skip(f"no MaxText venv at {venv} ({sorted(set(unmet) & set(stack))} missing) "
+                            f"and no requirements file to build it: {REQUIREMENTS}")
+            if not os.path.exists(python):
+                base = _find_python312()
+                if base is None:
+                    pytest.skip("MaxText 0.2.5 needs Python 3.12: none found (pyenv, python3.12, $OST_MAXTEXT_PYTHON)")
+                _run_or_skip([base, "-m", "venv", venv], "create venv", timings)
+            _run_or_skip([python, "-m", "pip", "install", "--no-deps", f"maxtext=={MAXTEXT_VERSION}"],
+                         "pip install maxtext", timings)
+            _run_or_skip([python, "-m", "pip", "install", "-r", REQUIREMENTS], "pip install requirements", timings)
+            unmet = _unmet(python, stack + ours)
+        if unmet:  # e.g. orbax_safetensors' own runtime dependencies
+            _run_or_skip([python, "-m", "pip", "install", *unmet], "pip install missing", timings)
+            unmet = _unmet(python, stack + ours)
+        if unmet:
+            pytest.skip(f"MaxText venv {venv}: still unmet after installing: {unmet}")
+        timings["venv_total"] = round(time.perf_counter() - start, 1)
+    return python
+
+
+@pytest.fixture(scope="module")
+def maxtext_python():
+    timings: dict = {}
+    python = ensure_maxtext_venv(os.environ.get("OST_MAXTEXT_VENV") or DEFAULT_VENV, timings)
+    print(f"\nMaxText venv {python}: {timings}")
+    return python
+
+
+def write_checkpoint(case: str, directory: str, seed: int = 0) -> str:
+    """A tiny model of ``case`` with every weight random, saved by transformers (float32 safetensors)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    _, model_class, config_class, config = CASES[case]
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**config)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1.0 + 0.3 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
+    model.save_pretrained(directory)
+    return directory
+
+
+def transformers_logits(directory: str, tokens: np.ndarray, case: str = "llama3.1"):
+    """(logits, the smallest gap between a router's k-th and (k+1)-th logit; inf without MoE)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    model = getattr(transformers, CASES[case][1]).from_pretrained(
+        directory, dtype=torch.float32, attn_implementation="eager").eval()
+    k = model.config.to_dict().get("num_experts_per_tok")
+    gaps, handles = [], []
+
+    def record(module, inputs):  # the sparse block's input, through its router's weight
+        logits = inputs[0].reshape(-1, inputs[0].shape[-1]) @ module.gate.weight.T
+        top = torch.topk(logits, k + 1, dim=-1).values
+        gaps.append(float((top[:, k - 1] - top[:, k]).min()))
+
+    for module in model.modules():
+        gate = getattr(module, "gate", None)
+        if k and getattr(gate, "weight", None) is not None and gate.weight.shape[0] > 1 and hasattr(module, "experts"):
+            handles.append(module.register_forward_pre_hook(record))
+    with torch.no_grad():
+        logits = model(torch.from_numpy(tokens).long()).logits.numpy()
+    for handle in handles:
+        handle.remove()
+    if k and len(gaps) != model.config.num_hidden_layers:
+        raise AssertionError(f"{case}: found {len(gaps)} routers, expected one per layer")
+    return logits, min(gaps, default=float("inf"))
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("maxtext")
+    checkpoints = {}
+    for case in CASES:
+        directory = write_checkpoint(case, str(root / case))
+        logits, router_gap = transformers_logits(directory, TOKENS, case)
+        assert np.abs(logits).max() > 1.0, case  # large enough for a wrong layout to show
+        assert router_gap > ROUTER_MARGIN, (case, router_gap)  # routing cannot flip on rounding
+        checkpoints[case] = directory, logits
+    return checkpoints
+
+
+def run_child(python, checkpoints, work, loader="ost", variants=VARIANTS):
+    """Runs tests/maxtext_child.py in the MaxText venv for every case of ``checkpoints`` ({case:
+    (hf_dir, reference logits)}); {(case, variant): result}, wall seconds, output."""
+    tokens_path, cases_path = os.path.join(work, "tokens.npy"), os.path.join(work, "cases.json")
+    np.save(tokens_path, TOKENS)
+    cases = []
+    for case, (hf_dir, reference) in checkpoints.items():
+        reference_path = os.path.join(work, f"reference-{case}.npy")
+        np.save(reference_path, reference)
+        cases.append({"case": case, "family": CASES[case][0], "hf_dir": hf_dir, "reference": reference_path})
+    with open(cases_path, "w") as f:
+        json.dump(cases, f)
+    command = [python, CHILD, "--cases", cases_path, "--tokens", tokens_path,
+               "--variants", ",".join(variants), "--devices", str(DEVICES), "--mesh", MESH,
+               "--atol", str(ATOL), "--out-dir", os.path.join(work, "out"), "--loader", loader]
+    start = time.perf_counter()
+    try:
+        out = subprocess.run(command, capture_output=True, text=True, timeout=CHILD_TIMEOUT, cwd=work,
+                             env=_clean_env(), check=False)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"maxtext_child.py timed out after {CHILD_TIMEOUT} s:\n{e.stdout}\n{e.stderr}")
+    seconds = time.perf_counter() - start
+    results = {}
+    for line in out.stdout.splitlines():
+        if line.startswith("MAXTEXT_RESULT "):
+            result = json.loads(line[len("MAXTEXT_RESULT "):])
+            results[result["case"], result["variant"]] = result
+    return results, seconds, out
+
+
+@pytest.fixture(scope="module")
+def child_results(maxtext_python, hf_checkpoints, tmp_path_factory):
+    loader = os.environ.get("OST_MAXTEXT_LOADER", "ost")
+    checkpoints = {case: hf_checkpoints[case] for case in CASES
+                   if not all(KNOWN.get((case, v), (None,))[0] == "skip" for v in VARIANTS)}
+    results, seconds, out = run_child(maxtext_python, checkpoints, str(tmp_path_factory.mktemp("child")),
+                                      loader=loader)
+    print(f"\nmaxtext_child.py ({loader}): {seconds:.1f} s, exit {out.returncode}")
+    for result in results.values():
+        print(json.dumps({k: v for k, v in result.items() if k != "traceback"}))
+    expected = {(case, v) for case in checkpoints for v in VARIANTS}
+    if set(results) != expected:
+        pytest.fail(f"maxtext_child.py exited {out.returncode} with results for {sorted(results)} only:\n"
+                    f"{out.stdout[-4000:]}\n{out.stderr[-6000:]}")
+    return results, out
+
+
+def _params():
+    for case in CASES:
+        for variant in VARIANTS:
+            known = KNOWN.get((case, variant))
+            marks = ()
+            if known is not None:
+                kind, reason = known
+                marks = (pytest.mark.skip(reason=reason) if kind == "skip"
+                         else pytest.mark.xfail(strict=True, reason=reason))
+            yield pytest.param(case, variant, marks=marks, id=f"{case}-{variant}")
+
+
+@pytest.mark.timeout(PIP_TIMEOUT + CHILD_TIMEOUT)  # a first run builds the venv
+@pytest.mark.parametrize(("case", "variant"), list(_params()))
+def test_maxtext_mapping(child_results, case, variant):
+    results, out = child_results
+    result = results[case, variant]
+    assert "error" not in result, f"{result['error']}\n{result.get('traceback', '')}"
+    failures = result["failures"]
+    assert result.get("shardings_match"), failures
+    assert not result.get("converter_errors"), failures  # MaxText's own converter failing on its tree
+    assert set(result.get("converter_workarounds", {})) == MAXTEXT_CONVERTER_BUGS.get((case, variant), set()), \
+        result.get("converter_workarounds")
+    assert result.get("converter_max_abs_diff") == 0.0, failures  # exact: float32
+    assert result.get("logits_max_abs_diff", np.inf) <= ATOL, failures
+    assert result.get("round_trip_identical"), failures
+    assert result["ok"] and not failures, failures
+    if all(r["ok"] for r in results.values()):
+        assert out.returncode == 0, out.stderr[-4000:]
