@@ -295,7 +295,7 @@ def _child_layers_per_process(args):
             "bytes_written": save_stats.bytes_written}
 
 
-@pytest.mark.parametrize("case", ["layer", "row"])
+@pytest.mark.parametrize("case", sorted(SPECS))
 def test_two_processes_read_their_own_layers_and_write_their_own_rows(multiprocess, checkpoint, tmp_path, case):
     out = str(tmp_path / "out")
     results = multiprocess("tests.test_stacked_mapping:_child_layers_per_process", num_processes=2,
