@@ -38,6 +38,7 @@ _BOUNCE_BYTES = 4 << 20
 # Where a backend cannot pin what a load reads (object stores), a load that read a file changed
 # meanwhile is read again; a commit takes milliseconds to seconds, a retry as long as a load.
 _READ_ATTEMPTS = 20
+_SCRATCH_BUDGET = 128 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -372,6 +373,10 @@ def _plan(checkpoint: Checkpoint, loading: _Loading) -> Callable[[], Any]:
         leaf = AssembledLeaf(names[i], sources, assembly, dtype, request.sharding, bounce_bytes=bounce_bytes)
         outputs.append(leaf)
         jobs.extend(leaf.jobs)
+    if any(job.scratch for job in jobs):
+        # Staging of transformed tensors is recycled between batches (Job.scratch); a small
+        # budget keeps it, and the fresh pages it costs, small.
+        profile = dataclasses.replace(profile, memory_budget=min(profile.memory_budget, _SCRATCH_BUDGET))
     plan = plan_reads([job.reads for job in jobs], profile)
 
     def read() -> Any:

@@ -15,9 +15,11 @@ transfer thread also keeps every process issuing cross-process collectives
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import math
+import os
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -26,7 +28,7 @@ import jax
 import numpy as np
 
 from orbax_safetensors.engine.executor import Executor
-from orbax_safetensors.engine.host_memory import host_buffers, populate
+from orbax_safetensors.engine.host_memory import XLA_ALIGNMENT, host_buffers, populate
 from orbax_safetensors.engine.resharding import (
     device_boxes,
     resharding,
@@ -50,6 +52,8 @@ from orbax_safetensors.planning import (
     full_box,
     plan_byte_reads,
     plan_tensor_reads,
+    bounding_box,
+    intersect,
     read_once_boxes,
     relative_slices,
 )
@@ -81,10 +85,16 @@ class LoadStats:
 
 @dataclasses.dataclass(frozen=True)
 class Job:
-    """One tensor: what to read (planned) and how its filled buffers become the result."""
+    """One tensor: what to read (planned) and how its filled buffers become the result.
+
+    ``scratch``: the result is a copy (transformed by a mapping), so the buffers
+    are only staging and come from memory recycled between batches rather than
+    fresh pages (which cost most of a load here; see ``host_memory``).
+    """
 
     reads: TensorReads
     finish: Callable[[list[np.ndarray]], Any]
+    scratch: bool = False
 
 
 def _whole_slice(name: str, source: TensorSource, why: str) -> StoredSlice:
@@ -108,7 +118,8 @@ def host_job(name: str, source: TensorSource, dtype: np.dtype | None, *, bounce_
         return Job(plan_byte_reads(stored, [((0, stored.info.nbytes),)], stored.info.nbytes),
                    lambda buffers: convert(_view(buffers[0], stored, name, source.shape)))
     return Job(plan_tensor_reads(source, [full_box(source.shape)], source.nbytes, bounce_bytes),
-               lambda buffers: convert(_view(buffers[0], source.slices[0], name, source.shape)))
+               lambda buffers: convert(_view(buffers[0], source.slices[0], name, source.shape)),
+               scratch=transform is not None)
 
 
 def sharded_job(
@@ -153,18 +164,47 @@ def sharded_job(
 
         return Job(plan_byte_reads(stored, [((0, stored.info.nbytes),)], needed), finish_packed)
 
-    stored_box = (lambda box: box) if transform is None else transform.stored_box
-    shards = tuple(dict.fromkeys(stored_box(box) for box in local))
+    if transform is None:
+        shards = tuple(local)
 
-    def finish(buffers: list[np.ndarray]) -> jax.Array:
-        views = {box: _view(buf, source.slices[0], name, box_shape(box))
-                 for box, buf in zip(shards, buffers)}
-        if transform is None:
+        def finish(buffers: list[np.ndarray]) -> jax.Array:
+            views = {box: _view(buf, source.slices[0], name, box_shape(box)) for box, buf in zip(shards, buffers)}
             return _device_array(shape, sharding, dtype, local, views.__getitem__)
-        return _device_array(shape, sharding, dtype, local, lambda box: transform.to_tree(
-            views[stored_box(box)], stored_box(box), box))
 
-    return Job(plan_tensor_reads(source, shards, needed, bounce_bytes), finish)
+        return Job(plan_tensor_reads(source, shards, needed, bounce_bytes), finish)
+
+    staged = _Staging(source, name, [transform.stored_box(box) for box in local])
+
+    def finish_mapped(buffers: list[np.ndarray]) -> jax.Array:
+        views = staged.views(buffers)
+        return _device_array(shape, sharding, dtype, local, lambda box: transform.to_tree(
+            views(transform.stored_box(box)), transform.stored_box(box), box,
+            out=_host_array(box_shape(box), dtype)))
+
+    return Job(plan_tensor_reads(source, staged.boxes, needed, bounce_bytes), finish_mapped, scratch=True)
+
+
+class _Staging:
+    """Where the stored boxes a mapped tensor's shards need are staged: one buffer for
+    the box they tile together, when they do (read as one run instead of strips cut apart
+    through a bounce buffer; the transform takes views), else one buffer each."""
+
+    def __init__(self, source: TensorSource, name: str, wanted: Sequence[Box]):
+        self.source, self.name = source, name
+        wanted = tuple(dict.fromkeys(wanted))
+        region = bounding_box(wanted) if wanted else ()
+        tiles = (1 < len(wanted) <= 64 and sum(box_size(b) for b in wanted) == box_size(region)
+                 and all(intersect(a, b) is None for k, a in enumerate(wanted) for b in wanted[k + 1:]))
+        self.boxes = (region,) if tiles else wanted
+
+    def views(self, buffers: list[np.ndarray]) -> Callable[[Box], np.ndarray]:
+        """The staged values of each wanted box."""
+        held = {box: _view(buf, self.source.slices[0], self.name, box_shape(box))
+                for box, buf in zip(self.boxes, buffers)}
+        if len(self.boxes) != 1 or len(held) == 0:
+            return held.__getitem__
+        (region, values), = held.items()
+        return lambda box: values[relative_slices(box, region)]
 
 
 class AssembledLeaf:
@@ -202,33 +242,37 @@ class AssembledLeaf:
         if source.dtype.is_packed:
             raise SafetensorsError(f"a {source.dtype.code} tensor cannot be part of a stacked or "
                                    f"concatenated leaf ({self.name!r})", tensor=piece.stored)
-        parts = [(box, part) for box in self.local for part in [piece.part(box)] if part is not None]
+        parts = {box: part for box in self.local for part in [piece.part(box)] if part is not None}
         if not parts:
             return None
         transform = piece.transform
-        shards = tuple(dict.fromkeys(transform.stored_box(own) for _, (_, own) in parts))
-        needed = sum(box_size(inside) for _, (inside, _) in parts) * source.dtype.bits // 8
+        staged = _Staging(source, piece.stored, [transform.stored_box(own) for _, own in parts.values()])
+        needed = sum(box_size(inside) for inside, _ in parts.values()) * source.dtype.bits // 8
 
         def finish(buffers: list[np.ndarray]) -> Any:
-            views = {box: _view(buf, source.slices[0], piece.stored, box_shape(box))
-                     for box, buf in zip(shards, buffers)}
-            for box, (inside, own) in parts:
+            views = staged.views(buffers)
+            for box in parts:  # allocated here, in turn; filled below, in parallel
+                self._buffer(box)
+
+            def fill(part: tuple[Box, tuple[Box, Box]]) -> None:
+                box, (inside, own) = part
                 stored = transform.stored_box(own)
-                values = transform.to_tree(views[stored], stored, own)
-                self._buffer(box)[relative_slices(inside, box)] = values.reshape(box_shape(inside))
+                into = self.buffers[box][relative_slices(inside, box)].view()
+                into.shape = box_shape(own)  # drops the stacked axes; never a copy (raises instead)
+                transform.to_tree(views(stored), stored, own, out=into)
+
+            host_map(fill, list(parts.items()))
             self._remaining -= 1  # finishes run on the one transfer thread, in turn
             if self._remaining == 0:
                 self.value = self._result()
                 return self.value
             return None
 
-        return Job(plan_tensor_reads(source, shards, needed, bounce_bytes), finish)
+        return Job(plan_tensor_reads(source, staged.boxes, needed, bounce_bytes), finish, scratch=True)
 
     def _buffer(self, box: Box) -> np.ndarray:
         if box not in self.buffers:
-            shape = box_shape(box)
-            raw = host_buffers([math.prod(shape) * self.dtype.itemsize])[0]
-            self.buffers[box] = raw.view(self.dtype).reshape(shape)
+            self.buffers[box] = _host_array(box_shape(box), self.dtype)
         return self.buffers[box]
 
     def _result(self) -> Any:
@@ -240,14 +284,41 @@ class AssembledLeaf:
                              lambda box: buffers[box] if box in buffers else np.zeros(box_shape(box), self.dtype))
 
 
+_HOST_THREADS = os.cpu_count() or 1
+_host_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_host_pool_lock = threading.Lock()
+
+
+def host_map(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
+    """``[fn(x) for x in items]`` on every core: the host work of turning read buffers into
+    shards (transposing copies, first touches of the result's pages) releases the GIL, and on
+    one thread it is what a mapped load waits for. In order; the first error is raised."""
+    global _host_pool
+    if len(items) < 2 or _HOST_THREADS < 2:
+        return [fn(x) for x in items]
+    with _host_pool_lock:
+        if _host_pool is None:
+            _host_pool = concurrent.futures.ThreadPoolExecutor(_HOST_THREADS, "orbax_safetensors-host")
+    return list(_host_pool.map(fn, items))
+
+
+def _host_array(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An array about to be filled by copies, in a host buffer XLA's CPU client adopts
+    without a copy; its pages faulted in at once (by copies, page by page, costs twice)."""
+    array = host_buffers([math.prod(shape) * np.dtype(dtype).itemsize])[0].view(dtype).reshape(shape)
+    populate(array)
+    return array
+
+
 def _device_array(shape, sharding, dtype, local: dict[Box, list[jax.Device]], host_shard) -> jax.Array:
     """Puts each local shard on its devices (one batched ``device_put``, a third of the
     dispatch cost of one call per shard) and forms the global array."""
-    shards, targets = [], []
-    for box, devices in local.items():
+    def host(box: Box) -> np.ndarray:
         shard = host_shard(box)
-        if shard.dtype != dtype:
-            shard = shard.astype(dtype)
+        return shard if shard.dtype == dtype else shard.astype(dtype)
+
+    shards, targets = [], []
+    for shard, devices in zip(host_map(host, list(local)), local.values()):
         shards.extend([shard] * len(devices))
         targets.extend(devices)
     arrays = jax.device_put(shards, targets)
@@ -332,6 +403,37 @@ class _Budget:
             self._cond.notify_all()
 
 
+class _Scratch:
+    """Staging buffers of ``Job.scratch`` jobs, recycled: a batch takes memory a finished
+    batch gave back (its pages already faulted in) before it allocates fresh pages."""
+
+    def __init__(self):
+        self._free: list[np.ndarray] = []
+        self._lent: dict[int, np.ndarray] = {}  # id of the list handed out → its arena
+        self._lock = threading.Lock()
+
+    def take(self, sizes: Sequence[int]) -> list[np.ndarray]:
+        starts = np.cumsum([0] + [-(-n // XLA_ALIGNMENT) * XLA_ALIGNMENT for n in sizes])
+        total = int(starts[-1])
+        with self._lock:
+            fits = [arena for arena in self._free if arena.size >= total]
+            if fits:
+                arena = min(fits, key=lambda a: a.size)
+                self._free = [a for a in self._free if a is not arena]
+            else:
+                arena = None
+        if arena is None:
+            arena = host_buffers([total])[0]
+        views = [arena[int(start):int(start) + n] for start, n in zip(starts, sizes)]
+        with self._lock:
+            self._lent[id(views)] = arena
+        return views
+
+    def give(self, views: list[np.ndarray]) -> None:
+        with self._lock:
+            self._free.append(self._lent.pop(id(views)))
+
+
 def transfer(storage: Storage, file: str, request: Transfer, buffers: Sequence[np.ndarray]) -> None:
     """One ranged read, scattered into ``buffers`` (gaps into a scratch buffer)."""
     gaps = request.lengths[request.targets == GAP]
@@ -346,6 +448,7 @@ def execute(storage: Storage, plan: ReadPlan, jobs: Sequence[Job], *, memory_bud
     """Runs ``plan`` (of ``jobs``' reads): every job's result, in job order; stops with
     ``KeyboardInterrupt`` once ``cancelled`` is set."""
     budget = _Budget(memory_budget)
+    scratch = _Scratch()
     lock = threading.Lock()
     results: list[Any] = [None] * len(jobs)
     stats.tensors += len(jobs)
@@ -385,6 +488,8 @@ def execute(storage: Storage, plan: ReadPlan, jobs: Sequence[Job], *, memory_bud
                 results[i] = jobs[i].finish(job_buffers)
                 if isinstance(results[i], jax.Array):
                     results[i].block_until_ready()  # host buffers may go only once copied
+                if jobs[i].scratch:
+                    scratch.give(job_buffers)
             buffers.clear()
         finally:
             budget.release(reserved)
@@ -397,8 +502,8 @@ def execute(storage: Storage, plan: ReadPlan, jobs: Sequence[Job], *, memory_bud
                 break
             pool.check_cancelled()
             reserved = budget.acquire(batch.nbytes)
-            buffers = [host_buffers([box_size(b) * jobs[i].reads.itemsize
-                                        for b in jobs[i].reads.shards]) for i in batch.tensors]
+            buffers = [(scratch.take if jobs[i].scratch else host_buffers)(
+                [box_size(b) * jobs[i].reads.itemsize for b in jobs[i].reads.shards]) for i in batch.tensors]
             flat = [b for job_buffers in buffers for b in job_buffers]
             by_tensor = dict(zip(batch.tensors, buffers))
             reads = [pool.submit(bounce, b, by_tensor[b.tensor]) for b in batch.bounced]
