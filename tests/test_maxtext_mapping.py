@@ -390,3 +390,12 @@ def test_maxtext_mapping(child_results, case, variant):
     assert result["ok"] and not failures, failures
     if all(r["ok"] for r in results.values()):
         assert out.returncode == 0, out.stderr[-4000:]
+
+
+if __name__ == "__main__":  # .ci/run builds the venv in the background while the suite starts
+    import sys
+
+    try:
+        print(ensure_maxtext_venv(os.environ.get("OST_MAXTEXT_VENV") or DEFAULT_VENV, {}))
+    except pytest.skip.Exception as e:
+        print(f"MaxText venv not built: {e}", file=sys.stderr)
