@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -328,3 +329,28 @@ def versions_line() -> str:
 
 def fmt_gb(n: float) -> str:
     return f"{n / 1e9:.2f}"
+
+
+def publish(table: str, name: str) -> None:
+    """Prints a benchmark's table and keeps it as ``bench/results/<name>`` (gitignored)."""
+    out = BENCH_DIR / "results" / name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(table)
+    print(table)
+    print(f"(written to {out.relative_to(BENCH_DIR.parent)})", file=sys.stderr)
+
+
+def cached(home: Path, spec: dict, *also: str) -> bool:
+    """Whether ``home`` holds a complete cache for ``spec`` (its ``spec.json``, written last,
+    equal to ``spec``, and the files ``also``); otherwise it is cleared for a rewrite."""
+    spec_file = home / "spec.json"
+    if spec_file.exists() and all((home / name).exists() for name in also):
+        try:
+            if json.loads(spec_file.read_text()) == spec:
+                return True
+        except ValueError:
+            pass
+    if home.exists():
+        shutil.rmtree(home)
+    home.mkdir(parents=True)
+    return False

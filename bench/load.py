@@ -72,7 +72,6 @@ import importlib
 import importlib.util
 import json
 import shlex
-import shutil
 import statistics
 import sys
 import time
@@ -82,11 +81,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is not a pack
 import common
 import peers
 from common import (
-    BENCH_DIR,
+    cached,
     CONDITION_NOTES,
     CONDITIONS,
-    WARM_GB,
-    Probe,
     current_rss,
     fmt_gb,
     llama_shapes,
@@ -96,11 +93,14 @@ from common import (
     partition_spec,
     peak_rss,
     prefault_memory_in_child,
+    Probe,
+    publish,
     report_result,
     reset_peak_rss,
     run_undisturbed,
     spread,
     versions_line,
+    WARM_GB,
 )
 
 SHARDINGS = ("fsdp", "tensor_parallel", "replicated")
@@ -143,15 +143,8 @@ def ensure_checkpoint(root: Path, spec: dict) -> Path:
     home = root / f"llama-l{spec['layers']}-h{spec['hidden']}-f{spec['ffn']}-v{spec['vocab']}"
     checkpoint = home / "checkpoint"
     spec_file = home / "spec.json"
-    if spec_file.exists() and (home / "expected.npz").exists():
-        try:
-            if json.loads(spec_file.read_text()) == spec:
-                return home
-        except ValueError:
-            pass
-    if home.exists():
-        shutil.rmtree(home)
-    home.mkdir(parents=True)
+    if cached(home, spec, "expected.npz"):
+        return home
     import orbax_safetensors as ost
 
     print(f"writing a {spec['bytes'] / 1e9:.2f} GB checkpoint to {checkpoint} (once) ...",
@@ -490,11 +483,7 @@ def main() -> None:
                     print(f"[{repeat + 1}/{args.repeats} {sharding} {condition}] {contender}: {shown}",
                           file=sys.stderr, flush=True)
     table = render(spec, files, results, args, time.perf_counter() - started)
-    out = BENCH_DIR / "results" / ("load-quick.md" if args.quick else "load.md")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(table)
-    print(table)
-    print(f"(written to {out.relative_to(BENCH_DIR.parent)})", file=sys.stderr)
+    publish(table, ("load-quick.md" if args.quick else "load.md"))
 
 
 if __name__ == "__main__":

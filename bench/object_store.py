@@ -110,6 +110,7 @@ from common import (
     peak_rss,
     prefault_memory,
     prefault_memory_in_child,
+    publish,
     report_result,
     reset_peak_rss,
     versions_line,
@@ -976,12 +977,8 @@ def main() -> None:
             proxy.close()
 
     table = render(spec, files, results, args, time.perf_counter() - started, diagnosis)
-    out = BENCH_DIR / "results" / (("object_store_network" if args.network else "object_store")
-                                    + ("_ranged" if args.ranged_gets else "") + ".md")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(table)
-    print(table)
-    print(f"(written to {out.relative_to(BENCH_DIR.parent)})", file=sys.stderr)
+    publish(table, ("object_store_network" if args.network else "object_store")
+            + ("_ranged" if args.ranged_gets else "") + ".md")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is not a package
 import common
-from common import BENCH_DIR, Probe, machine_line, model_spec, report_result, run_undisturbed, spread
+from common import Probe, machine_line, model_spec, publish, report_result, run_undisturbed, spread
 from load import MAX_SHARD_SIZE, QUICK_MAX_SHARD_SIZE, build_target, checkpoint_files, ensure_checkpoint, warm_page_cache
 
 MODES = ("sequential", "overlapped")
@@ -127,9 +127,7 @@ def main() -> None:
         saved = f"{base - statistics.median(seconds[mode]):.2f} s" if base and mode != "sequential" else ""
         lines.append(f"| {mode} | {spread(seconds[mode])} | {saved} |")
     table = "\n".join(lines) + "\n"
-    out = BENCH_DIR / "results" / ("overlap-quick.md" if args.quick else "overlap.md")
-    out.write_text(table)
-    print(table)
+    publish(table, "overlap-quick.md" if args.quick else "overlap.md")
 
 
 if __name__ == "__main__":

@@ -79,8 +79,6 @@ from common import (
     BENCH_DIR,
     CONDITION_NOTES,
     CONDITIONS,
-    WARM_GB,
-    Probe,
     current_rss,
     fmt_gb,
     llama_shapes,
@@ -91,11 +89,14 @@ from common import (
     peak_rss,
     prefault_memory,
     prefault_memory_in_child,
+    Probe,
+    publish,
     report_result,
     reset_peak_rss,
     run_undisturbed,
     spread,
     versions_line,
+    WARM_GB,
 )
 
 CONTENDERS = ("ours_hf", "ours_distributed", "ours_async", "orbax_standard", "gather_save_file")
@@ -551,11 +552,7 @@ def main() -> None:
                 print(f"[{repeat + 1}/{args.repeats} {condition}] {contender}: {describe(result)}",
                       file=sys.stderr, flush=True)
     table = render(spec, results, args, time.perf_counter() - started)
-    out = BENCH_DIR / "results" / ("save-quick.md" if args.quick else "save.md")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(table)
-    print(table)
-    print(f"(written to {out.relative_to(BENCH_DIR.parent)})", file=sys.stderr)
+    publish(table, ("save-quick.md" if args.quick else "save.md"))
 
 
 if __name__ == "__main__":
