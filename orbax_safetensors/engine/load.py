@@ -95,7 +95,8 @@ class ReadOptions:
     Attributes:
       memory_budget: host bytes staged at once (read but not yet on device).
         One tensor's local shard is staged whole, so a shard bigger than the
-        budget is the budget.
+        budget is the budget. At most 128 MB when a mapping transforms
+        tensors: their staging is only copied from, and recycled.
       chunk_bytes: the largest single read; bigger runs become parallel reads.
         ``None`` lets the storage backend choose (32 MB locally, 8 MiB on object
         stores, whose connections are slow alone and fast together).
