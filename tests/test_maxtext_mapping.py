@@ -22,10 +22,11 @@ and ``ost.save`` through the mapping must write the checkpoint's tensors back by
 The tests are parametrized by (family, scan) so a failure names both.
 
 The venv is ``$OST_MAXTEXT_VENV`` or ``~/.cache/orbax_safetensors/maxtext-0.2.5-venv``, built on
-first use (about 2.5 min from local wheels): Python 3.12 (pyenv's, else ``python3.12``), ``pip
+first use (about 1 min from local wheels): Python 3.12 (pyenv's, else ``python3.12``), ``pip
 install --no-deps maxtext==0.2.5``, then the pinned requirements file
-``../shared/maxtext/requirements-maxtext-cpu.txt`` (relative to the repo root, or
-``$OST_MAXTEXT_REQUIREMENTS``), then whatever of this project's runtime dependencies is missing.
+``tests/maxtext_requirements.txt`` (MaxText's model code pinned for CPU; or
+``$OST_MAXTEXT_REQUIREMENTS``), then whatever of this project's runtime dependencies is missing;
+``--no-compile`` (the child compiles only what it imports: about half the install time).
 Skipped, with the reason, when there is no Python 3.12, the venv has to be built and the
 requirements file is absent, or an install fails (offline). orbax_safetensors itself is not
 installed there: the child imports this checkout (a venv shared by several checkouts would
@@ -56,8 +57,7 @@ pytestmark = pytest.mark.slow
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHILD = os.path.join(REPO, "tests", "maxtext_child.py")
 MAXTEXT_VERSION = "0.2.5"
-REQUIREMENTS = os.environ.get("OST_MAXTEXT_REQUIREMENTS") or os.path.normpath(
-    os.path.join(REPO, "..", "shared", "maxtext", "requirements-maxtext-cpu.txt"))
+REQUIREMENTS = os.environ.get("OST_MAXTEXT_REQUIREMENTS") or os.path.join(REPO, "tests", "maxtext_requirements.txt")
 DEFAULT_VENV = os.path.join(os.path.expanduser("~"), ".cache", "orbax_safetensors",
                             f"maxtext-{MAXTEXT_VERSION}-venv")
 VARIANTS = ("scan", "unscan")  # scan_layers=True / False
@@ -239,12 +239,13 @@ def ensure_maxtext_venv(venv: str, timings: dict) -> str:
                 if base is None:
                     pytest.skip("MaxText 0.2.5 needs Python 3.12: none found (pyenv, python3.12, $OST_MAXTEXT_PYTHON)")
                 _run_or_skip([base, "-m", "venv", venv], "create venv", timings)
-            _run_or_skip([python, "-m", "pip", "install", "--no-deps", f"maxtext=={MAXTEXT_VERSION}"],
+            _run_or_skip([python, "-m", "pip", "install", "--no-compile", "--no-deps", f"maxtext=={MAXTEXT_VERSION}"],
                          "pip install maxtext", timings)
-            _run_or_skip([python, "-m", "pip", "install", "-r", REQUIREMENTS], "pip install requirements", timings)
+            _run_or_skip([python, "-m", "pip", "install", "--no-compile", "-r", REQUIREMENTS],
+                         "pip install requirements", timings)
             unmet = _unmet(python, stack + ours)
         if unmet:  # e.g. orbax_safetensors' own runtime dependencies
-            _run_or_skip([python, "-m", "pip", "install", *unmet], "pip install missing", timings)
+            _run_or_skip([python, "-m", "pip", "install", "--no-compile", *unmet], "pip install missing", timings)
             unmet = _unmet(python, stack + ours)
         if unmet:
             pytest.skip(f"MaxText venv {venv}: still unmet after installing: {unmet}")
