@@ -79,6 +79,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is not a package
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # tests/ (trees: flat names ↔ nested)
 import common
 from common import (
     cached,
@@ -99,6 +100,7 @@ from common import (
     WARM_GB,
 )
 from load import checkpoint_files, random_bf16, warm_page_cache, weight_map
+from tests.trees import flat, nest
 
 CONTENDERS = ("unscanned", "scanned", "maxtext_host")
 SHARDINGS = ("fsdp", "tp")
@@ -197,27 +199,6 @@ def tree_leaves(s: dict, scanned: bool) -> dict:
 
 def nbytes(s: dict) -> int:
     return sum(2 * math.prod(shape) for shape in hf_shapes(s).values())
-
-
-def nest(flat: dict) -> dict:
-    tree: dict = {}
-    for name, value in flat.items():
-        *path, last = name.split(".")
-        node = tree
-        for part in path:
-            node = node.setdefault(part, {})
-        node[last] = value
-    return tree
-
-
-def flatten(tree: dict, prefix: str = "") -> dict:
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat |= flatten(value, f"{prefix}{key}.")
-        else:
-            flat[prefix + key] = value
-    return flat
 
 
 def spec_lines(s: dict) -> list[str]:
@@ -347,7 +328,7 @@ def load_maxtext_host(checkpoint: Path, target: dict, extra: dict):
 
     s = extra["spec"]
     handles = Handles(checkpoint)
-    flat_target = flatten(target)
+    flat_target = flat(target)
     result = {}
     for name, (hf_names, shape, _) in tree_leaves(s, scanned=True).items():
         leaf = host_leaf(name, hf_names, shape, True, handles.get, s["head_dim"])
@@ -374,7 +355,7 @@ def verify(result: dict, target: dict, s: dict, scanned: bool, checkpoint: Path)
     import jax
     import numpy as np
 
-    got_flat, want_flat = flatten(result), flatten(target)
+    got_flat, want_flat = flat(result), flat(target)
     if set(got_flat) != set(want_flat):
         raise AssertionError(f"result names differ from target: {sorted(set(got_flat) ^ set(want_flat))[:5]}")
     for name, want in want_flat.items():

@@ -282,6 +282,8 @@ def maxtext_overrides(family, model_name, hf, scan_layers, seq_len, out_dir):
 def _run_variant(args, result, family, model_name, hf_dir, scan, hf_config, tokens, reference, make_loader,
                  mesh_overrides, out_dir, *, jax, np, nn, pyconfig, models, quantizations, maxtext_utils,
                  MODEL_MODE_TRAIN):
+    from tests.trees import nest  # this checkout is on sys.path by now (main)
+
     failures = result.setdefault("failures", [])
     timings = result.setdefault("timings", {})
     tick = time.perf_counter()
@@ -318,7 +320,7 @@ def _run_variant(args, result, family, model_name, hf_dir, scan, hf_config, toke
     canonical = {"-".join(param_key_parts_from_path(path)) for path, _ in
                  jax.tree_util.tree_flatten_with_path(abstract, is_leaf=is_box)[0]}
     assert canonical == {"params-" + n.replace(".", "-") for n in boxes}, canonical
-    target = _unflatten({n: jax.ShapeDtypeStruct(b.value.shape, b.value.dtype, sharding=named_shardings[n])
+    target = nest({n: jax.ShapeDtypeStruct(b.value.shape, b.value.dtype, sharding=named_shardings[n])
                          for n, b in boxes.items()})
     if args.print_tree:
         result["tree"] = {n: {"shape": list(b.value.shape), "dtype": str(b.value.dtype),
@@ -362,7 +364,7 @@ def _run_variant(args, result, family, model_name, hf_dir, scan, hf_config, toke
     lap("converter_check")
 
     # MaxText's forward on the loaded params, boxed back into its tree.
-    variables = {"params": _unflatten({n: boxes[n].replace_boxed(loaded[n]) for n in boxes})}
+    variables = {"params": nest({n: boxes[n].replace_boxed(loaded[n]) for n in boxes})}
     batch, seq = tokens.shape
 
     def forward(variables, tokens):
@@ -413,17 +415,6 @@ def _flatten(tree, is_leaf, prefix=""):
             out.update(_flatten(value, is_leaf, name + "."))
         else:
             raise TypeError(f"{name}: unexpected {type(value).__name__}")
-    return out
-
-
-def _unflatten(flat):
-    out = {}
-    for name, value in flat.items():
-        node = out
-        *parents, last = name.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[last] = value
     return out
 
 

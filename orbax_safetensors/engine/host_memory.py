@@ -56,16 +56,31 @@ except ImportError:  # NumPy 1.x
     _byte_bounds = np.byte_bounds
 
 
+def _starts(sizes: Sequence[int]) -> list[int]:
+    """Offsets of ``sizes`` bytes laid out 64-byte aligned, and (last) the bytes they span."""
+    return [int(k) for k in np.cumsum([0] + [-(-n // XLA_ALIGNMENT) * XLA_ALIGNMENT for n in sizes])]
+
+
+def footprint(sizes: Sequence[int]) -> int:
+    """The bytes ``carve`` needs for buffers of ``sizes``."""
+    return _starts(sizes)[-1]
+
+
+def carve(arena: np.ndarray, sizes: Sequence[int]) -> list[np.ndarray]:
+    """Buffers of ``sizes`` bytes, each 64-byte aligned, from a 64-byte aligned ``arena``
+    of at least ``footprint(sizes)`` bytes."""
+    return [arena[start:start + n] for start, n in zip(_starts(sizes), sizes)]
+
+
 def host_buffers(sizes: Sequence[int]) -> list[np.ndarray]:
     """Uninitialised byte buffers, each 64-byte aligned, carved from one allocation of small
     pages (one allocation per tensor rather than per shard)."""
-    starts = np.cumsum([0] + [-(-n // XLA_ALIGNMENT) * XLA_ALIGNMENT for n in sizes])
-    total = int(starts[-1])
+    total = footprint(sizes)
     raw = np.empty(total + _PAGE, np.uint8)
     base = -raw.ctypes.data % _PAGE  # page-aligned, hence 64-byte aligned
     if _advise is not None and total >= _PAGE:
         _advise(raw.ctypes.data + base, total - total % _PAGE, _MADV_NOHUGEPAGE)
-    return [raw[base + int(start):base + int(start) + n] for start, n in zip(starts, sizes)]
+    return carve(raw[base:base + total], sizes)
 
 
 def populate(view: np.ndarray) -> None:

@@ -370,7 +370,7 @@ def _plan(checkpoint: Checkpoint, loading: _Loading) -> Callable[[], Any]:
                              bounce_bytes, None if assembly is None else assembly.transform))
             continue
         sources = [checkpoint.tensors[piece.stored] for piece in assembly.pieces]
-        dtype = request.dtype or _assembled_dtype(sources[0].dtype.numpy, assembly)
+        dtype = request.dtype or assembly.pieces[0].transform.tree_dtype(sources[0].dtype.numpy)
         leaf = AssembledLeaf(names[i], sources, assembly, dtype, request.sharding, bounce_bytes=bounce_bytes)
         outputs.append(leaf)
         jobs.extend(leaf.jobs)
@@ -454,14 +454,6 @@ def _map(
             "target does not map to the checkpoint (pass strict=False to load what does): "
             + " | ".join(problems))
     return names, requests, assemblies
-
-
-def _assembled_dtype(stored: np.dtype, assembly: Assembly) -> np.dtype:
-    """What a stacked leaf loaded without a target holds: the stored dtype, widened to
-    float32 (float64) where a piece is scaled (``Transform.to_tree``)."""
-    if any(p.transform.scale is not None for p in assembly.pieces):
-        return np.dtype(np.float64 if stored == np.float64 else np.float32)
-    return stored
 
 
 def _request_for(name: str, leaf: Any) -> _Request:

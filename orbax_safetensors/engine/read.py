@@ -28,7 +28,7 @@ import jax
 import numpy as np
 
 from orbax_safetensors.engine.executor import Executor
-from orbax_safetensors.engine.host_memory import XLA_ALIGNMENT, host_buffers, populate
+from orbax_safetensors.engine.host_memory import carve, footprint, host_buffers, populate
 from orbax_safetensors.engine.resharding import (
     device_boxes,
     resharding,
@@ -413,8 +413,7 @@ class _Scratch:
         self._lock = threading.Lock()
 
     def take(self, sizes: Sequence[int]) -> list[np.ndarray]:
-        starts = np.cumsum([0] + [-(-n // XLA_ALIGNMENT) * XLA_ALIGNMENT for n in sizes])
-        total = int(starts[-1])
+        total = footprint(sizes)
         with self._lock:
             fits = [arena for arena in self._free if arena.size >= total]
             if fits:
@@ -424,7 +423,7 @@ class _Scratch:
                 arena = None
         if arena is None:
             arena = host_buffers([total])[0]
-        views = [arena[int(start):int(start) + n] for start, n in zip(starts, sizes)]
+        views = carve(arena, sizes)
         with self._lock:
             self._lent[id(views)] = arena
         return views

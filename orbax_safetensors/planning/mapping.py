@@ -321,10 +321,22 @@ class Transform:
         return tuple(shape)
 
     @property
+    def _same_layout(self) -> bool:
+        """Whether the layout is the stored one (no transpose, no split or merge)."""
+        return self.perm == tuple(range(len(self.perm))) and all(
+            len(src) == len(tree) == 1 for src, tree in self.groups)
+
+    @property
     def is_identity(self) -> bool:
         """Whether the tree piece is the stored tensor, bytes and all (``dtype`` aside)."""
-        return (self.perm == tuple(range(len(self.perm))) and not self.permutes and self.scale is None
-                and all(len(src) == len(tree) == 1 for src, tree in self.groups))
+        return self._same_layout and not self.permutes and self.scale is None
+
+    def tree_dtype(self, stored: np.dtype) -> np.dtype:
+        """The dtype of the tree values of a ``stored`` tensor: widened to float32 (float64
+        for float64) where scaled, so the scale is computed in that precision."""
+        if self.scale is None:
+            return np.dtype(stored)
+        return np.dtype(np.float64 if stored == np.float64 else np.float32)
 
     def apply(self, stored: np.ndarray) -> np.ndarray:
         """The whole tree value of a whole stored value."""
@@ -336,7 +348,7 @@ class Transform:
     def _scaled(self, x: np.ndarray, inverse: bool = False) -> np.ndarray:
         if self.scale is None:
             return x
-        wide = np.float64 if x.dtype == np.float64 else np.float32
+        wide = self.tree_dtype(x.dtype).type
         factor = wide(1.0 / self.scale if inverse else self.scale)
         return x.astype(wide) * factor
 
@@ -448,8 +460,7 @@ class Transform:
         return parts
 
     def _layout_to_stored(self, tree_box: Box, data: np.ndarray) -> list[tuple[Box, np.ndarray]]:
-        if self.perm == tuple(range(len(self.perm))) and all(
-                len(src) == len(tree) == 1 for src, tree in self.groups):
+        if self._same_layout:
             return [(tree_box, np.ascontiguousarray(data))]
         spans = self._spans()
         # Per group: the tree box cut into parts contiguous in the group's flat order.
