@@ -20,7 +20,7 @@ from pathlib import Path
 LAYERS = 8
 VOCAB = 32000
 SEED = 20240601
-SPEC_VERSION = 1
+SPEC_VERSION = 2  # 2: checkpoints carry block checksums (ost.save writes them by default)
 WORKER_TIMEOUT = 600.0
 RESULT_MARK = "BENCH_RESULT "
 BENCH_DIR = Path(__file__).resolve().parent

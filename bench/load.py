@@ -104,11 +104,12 @@ from common import (
 )
 
 SHARDINGS = ("fsdp", "tensor_parallel", "replicated")
-CONTENDERS = ("ours", "orbax_layout", "safe_open", "runai", "fastsafetensors")
+CONTENDERS = ("ours", "ours_noverify", "orbax_layout", "safe_open", "runai", "fastsafetensors")
 MAX_SHARD_SIZE = "500MB"
 QUICK_MAX_SHARD_SIZE = "50MB"  # --quick: still a sharded dir with an index
 CONTENDER_NOTES = {
-    "ours": "`ost.load(path, target)`",
+    "ours": "`ost.load(path, target)` (checks the block checksums of what it reads)",
+    "ours_noverify": "`ost.load(path, target, options=ost.ReadOptions(verify_checksums=False))`",
     "orbax_layout": "Orbax v1 `SafetensorsLayout().load(path, abstract_state=target)`, default context",
     "safe_open": "`safetensors.safe_open(f, framework=\"numpy\").get_tensor(name)` → "
                  "`jax.device_put(x, sharding)`, tensor by tensor",
@@ -205,15 +206,20 @@ def build_target(spec: dict, sharding_name: str) -> dict:
             for name, shape in shapes.items()}
 
 
-def load_ours(checkpoint: Path, target: dict, extra: dict):
+def load_ours(checkpoint: Path, target: dict, extra: dict, verify: bool = True):
     import dataclasses
     import orbax_safetensors as ost
 
     stats = ost.LoadStats()
-    result = ost.load(str(checkpoint), target, stats=stats)
+    result = ost.load(str(checkpoint), target, stats=stats,
+                      options=ost.ReadOptions(verify_checksums=verify))
     extra["stats"] = stats
     extra["to_json"] = lambda: dataclasses.asdict(stats)
     return result
+
+
+def load_ours_noverify(checkpoint: Path, target: dict, extra: dict):
+    return load_ours(checkpoint, target, extra, verify=False)
 
 
 def load_orbax_layout(checkpoint: Path, target: dict, extra: dict):
@@ -244,9 +250,9 @@ def load_safe_open(checkpoint: Path, target: dict, extra: dict):
     return result
 
 
-LOADERS = {"ours": load_ours, "orbax_layout": load_orbax_layout, "safe_open": load_safe_open,
+LOADERS = {"ours": load_ours, "ours_noverify": load_ours_noverify, "orbax_layout": load_orbax_layout, "safe_open": load_safe_open,
            "runai": peers.load_runai, "fastsafetensors": peers.load_fastsafetensors}
-PACKAGES = {"ours": "orbax_safetensors",
+PACKAGES = {"ours": "orbax_safetensors", "ours_noverify": "orbax_safetensors",
             "orbax_layout": "orbax.checkpoint.experimental.v1._src.layout.safetensors_layout",
             "safe_open": "safetensors"}
 CONTENDER_NOTES.update({c: peers.CONTENDER_NOTES[c] for c in ("runai", "fastsafetensors")})

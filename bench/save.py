@@ -12,6 +12,7 @@ region ends with ``os.sync()``. Contenders:
 
 * ``ours_hf``: ``ost.save(dir, params, max_shard_size="500MB")`` (HF sharded dir);
 * ``ours_distributed``: ``ost.save(dir, params, layout="distributed")``;
+* ``ours_nocrc``: ``ours_hf`` with ``checksums=False`` (what the block checksums cost);
 * ``ours_async``: ``ost.async_save(dir, params, max_shard_size="500MB")``, then
   ``.result()``; the table also shows how long ``async_save`` blocked;
 * ``orbax_standard``: ``ocp.StandardCheckpointer().save(dir, params)`` +
@@ -99,8 +100,9 @@ from common import (
     WARM_GB,
 )
 
-CONTENDERS = ("ours_hf", "ours_distributed", "ours_async", "orbax_standard", "gather_save_file")
-OURS = ("ours_hf", "ours_distributed", "ours_async")
+CONTENDERS = ("ours_hf", "ours_nocrc", "ours_distributed", "ours_async", "orbax_standard",
+              "gather_save_file")
+OURS = ("ours_hf", "ours_nocrc", "ours_distributed", "ours_async")
 BASELINE = "ours_hf"
 MAX_SHARD_SIZE = "500MB"
 QUICK_MAX_SHARD_SIZE = "50MB"  # --quick: still several files and an index
@@ -108,6 +110,7 @@ DD_BLOCK, DD_COUNT = "16M", 64  # 1 GiB
 DD_BYTES = (16 << 20) * DD_COUNT
 CONTENDER_NOTES = {
     "ours_hf": "`ost.save(dir, params, max_shard_size=...)`",
+    "ours_nocrc": "`ost.save(dir, params, max_shard_size=..., checksums=False)`",
     "ours_distributed": "`ost.save(dir, params, layout=\"distributed\")`",
     "ours_async": "`ost.async_save(dir, params, max_shard_size=...)` → `.result()`; "
                   "blocking = until `async_save` returned",
@@ -156,10 +159,15 @@ def save_stats_json(stats) -> dict:
     return dataclasses.asdict(stats)
 
 
-def save_ours_hf(out: Path, params: dict, spec: dict, extra: dict) -> None:
+def save_ours_hf(out: Path, params: dict, spec: dict, extra: dict, checksums: bool = True) -> None:
     import orbax_safetensors as ost
-    stats = ost.save(str(out / "checkpoint"), params, max_shard_size=spec["max_shard_size"])
+    stats = ost.save(str(out / "checkpoint"), params, max_shard_size=spec["max_shard_size"],
+                     checksums=checksums)
     extra["save_stats"] = save_stats_json(stats)
+
+
+def save_ours_nocrc(out: Path, params: dict, spec: dict, extra: dict) -> None:
+    save_ours_hf(out, params, spec, extra, checksums=False)
 
 
 def save_ours_distributed(out: Path, params: dict, spec: dict, extra: dict) -> None:
@@ -193,7 +201,7 @@ def save_gather_save_file(out: Path, params: dict, spec: dict, extra: dict) -> N
 
 
 SAVERS = {
-    "ours_hf": save_ours_hf, "ours_distributed": save_ours_distributed,
+    "ours_hf": save_ours_hf, "ours_nocrc": save_ours_nocrc, "ours_distributed": save_ours_distributed,
     "ours_async": save_ours_async, "orbax_standard": save_orbax_standard,
     "gather_save_file": save_gather_save_file,
 }

@@ -23,6 +23,7 @@ from orbax_safetensors.engine import (
 )
 from orbax_safetensors.errors import (
     CheckpointBusyError,
+    ChecksumError,
     DistributedError,
     ProcessFailure,
     SafetensorsError,
@@ -61,7 +62,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "Mapping", "MappingError", "Rule", "Transform", "mappings",
-    "CheckpointBusyError", "CheckpointMetadata", "DistributedError", "LoadStats", "ProcessFailure", "Problem", "ReadOptions", "SafetensorsError", "SaveStats",
+    "CheckpointBusyError", "CheckpointMetadata", "ChecksumError", "DistributedError", "LoadStats", "ProcessFailure", "Problem", "ReadOptions", "SafetensorsError", "SaveStats",
     "StorageError", "UnsupportedOrbaxError", "VerifyReport",
     "async_load", "async_save", "consolidate", "load", "metadata", "save", "verify", "__version__",
     "SafetensorsCheckpointHandler", "SafetensorsHandler", "SafetensorsLayout",

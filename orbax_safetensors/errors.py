@@ -24,6 +24,12 @@ class SafetensorsError(ValueError):
         super().__init__(located(message, file, tensor))
 
 
+class ChecksumError(SafetensorsError):
+    """Tensor bytes that do not match the crc32c their file stores: the file was damaged (on
+    disk, in transit) or changed after it was written. Names the file, the tensor and the
+    bytes."""
+
+
 def located(message: str, file: str | None = None, tensor: str | None = None) -> str:
     """``message`` behind the file and tensor it is about: how every finding is worded."""
     where = ([f"file {file!r}"] if file else []) + ([f"tensor {tensor!r}"] if tensor else [])

@@ -30,6 +30,9 @@ Fault kinds (``FAULT_KINDS``):
 * ``"after_forward"``: forward the request (so it takes effect upstream),
   then reset instead of returning the answer: a write that succeeded but
   looks failed to the client.
+* ``"corrupt"``: one bit flipped in the middle of the body, the request's
+  when it has one (an upload stored damaged), else the response's (a
+  download that arrives damaged); status and headers unchanged.
 
 Which requests fail is drawn from a seeded ``random.Random``, so a
 sequential run is reproducible (concurrent requests draw in arrival order).
@@ -86,7 +89,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-FAULT_KINDS = ("503", "reset", "timeout", "after_forward")
+FAULT_KINDS = ("503", "reset", "timeout", "after_forward", "corrupt")
 
 # Not forwarded in either direction (RFC 9110 section 7.6.1), plus the headers
 # the proxy sets itself: Host (rewritten), Content-Length (recomputed), Expect
@@ -160,6 +163,12 @@ class _Rule:
         if callable(self.match):
             return bool(self.match(method, target))
         return self.match in target
+
+
+def _flipped(data: bytes) -> bytes:
+    """``data`` with the lowest bit of its middle byte flipped."""
+    middle = len(data) // 2
+    return data[:middle] + bytes([data[middle] ^ 1]) + data[middle + 1:]
 
 
 def _check_kinds(kinds: Iterable[str]) -> tuple[str, ...]:
@@ -512,9 +521,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if kind == "reset":
             self._reset(method, target, kind)
             return
-        if kind is not None and kind != "after_forward":
+        if kind is not None and kind not in ("after_forward", "corrupt"):
             self._send_fault(int(kind), target, kind)
             return
+        corrupt_request = kind == "corrupt" and bool(body)
+        if corrupt_request:
+            body = _flipped(body)
 
         if proxy.latency:
             proxy._closing.wait(proxy.latency)
@@ -531,7 +543,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._reset(method, target, kind)
             return
         headers, data = proxy._rewrite_response(method, target, headers, data)
-        self._send(status, reason, headers, data, method, target, None)
+        if kind == "corrupt" and not corrupt_request and data:
+            data = _flipped(data)
+        self._send(status, reason, headers, data, method, target, kind)
 
     def _read_body(self) -> bytes | None:
         if "chunked" in self.headers.get("Transfer-Encoding", "").lower():

@@ -190,7 +190,7 @@ class _OstLoader:
         return self.ost.load(hf_dir, target, mapping=self.mapping)
 
     def save(self, out_dir, params):
-        self.ost.save(out_dir, params, mapping=self.mapping)
+        self.ost.save(out_dir, params, mapping=self.mapping, checksums=False)  # transformers' bytes
 
 
 def _get(cfg, key, default=None):

@@ -40,6 +40,7 @@ import pytest
 import safetensors
 
 import orbax_safetensors as ost
+from orbax_safetensors.format.checksums import RESERVED_KEYS
 from orbax_safetensors.format import DTYPES, to_bytes
 
 ALL_CODES = (
@@ -253,7 +254,8 @@ def test_ours_to_theirs(tmp_path, code):
 
     with safetensors.safe_open(path, framework="numpy") as f:
         assert set(f.keys()) == set(arrays)
-        assert f.metadata() == {"format": "pt", **USER_METADATA}
+        assert {k: v for k, v in f.metadata().items() if k not in RESERVED_KEYS} == {
+            "format": "pt", **USER_METADATA}
         if code in NUMPY_BACKEND:
             for name, array in arrays.items():
                 theirs = f.get_tensor(name)
@@ -289,7 +291,8 @@ def test_ours_to_theirs_every_dtype_in_one_file(tmp_path):
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))
     assert n % 8 == 0
-    assert header["__metadata__"] == {"format": "pt"}
+    assert header["__metadata__"]["format"] == "pt" and set(header["__metadata__"]) == {
+        "format", *RESERVED_KEYS}
 
 
 # --------------------------------------------------------------------------- theirs -> ours

@@ -66,7 +66,7 @@ def test_checkpoint_manager_saves_hf_steps_and_restores_hf_into_the_scanned_stat
         for step in (1, 2):
             state = {"params": jax.tree.map(lambda x: x * 1.0, state["params"]), "step": np.int64(step)}
             manager.save(step, args=ocp.args.Composite(
-                params=ost.SafetensorsSave(state["params"], mapping=mapping),
+                params=ost.SafetensorsSave(state["params"], mapping=mapping, checksums=False),
                 extra=ocp.args.JsonSave({"step": int(state["step"])})))
         manager.wait_until_finished()
         assert manager.all_steps() == [1, 2]

@@ -76,7 +76,7 @@ def test_family_loads_into_flax_with_transformers_logits_and_saves_back_the_same
     assert np.abs(reference).max() > 1.0  # large enough for a wrong layout to show
     np.testing.assert_allclose(logits, reference, atol=1e-4, rtol=0)
     out = str(tmp_path / "back")
-    ost.save(out, params, mapping=mapping)
+    ost.save(out, params, mapping=mapping, checksums=False)  # without: transformers' very bytes
     with open(os.path.join(directory, "model.safetensors"), "rb") as a, \
             open(os.path.join(out, "model.safetensors"), "rb") as b:
         assert a.read() == b.read()
@@ -92,7 +92,7 @@ def test_bfloat16_checkpoint_into_a_float32_tree_and_back(tmp_path):
     assert all(leaf.dtype == np.float32 for leaf in flat(params).values())
     logits = np.asarray(hf_families.forward("mixtral", config, params, hf_families.TOKENS, scan_layers=True))
     np.testing.assert_allclose(logits, hf_families.reference_logits(directory, hf_families.TOKENS), atol=1e-4)
-    ost.save(str(tmp_path / "back"), params, mapping=mapping)
+    ost.save(str(tmp_path / "back"), params, mapping=mapping, checksums=False)
     with open(os.path.join(directory, "model.safetensors"), "rb") as a, \
             open(tmp_path / "back" / "model.safetensors", "rb") as b:
         assert a.read() == b.read()

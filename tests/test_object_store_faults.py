@@ -8,14 +8,19 @@ persist, the call must fail within a bounded time with an error naming the
 object, and no checkpoint may become visible (the index is written last).
 """
 
+import itertools
+import json
 import time
 
 import fsspec
+import google_crc32c
 import jax
 import numpy as np
 import pytest
 
 import orbax_safetensors as ost
+from orbax_safetensors.index import INDEX_NAME, decode_crc
+from orbax_safetensors.storage import Location
 from tests.fault_proxy import FaultProxy
 from tests.object_stores import object_store_server, storage_options
 from tests.sharding_cases import assert_shards_equal, sources, target_for
@@ -129,3 +134,63 @@ def test_two_processes_through_transient_faults(multiprocess, proxied, proxy):
                            args={"path": f"{bucket}/flaky-multi"}, timeout=300)
     assert all(r.value > 0 for r in results)
     assert proxy.stats.faults_total > 0
+
+
+def test_an_upload_damaged_on_the_way_never_loads_as_good_data(proxied, proxy):
+    """GCS keeps a crc32c of every object, checked against ours before the commit: the save
+    fails, naming the file (and, as any failed overwrite on an object store, leaves no
+    checkpoint rather than a mix). S3 is sent our crc32c with each PUT and refuses a body that
+    differs (moto stores it unchecked, so there the load's block checks find it)."""
+    protocol, bucket, options, _, _ = proxied
+    url = f"{bucket}/damaged-upload"
+    old, new = {"w": np.arange(300_000, dtype=np.float32)}, {"w": np.ones(300_000, np.float32)}
+    ost.save(url, old, storage_options=options)
+    # The first upload of a part object (gcsfs names it in the body, not the URL).
+    proxy.fail_next(1, "corrupt", methods={"PUT", "POST"}, match=lambda method, target: (
+        ".part-" in target or "uploadType=multipart" in target and "ifGenerationMatch" not in target))
+    if protocol == "gs":
+        with pytest.raises(OSError, match="other bytes than were written.*model.safetensors"):
+            ost.save(url, new, storage_options=options, overwrite=True)
+        with pytest.raises((FileNotFoundError, ost.SafetensorsError)):
+            ost.load(url, storage_options=options)
+    else:
+        ost.save(url, new, storage_options=options, overwrite=True)
+        with pytest.raises(ost.ChecksumError, match="'w'"):
+            ost.load(url, storage_options=options)
+    assert proxy.stats.faults["corrupt"] == 1
+
+
+def test_a_download_damaged_on_the_way_fails_the_load_naming_the_tensor(proxied, proxy):
+    _, bucket, options, _, _ = proxied
+    url = f"{bucket}/damaged-download"
+    values = {"a": np.arange(200_000, dtype=np.float32), "b": np.arange(7, dtype=np.int8)}
+    ost.save(url, values, storage_options=options)
+    reads = itertools.count()  # of the file's bytes: the first is the catalog's header read
+
+    def data_read(method, target):
+        media = "model.safetensors" in target and ("alt=media" in target or "?" not in target)
+        return media and next(reads) > 0
+
+    proxy.fail_next(1, "corrupt", methods={"GET"}, match=data_read)
+    with pytest.raises(ost.ChecksumError, match="'a'"):
+        ost.load(url, {"a": jax.ShapeDtypeStruct((200_000,), np.float32)}, strict=False,
+                 storage_options=options)
+    loaded = ost.load(url, storage_options=options)  # the stored bytes are intact
+    np.testing.assert_array_equal(loaded["a"], values["a"])
+
+
+def test_sent_and_stored_checksums_match_ours(proxied):
+    """Every object PUT to S3 carries our crc32c; GCS computes its own: either way the store's
+    crc32c of each file is the one the index lists."""
+    protocol, bucket, options, _, _ = proxied
+    url = f"{bucket}/stored-crc"
+    ost.save(url, {"a": np.arange(300_000, dtype=np.float32), "b": np.zeros(3)},
+             max_shard_size=1_000_000, storage_options=options)
+    location = Location.resolve(url, options)
+    index = json.loads(location.storage.read(location.storage.join(location.path, INDEX_NAME), 0, 1 << 20))
+    if protocol == "gs":
+        for name, crc in index["metadata"]["crc32c"].items():
+            assert location.storage.stored_crc32c(location.storage.join(location.path, name)) == decode_crc(crc)
+    raw = location.storage.read(location.storage.join(location.path, INDEX_NAME), 0, 1 << 20)
+    assert location.storage.stored_crc32c(location.storage.join(location.path, INDEX_NAME)) == (
+        google_crc32c.value(raw))

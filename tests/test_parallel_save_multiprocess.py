@@ -15,6 +15,7 @@ import pytest
 import safetensors
 
 import orbax_safetensors as ost
+from tests.integrity import assert_checksummed
 from tests.sharding_cases import (
     SCENARIOS,
     TOPOLOGIES,
@@ -86,6 +87,7 @@ def _assert_identical_directories(actual, expected):
             safetensors.deserialize(data)  # the Rust validator accepts it
             with safetensors.safe_open(actual / name, framework="numpy") as f:
                 assert f.metadata()["format"] == "pt" and list(f.keys())
+    assert_checksummed(actual)  # so the checksums too are what one process computes
 
 
 @pytest.mark.parametrize("processes,devices", TOPOLOGIES, ids=["2x4", "4x2"])

@@ -1,5 +1,6 @@
 """Pure read planning: boxes → byte runs → regions → coalesced reads (hypothesis)."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -9,9 +10,11 @@ from hypothesis import strategies as st
 from orbax_safetensors.planning import (
     GAP,
     Runs,
+    box_shape,
     box_size,
     byte_runs,
     coalesce,
+    intersect,
     normalize_index,
     plan_region_reads,
     plan_regions,
@@ -263,3 +266,154 @@ def test_owned_write_ranges_of_all_processes_tile_every_file_once(tiling, owners
             assert (written[f.name][start:start + info.nbytes] == 1).all()
             stored = files[f.name][start:start + info.nbytes].view(np.float32).reshape(shape)
             np.testing.assert_array_equal(stored, values[info.name])
+
+
+@st.composite
+def blocked_runs(draw):
+    """A small file of a few tensors cut into checksum blocks, and runs inside its tensors:
+    disjoint ones plus a few that overlap them (two buffers wanting the same bytes)."""
+    from orbax_safetensors.format import DTYPES, TensorInfo
+    from orbax_safetensors.format.checksums import BlockLayout
+
+    data_start = draw(st.integers(0, 40))
+    sizes = draw(st.lists(st.integers(0, 150), min_size=1, max_size=5))
+    begins = np.cumsum([0] + sizes[:-1]).tolist()
+    infos = [TensorInfo(f"t{i}", DTYPES["U8"], (n,), b, b + n) for i, (b, n) in enumerate(zip(begins, sizes))]
+    layout = BlockLayout.of(infos, data_start, draw(st.integers(1, 48)))
+    runs = []
+    for b, n in zip(begins, sizes):
+        cuts = sorted(set(draw(st.lists(st.integers(0, n), max_size=8))) | {0, n})
+        runs += [(data_start + b + a, z - a) for a, z in zip(cuts, cuts[1:]) if draw(st.booleans())]
+        if n and draw(st.booleans()):
+            a = draw(st.integers(0, n - 1))
+            runs.append((data_start + b + a, draw(st.integers(1, n - a))))
+    targets = [draw(st.integers(0, 2)) for _ in runs]
+    return data_start + sum(sizes), layout, runs, targets
+
+
+def _runs(runs, targets):
+    cursor = [0, 0, 0]
+    target_offsets = []
+    for (_, length), t in zip(runs, targets):
+        target_offsets.append(cursor[t])
+        cursor[t] += length
+    return Runs(*(np.array(x, np.int64).reshape(-1) for x in (
+        [o for o, _ in runs], [n for _, n in runs], targets, target_offsets))), cursor
+
+
+@_SETTINGS
+@given(blocked_runs(), st.integers(0, 64), st.sampled_from([1.0, 2.0]), st.integers(1, 100),
+       st.integers(1, 100), st.randoms(use_true_random=False))
+def test_checked_reads_read_every_touched_block_whole_within_two_blocks_a_run(
+        case, max_gap, ratio, chunk, other_chunk, shuffle):
+    """With a file's checksum blocks, requests still deliver every run; every block a run
+    touches is read whole, so pieces of the reads complete it (two plans' pieces, cut at other
+    chunk boundaries and arriving interleaved, complete it twice over); the padding is exactly
+    the bytes beyond the plan without blocks, under two blocks per request of that plan."""
+    from orbax_safetensors.format.checksums import Tally, crc32c
+
+    file_size, layout, runs, targets = case
+    file = np.random.default_rng(file_size).integers(0, 256, file_size, dtype=np.uint8)
+    plan, sizes = _runs(runs, targets)
+    transfers = coalesce(plan, max_gap=max_gap, max_overread=ratio, chunk_bytes=chunk, blocks=layout)
+    plain = coalesce(plan, max_gap=max_gap, max_overread=ratio, chunk_bytes=1 << 40)
+    buffers = [np.zeros(n, np.uint8) for n in sizes]
+    covered = np.zeros(file_size, bool)
+    for transfer in transfers:
+        assert 0 < transfer.length <= chunk
+        position = transfer.offset
+        for segment in transfer.segments:
+            if segment.target != GAP:
+                buffers[segment.target][segment.offset:segment.offset + segment.length] = \
+                    file[position:position + segment.length]
+            position += segment.length
+        assert position == transfer.offset + transfer.length
+        covered[transfer.offset:position] = True
+    for t in range(3):
+        expected = [file[o:o + n] for (o, n), tt in zip(runs, targets) if tt == t]
+        np.testing.assert_array_equal(
+            buffers[t], np.concatenate(expected) if expected else np.zeros(0, np.uint8))
+    blocks = [layout.block(i) for i in range(layout.count)]
+    touched = {i for i, (_, start, stop) in enumerate(blocks)
+               for offset, length in runs if offset < stop and start < offset + length}
+    for i, (_, start, stop) in enumerate(blocks):
+        assert covered[start:stop].all() or not covered[start:stop].any()  # whole or not at all
+        assert i not in touched or covered[start:stop].all()
+    assert transfers.padding == transfers.nbytes - plain.nbytes
+    assert 0 <= transfers.padding < 2 * layout.block_bytes * max(len(plain), 1)
+
+    again = coalesce(plan, max_gap=max_gap, max_overread=ratio, chunk_bytes=other_chunk, blocks=layout)
+    pieces = [p for t in [*transfers, *again]
+              for p in layout.pieces(t.offset, [file[t.offset:t.offset + t.length]])]
+    shuffle.shuffle(pieces)
+    tally = Tally(layout)
+    done = [d for p in pieces for d in tally.add([p])]
+    assert tally.incomplete == []
+    assert sum(blocks[b][2] - blocks[b][1] for b, _ in done) == sum(p.length for p in pieces)
+    assert touched <= {b for b, _ in done}
+    assert all(crc == crc32c(file[blocks[b][1]:blocks[b][2]]) for b, crc in done)
+
+
+def test_plans_without_checksum_blocks_of_their_files_are_unchanged():
+    from orbax_safetensors.format import DTYPES, TensorInfo
+    from orbax_safetensors.format.checksums import BlockLayout
+    from orbax_safetensors.planning import (
+        ReadProfile,
+        StoredSlice,
+        TensorSource,
+        plan_reads,
+        plan_tensor_reads,
+    )
+
+    info = TensorInfo("w", DTYPES["F32"], (64, 64), 0, 64 * 64 * 4)
+    source = TensorSource(info.dtype, info.shape, (StoredSlice(info, "a", 100, (0, 0)),))
+    reads = [plan_tensor_reads(source, [((8, 24), (0, 64)), ((0, 64), (16, 32))], 0, 1024)]
+    profile = ReadProfile(chunk_bytes=4096, max_gap=512, max_overread=2.0, memory_budget=1 << 20)
+    layout = BlockLayout.of([info], 100, 1000)
+
+    def flat(plan):
+        return [[getattr(t, f.name) for f in dataclasses.fields(t)]
+                for batch in plan.batches
+                for t in [*(t for _, t in batch.transfers), *(b.transfers for b in batch.bounced)]]
+
+    def same(a, b):
+        return len(a) == len(b) and all(
+            all(np.array_equal(x, y) for x, y in zip(p, q)) for p, q in zip(a, b))
+
+    unchecked = plan_reads(reads, profile)
+    assert unchecked.padding == 0
+    assert same(flat(plan_reads(reads, profile, {"b": layout})), flat(unchecked))
+    checked = plan_reads(reads, profile, {"a": layout})
+    assert checked.padding > 0 and not same(flat(checked), flat(unchecked))
+
+
+@_SETTINGS
+@given(tilings(), st.lists(st.integers(1, 3), min_size=4, max_size=4), st.sampled_from([1, 4]),
+       st.integers(1, 64), st.booleans())
+def test_sliced_tensor_reads_fill_every_shard_exactly_once(tiling, slicing, itemsize, bounce_bytes,
+                                                           by_region):
+    """A tensor stored in a grid of slices, read into local tiles shard by shard or region by
+    region: every element of every shard arrives exactly once, from the slice holding it."""
+    from orbax_safetensors.format import DTYPES, TensorInfo
+    from orbax_safetensors.planning import StoredSlice, TensorSource, plan_tensor_reads
+
+    shape, _, local = tiling
+    local = list(dict.fromkeys(local))  # device boxes are distinct
+    cuts = [sorted({0, size} | {size * i // n for i in range(n)}) for size, n in zip(shape, slicing)]
+    dtype = DTYPES[{1: "U8", 4: "F32"}[itemsize]]
+    slices = []
+    for corner in np.ndindex(*[len(c) - 1 for c in cuts]):
+        box = tuple((c[i], c[i + 1]) for c, i in zip(cuts, corner))
+        extent = tuple(b - a for a, b in box)
+        info = TensorInfo(f"slice{len(slices)}", dtype, extent, 0, math.prod(extent) * itemsize)
+        slices.append(StoredSlice(info, f"file{len(slices)}", 0, tuple(a for a, _ in box)))
+    source = TensorSource(dtype, shape, tuple(slices))
+    reads = plan_tensor_reads(source, local, 0, bounce_bytes, slices_by_region=by_region)
+    covered = {shard: np.zeros(box_shape(shard), int) for shard in reads.shards}
+    for read in reads.reads:
+        assert intersect(read.box, slices[read.slice].box) == read.box
+        for shard in reads.shards if read.direct is None else [read.direct]:
+            inside = intersect(read.box, shard)
+            if inside is not None:
+                covered[shard][relative_slices(inside, shard)] += 1
+    assert all((c == 1).all() for c in covered.values())

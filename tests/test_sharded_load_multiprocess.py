@@ -35,6 +35,13 @@ def _child_load(args):
     return dataclasses.asdict(stats)
 
 
+def _coalesced(stats: dict) -> int:
+    """Bytes read but those read only to complete checksum blocks: what the sharding and the
+    coalescing of runs decide (the blocks' share, under two blocks a run, is tested in
+    tests/test_checksums_load.py)."""
+    return stats["bytes_read"] - stats["checksum_overread"]
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     directory = tmp_path_factory.mktemp("sharded_load")
@@ -54,12 +61,12 @@ def test_every_process_reads_only_what_its_devices_need(
     for s in stats:
         assert s["tensors"] == len(sources())
         if scenario in LEADING_DIM:
-            assert s["bytes_read"] <= 1.05 * s["bytes_needed"], s
+            assert _coalesced(s) <= 1.05 * s["bytes_needed"], s
         elif s["tensors_read_once"] == 0:
-            assert s["bytes_read"] <= ost.ReadOptions().max_overread * s["bytes_needed"], s
+            assert _coalesced(s) <= ost.ReadOptions().max_overread * s["bytes_needed"], s
     if scenario == "replicated":  # read once per cluster, all-gathered
         assert all(s["tensors_read_once"] == len(sources()) - 1 for s in stats)  # not "empty"
-        assert sum(s["bytes_read"] for s in stats) <= 1.05 * checkpoint["total"]
+        assert sum(_coalesced(s) for s in stats) <= 1.05 * checkpoint["total"]
 
 
 def test_no_overread_when_asked(multiprocess, checkpoint):
@@ -69,7 +76,7 @@ def test_no_overread_when_asked(multiprocess, checkpoint):
               "scenario": "tensor_parallel",
               "options": {"max_overread": 1.0, "replicated_read_once": False}})
     for r in results:
-        assert r.value["bytes_read"] == r.value["bytes_needed"], r.value
+        assert _coalesced(r.value) == r.value["bytes_needed"], r.value
 
 
 def test_replicated_without_read_once_reads_everything_everywhere(multiprocess, checkpoint):
@@ -100,12 +107,14 @@ def test_host_targets_need_a_single_process(multiprocess, checkpoint):
 def test_thin_strips_are_read_in_row_blocks_and_resharded_on_device(multiprocess, checkpoint):
     """Under mesh_2d each process holds 64-256-byte pieces of every row of several tensors:
     without resharding that is a request per row (no over-read allowed here); read as row
-    blocks and moved by XLA, a few requests, and the shards still equal the source."""
+    blocks and moved by XLA, a few requests, and the shards still equal the source. (Checked
+    against checksums, these tensors of under a block are read whole either way.)"""
     def run(reshard):
         results = multiprocess(
             f"{_MODULE}:_child_load", num_processes=2, devices_per_process=4,
             args={"path": checkpoint["path"], "scenario": "mesh_2d",
-                  "options": {"max_overread": 1.0, "reshard_thin_shards": reshard}})
+                  "options": {"max_overread": 1.0, "reshard_thin_shards": reshard,
+                              "verify_checksums": False}})
         return [r.value for r in results]
 
     resharded, strided = run(True), run(False)
@@ -113,4 +122,4 @@ def test_thin_strips_are_read_in_row_blocks_and_resharded_on_device(multiprocess
         assert on["tensors_resharded"] >= 3 and off["tensors_resharded"] == 0, (on, off)
         assert on["bytes_needed"] == off["bytes_needed"]
         assert on["requests"] * 20 < off["requests"], (on, off)
-        assert on["bytes_read"] <= off["bytes_read"], (on, off)
+        assert _coalesced(on) <= _coalesced(off), (on, off)

@@ -98,12 +98,15 @@ def test_every_problem_of_a_damaged_sharded_checkpoint_at_once(tmp_path):
 
     report = ost.verify(path)
     assert not report.ok
+    # shards[2], rewritten, is also not the file whose crc32c the index lists.
     assert _found(report) == {
-        (shards[0], "layer0.w"), (shards[1], None), (shards[2], "extra"), (shards[3], "ghost"),
+        (shards[0], "layer0.w"), (shards[1], None), (shards[2], "extra"), (shards[2], None),
+        (shards[3], "ghost"),
     }, report.problems
     assert [os.path.basename(f) for f in report.leftovers] == ["model-00009-of-00009.safetensors"]
     messages = "\n".join(map(str, report.problems))
-    for needle in ("does not exist", "data buffer", "does not hold it", "does not list"):
+    for needle in ("does not exist", "data buffer", "does not hold it", "does not list",
+                   "index lists crc32c"):
         assert needle in messages
     with pytest.raises(ost.SafetensorsError):  # a load stops at the first of them
         ost.load(path)
@@ -120,7 +123,8 @@ def test_total_size_and_second_copies_are_reported(tmp_path):
     ost.save(os.path.join(path, shards[1]), {first: VALUES[first], **{
         n: VALUES[n] for n, f in index["weight_map"].items() if f == shards[1]}}, overwrite=True)
     report = ost.verify(path)
-    assert _found(report) == {("model.safetensors.index.json", None), (shards[1], first)}
+    assert _found(report) == {("model.safetensors.index.json", None), (shards[1], first),
+                              (shards[1], None)}  # and its crc32c is not the one the index lists
     assert ost.load(path)[first].tolist() == VALUES[first].tolist()  # the index decides
 
 

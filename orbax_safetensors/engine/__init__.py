@@ -28,6 +28,7 @@ from orbax_safetensors.engine.save import (
     SaveOptions,
     SaveStats,
     async_save,
+    check_metadata,
     check_tree,
     prepare_save,
     save,
@@ -39,6 +40,6 @@ __all__ = [
     "CheckpointMetadata", "LoadStats", "Problem", "ReadOptions", "SaveStats", "VerifyReport",
     "async_load", "async_save", "consolidate", "load", "metadata", "save", "verify",
     "BlockSource", "Checkpoint", "CheckpointBlocks", "Progress", "SaveJob", "SaveOptions",
-    "StreamOptions", "check_tree", "flatten_with_names", "format_seconds", "metadata_of",
+    "StreamOptions", "check_metadata", "check_tree", "flatten_with_names", "format_seconds", "metadata_of",
     "open_checkpoint", "prepare_save", "summary_line", "write_blocks",
 ]

@@ -16,9 +16,10 @@ Two questions at two costs. ``survey`` answers from the listing and the
 index alone: the layout, which files the committed checkpoint consists of,
 what else lies there (an older save's shards, our temporaries). ``read``
 adds every needed file's header: each tensor's dtype, shape and the slices it
-is stored in. Every check reports to ``Findings``: a load raises the first
-problem, ``verify`` collects them all, and only ``verify`` hears of what a
-reader tolerates (a tensor the index does not list, a stale ``total_size``).
+is stored in, and the block checksums each file stores. Every check reports to
+``Findings``: a load raises the first problem, ``verify`` collects them all,
+and only ``verify`` hears of what a reader tolerates (a tensor the index does
+not list, a stale ``total_size``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any
 
 from orbax_safetensors.engine.executor import Executor
 from orbax_safetensors.errors import SafetensorsError
-from orbax_safetensors.format import PREFIX_SIZE, Header, header_size, parse_header
+from orbax_safetensors.format import PREFIX_SIZE, Header, checksums, header_size, parse_header
 from orbax_safetensors.index import (
     DISTRIBUTED_INDEX_NAME,
     INDEX_NAME,
@@ -251,6 +252,8 @@ class Checkpoint:
     headers: dict[str, Header]  # file path → header, in file order (the valid ones)
     index_metadata: dict[str, str] = dataclasses.field(default_factory=dict)
     files: tuple[str, ...] = ()  # every file the checkpoint consists of, valid or not
+    # file path → the block checksums its header stores (files that store none are absent)
+    checksums: dict[str, checksums.FileChecksums] = dataclasses.field(default_factory=dict)
 
     def unchanged(self) -> bool:
         """Whether every file read so far is still part of the committed checkpoint there."""
@@ -265,11 +268,12 @@ class Checkpoint:
 
     @property
     def metadata(self) -> dict[str, str]:
-        """``__metadata__`` of all files merged (they agree in what we write)."""
+        """``__metadata__`` of all files merged (they agree in what we write), without what
+        differs per file: torch DCP's slice offsets and our checksums."""
         merged: dict[str, str] = dict(self.index_metadata)
         for header in self.headers.values():
             for key, value in (header.metadata or {}).items():
-                if key not in (DCP_SHARDING_INFO, DCP_VERSION):
+                if key not in (DCP_SHARDING_INFO, DCP_VERSION, *checksums.RESERVED_KEYS):
                     merged.setdefault(key, value)
         return merged
 
@@ -329,7 +333,18 @@ class _Reader:
     def checkpoint(self, tensors: dict[str, TensorSource], headers: dict[str, Header],
                    metadata: dict[str, str] | None = None) -> Checkpoint:
         return Checkpoint(self.storage, self.found, tensors, headers, metadata or {},
-                          tuple(self.files))
+                          tuple(self.files), self.block_checksums(headers))
+
+    def block_checksums(self, headers: dict[str, Header]) -> dict[str, checksums.FileChecksums]:
+        """The block checksums each file stores; a malformed entry is a problem of its file
+        (never a silently unchecked load)."""
+        found = {}
+        for file, header in headers.items():
+            stored = self.findings.attempt(lambda: checksums.FileChecksums.of_metadata(
+                header.metadata, header.tensors.values(), header.data_start, file=file))
+            if stored is not None:
+                found[file] = stored
+        return found
 
     def whole_tensors(self, files: list[str], weight_map: dict[str, str] | None) -> Checkpoint:
         headers = self.headers(files)

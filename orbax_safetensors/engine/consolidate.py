@@ -15,6 +15,7 @@ are shared out round-robin and written by all processes in parallel; process
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
 from collections.abc import Iterator, Mapping
@@ -25,18 +26,20 @@ import jax
 import numpy as np
 
 from orbax_safetensors.engine import catalog, write
-from orbax_safetensors.engine.coordination import next_operation_key
+from orbax_safetensors.engine.coordination import gather_to_all, next_operation_key
 from orbax_safetensors.engine.executor import Executor
+from orbax_safetensors.engine.integrity import Verifier
 from orbax_safetensors.engine.operation import Operation
 from orbax_safetensors.engine.progress import Progress
 from orbax_safetensors.engine.read import transfer
-from orbax_safetensors.engine.save import SaveStats, take_location
+from orbax_safetensors.engine.save import SaveStats, check_metadata, take_location
 from orbax_safetensors.format import TensorInfo
 from orbax_safetensors.index import parse_size
 from orbax_safetensors.planning import (
     Box,
     FilePlan,
     TensorSpec,
+    Transfers,
     box_shape,
     full_box,
     plan_block,
@@ -65,12 +68,19 @@ class BlockSource(Protocol):
 
 
 class CheckpointBlocks:
-    """A safetensors checkpoint (any layout we read) as a block source."""
+    """A safetensors checkpoint (any layout we read) as a block source.
+
+    The source's block checksums are checked as its bytes are read (a damaged
+    tensor raises ``ChecksumError`` rather than being copied into the output).
+    A row block's edges cut checksum blocks, which the next row blocks complete:
+    every byte of every tensor is read once, so each block is checked once.
+    """
 
     def __init__(self, checkpoint: catalog.Checkpoint):
         self.checkpoint = checkpoint
         self.specs = [TensorSpec(n, t.dtype, t.shape) for n, t in sorted(checkpoint.tensors.items())]
         self.metadata = checkpoint.metadata
+        self.verifier = Verifier(checkpoint.checksums)
 
     def read_block(self, info: TensorInfo, block: Box | None) -> memoryview:
         """One row block of the tensor, assembled from every slice it intersects."""
@@ -81,14 +91,15 @@ class CheckpointBlocks:
             if stored is None:
                 raise ValueError(f"tensor {info.name!r}: {info.dtype.code} slices cannot be joined")
             out = np.empty(stored.info.nbytes, np.uint8)
-            storage.read_scatter(stored.file, stored.offset, [memoryview(out)])
+            for request in Transfers.single(stored.offset, 0, stored.info.nbytes):
+                transfer(storage, stored.file, request, [out], self.verifier)
             return memoryview(out)
         itemsize = info.dtype.bits // 8
         out = np.empty(box_shape(block) + (itemsize,), np.uint8)
         for part in plan_block(source, block):
             temp = np.empty(part.shape + (itemsize,), np.uint8)
             for request in part.transfers:
-                transfer(storage, part.file, request, [temp.reshape(-1)])
+                transfer(storage, part.file, request, [temp.reshape(-1)], self.verifier)
             out[part.into] = temp
         return memoryview(out.reshape(-1))
 
@@ -102,6 +113,7 @@ class StreamOptions:
     overwrite: bool = False
     block_bytes: int | str = "64MB"
     progress: bool | None = None
+    checksums: bool = True
 
 
 def consolidate(
@@ -113,6 +125,7 @@ def consolidate(
     overwrite: bool = False,
     block_bytes: int | str = "64MB",
     progress: bool | None = None,
+    checksums: bool = True,
     storage_options: Mapping[str, Any] | None = None,
     filesystem: fsspec.AbstractFileSystem | None = None,
 ) -> SaveStats:
@@ -130,13 +143,15 @@ def consolidate(
       block_bytes: the most bytes of one tensor held at once (times a few
         blocks read ahead); memory stays bounded by it, not by tensor size.
       progress: a progress line on stderr; ``None`` shows it on a terminal.
+      checksums: write block checksums as ``ost.save`` does (the source's own,
+        where it has them, are checked as its bytes are read).
       storage_options / filesystem: for both ``src`` and ``dst``, as in ``ost.load``.
     """
     started = time.perf_counter()
     with catalog.open_checkpoint(Location.resolve(src, storage_options, filesystem)) as checkpoint:
         return write_blocks(
             Location.resolve(dst, storage_options, filesystem), CheckpointBlocks(checkpoint),
-            StreamOptions(max_shard_size, metadata, overwrite, block_bytes, progress),
+            StreamOptions(max_shard_size, metadata, overwrite, block_bytes, progress, checksums),
             label=f"consolidate {os.fspath(src)} -> {os.fspath(dst)}", started=started)
 
 
@@ -148,8 +163,11 @@ def write_blocks(location: Location, source: BlockSource, options: StreamOptions
     save; metadata is the source's, overridden by ``options.metadata``.
     """
     started = time.perf_counter() if started is None else started
+    metadata = {**source.metadata, **(options.metadata or {})}
+    if options.checksums:
+        check_metadata(metadata)
     plan = plan_hf_checkpoint(source.specs, max_shard_size=options.max_shard_size,
-                              metadata={**source.metadata, **(options.metadata or {})})
+                              metadata=metadata, checksums=options.checksums)
     blocks = parse_size(options.block_bytes)
     key = next_operation_key("consolidate")
     commit = take_location(location, key, overwrite=options.overwrite)
@@ -161,7 +179,7 @@ def write_blocks(location: Location, source: BlockSource, options: StreamOptions
         with Executor(_PREFETCH, name="orbax_safetensors-prefetch") as pool:
             strategy = write.Streamed(
                 mine, lambda file: _file_chunks(source, file, blocks, pool, report),
-                lambda op: ([f.name for f in plan.files], plan.index))
+                lambda op, crcs: ([f.name for f in plan.files], plan.index(_gathered(op, crcs))))
             written = strategy.write(operation, commit)
         write.commit_written(operation, commit, written)
     finally:
@@ -173,8 +191,7 @@ def write_blocks(location: Location, source: BlockSource, options: StreamOptions
 
 def _file_chunks(source: BlockSource, file: FilePlan, block_bytes: int, pool: Executor,
                  report: Progress) -> Iterator[memoryview | bytes]:
-    """The output file's bytes in order, blocks read a few ahead of the writer."""
-    yield file.header
+    """The output file's data in order, blocks read a few ahead of the writer."""
     pending = []
     for info in file.tensors:
         blocks = [None] if info.dtype.is_packed else row_blocks(  # packed values are not cut
@@ -185,6 +202,12 @@ def _file_chunks(source: BlockSource, file: FilePlan, block_bytes: int, pool: Ex
                 yield _reported(pending.pop(0).result(), report)
     for future in pending:
         yield _reported(future.result(), report)
+
+
+def _gathered(op: Operation, file_crcs: dict[str, int]) -> dict[str, int]:
+    """Every process's files' whole crc32c, for the index process 0 commits."""
+    return {name: crc for raw in gather_to_all(f"{op.key}/crc32c", json.dumps(file_crcs))
+            for name, crc in json.loads(raw).items()}
 
 
 def _reported(chunk: memoryview, report: Progress) -> memoryview:

@@ -65,3 +65,16 @@ def gather_to_all(key: str, value: str) -> list[str]:
     client.key_value_set(f"{key}/{jax.process_index()}", value)
     return [client.blocking_key_value_get(f"{key}/{p}", _TIMEOUT_MS)
             for p in range(jax.process_count())]
+
+
+def gather_to_primary(key: str, value: str) -> list[str] | None:
+    """Every process's ``value``, in process order, on process 0 (``None`` elsewhere): what
+    only process 0 needs is not sent to everyone."""
+    if jax.process_count() == 1:
+        return [value]
+    client = _client()
+    client.key_value_set(f"{key}/{jax.process_index()}", value)
+    if jax.process_index() != 0:
+        return None
+    return [client.blocking_key_value_get(f"{key}/{p}", _TIMEOUT_MS)
+            for p in range(jax.process_count())]

@@ -111,10 +111,21 @@ class ReadOptions:
         ``jax.process_count() > 1``.
       reshard_thin_shards: with several processes, read a tensor whose shards
         are strided strips too thin to read well (runs shorter than
-        ``max_gap``: under ``P("tp", "fsdp")`` on hundreds of devices, a ranged
-        request per 512-byte row piece) in contiguous row blocks, one set per
+        ``max_gap``, or than a checksum block while checking them: under
+        ``P("tp", "fsdp")`` on hundreds of devices, a ranged request per
+        512-byte row piece) in contiguous row blocks, one set per
         process, and move it to the target sharding on device (an all-to-all).
         ``None``: on whenever ``jax.process_count() > 1``.
+      verify_checksums: check every byte read against the crc32c its file
+        stores (``ost.save`` stores one per 256 KiB block of each tensor), and
+        raise ``ost.ChecksumError`` naming the file, tensor and bytes that do not
+        match: damage on disk or in transit, or a file changed since it was
+        written, fails the load instead of loading wrong weights. It costs
+        hashing (about 11 GB/s, overlapped with the reads) and, for a
+        partial read (a shard of a tensor), reading the blocks it touches whole:
+        less than two blocks per contiguous run (``LoadStats.checksum_overread``).
+        Files without checksums load unchecked; ``False`` reads exactly what is
+        needed and checks nothing.
     """
 
     memory_budget: int | str = "1GB"
@@ -124,6 +135,7 @@ class ReadOptions:
     threads: int = 16
     replicated_read_once: bool | None = None
     reshard_thin_shards: bool | None = None
+    verify_checksums: bool = True
 
 
 def load(
@@ -357,7 +369,13 @@ def _plan(checkpoint: Checkpoint, loading: _Loading) -> Callable[[], Any]:
         max_overread=options.max_overread,
         memory_budget=parse_size(options.memory_budget))
     bounce_bytes = min(profile.chunk_bytes, _BOUNCE_BYTES)
-    reshard_below = profile.max_gap if reshard else 0
+    checksums = checkpoint.checksums if options.verify_checksums else {}
+    # A checked read reads every block it touches whole: a strip whose runs are thinner than a
+    # block would read the other processes' bytes between them too, so it is read in row
+    # blocks and resharded instead; slices are read by region, each block once.
+    thin = max([profile.max_gap, *(c.layout.block_bytes for c in checksums.values())])
+    reshard_below = thin if reshard else 0
+    by_region = bool(checksums)
     jobs: list[Job] = []
     outputs: list[int | AssembledLeaf] = []  # per wanted leaf: its job, or the leaf its jobs build
     for i in wanted:
@@ -367,22 +385,26 @@ def _plan(checkpoint: Checkpoint, loading: _Loading) -> Callable[[], Any]:
             stored = names[i] if assembly is None else assembly.pieces[0].stored
             outputs.append(len(jobs))
             jobs.append(_job(stored, checkpoint.tensors[stored], request, read_once, reshard_below,
-                             bounce_bytes, None if assembly is None else assembly.transform))
+                             bounce_bytes, None if assembly is None else assembly.transform,
+                             slices_by_region=by_region))
             continue
         sources = [checkpoint.tensors[piece.stored] for piece in assembly.pieces]
         dtype = request.dtype or assembly.pieces[0].transform.tree_dtype(sources[0].dtype.numpy)
-        leaf = AssembledLeaf(names[i], sources, assembly, dtype, request.sharding, bounce_bytes=bounce_bytes)
+        leaf = AssembledLeaf(names[i], sources, assembly, dtype, request.sharding, bounce_bytes=bounce_bytes,
+                             slices_by_region=by_region)
         outputs.append(leaf)
         jobs.extend(leaf.jobs)
     if any(job.scratch for job in jobs):
         # Staging of transformed tensors is recycled between batches (Job.scratch); a small
         # budget keeps it, and the fresh pages it costs, small.
         profile = dataclasses.replace(profile, memory_budget=min(profile.memory_budget, _SCRATCH_BUDGET))
-    plan = plan_reads([job.reads for job in jobs], profile)
+    plan = plan_reads([job.reads for job in jobs], profile,
+                      {file: c.layout for file, c in checksums.items()})
 
     def read() -> Any:
         values = execute(checkpoint.storage, plan, jobs, memory_budget=profile.memory_budget,
-                         threads=options.threads, stats=stats, cancelled=loading.abandoned)
+                         threads=options.threads, stats=stats, cancelled=loading.abandoned,
+                         checksums=checksums)
         stats.seconds += time.perf_counter() - loading.started
         _LOG.debug("loaded %s: %s", checkpoint.survey.location.url, stats)
         loaded = [values[out] if isinstance(out, int) else out.value for out in outputs]
@@ -397,14 +419,15 @@ def _plan(checkpoint: Checkpoint, loading: _Loading) -> Callable[[], Any]:
 
 
 def _job(name: str, source: TensorSource, request: _Request, read_once: bool, reshard_below: int,
-         bounce_bytes: int, transform: Transform | None = None) -> Job:
+         bounce_bytes: int, transform: Transform | None = None, *, slices_by_region: bool) -> Job:
     if transform is not None and transform.is_identity:
         transform = None
     if request.sharding is None:
-        return host_job(name, source, request.dtype, bounce_bytes=bounce_bytes, transform=transform)
+        return host_job(name, source, request.dtype, bounce_bytes=bounce_bytes, transform=transform,
+                        slices_by_region=slices_by_region)
     return sharded_job(name, source, request.dtype, request.sharding,
                        read_once=read_once, bounce_bytes=bounce_bytes, reshard_below=reshard_below,
-                       transform=transform)
+                       transform=transform, slices_by_region=slices_by_region)
 
 
 def _map(

@@ -21,7 +21,7 @@ import functools
 import math
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -29,6 +29,7 @@ import numpy as np
 
 from orbax_safetensors.engine.executor import Executor
 from orbax_safetensors.engine.host_memory import carve, footprint, host_buffers, populate
+from orbax_safetensors.engine.integrity import Verifier
 from orbax_safetensors.engine.resharding import (
     device_boxes,
     resharding,
@@ -37,6 +38,7 @@ from orbax_safetensors.engine.resharding import (
 )
 from orbax_safetensors.errors import SafetensorsError
 from orbax_safetensors.format import from_bytes
+from orbax_safetensors.format.checksums import FileChecksums
 from orbax_safetensors.planning import (
     GAP,
     Batch,
@@ -70,7 +72,11 @@ class LoadStats:
     fetched from storage, which exceeds it by coalesced gaps and falls below
     it for tensors read once per cluster and all-gathered. ``tensors_resharded``
     counts tensors read in row blocks and moved to the target sharding on
-    device (``ReadOptions.reshard_thin_shards``).
+    device (``ReadOptions.reshard_thin_shards``). ``bytes_verified`` counts the
+    bytes read that were checked against their files' block checksums
+    (``ReadOptions.verify_checksums``), ``checksum_overread`` the bytes among
+    ``bytes_read`` read only to complete blocks needed in part (less than two
+    blocks per contiguous run: 512 KiB at the default block size).
     """
 
     bytes_needed: int = 0
@@ -80,6 +86,8 @@ class LoadStats:
     tensors: int = 0
     tensors_read_once: int = 0
     tensors_resharded: int = 0
+    bytes_verified: int = 0
+    checksum_overread: int = 0
     seconds: float = 0.0
 
 
@@ -105,8 +113,9 @@ def _whole_slice(name: str, source: TensorSource, why: str) -> StoredSlice:
 
 
 def host_job(name: str, source: TensorSource, dtype: np.dtype | None, *, bounce_bytes: int,
-             transform: Transform | None = None) -> Job:
-    """The whole tensor as a numpy array (of ``dtype``, if given; mapped by ``transform``)."""
+             transform: Transform | None = None, slices_by_region: bool = False) -> Job:
+    """The whole tensor as a numpy array (of ``dtype``, if given; mapped by ``transform``).
+    ``slices_by_region``: as ``plan_tensor_reads`` (where checksum blocks are checked)."""
 
     def convert(host: np.ndarray) -> np.ndarray:
         if transform is not None:
@@ -117,7 +126,8 @@ def host_job(name: str, source: TensorSource, dtype: np.dtype | None, *, bounce_
         stored = _whole_slice(name, source, f"a {source.dtype.code} tensor")
         return Job(plan_byte_reads(stored, [((0, stored.info.nbytes),)], stored.info.nbytes),
                    lambda buffers: convert(_view(buffers[0], stored, name, source.shape)))
-    return Job(plan_tensor_reads(source, [full_box(source.shape)], source.nbytes, bounce_bytes),
+    return Job(plan_tensor_reads(source, [full_box(source.shape)], source.nbytes, bounce_bytes,
+                                 slices_by_region=slices_by_region),
                lambda buffers: convert(_view(buffers[0], source.slices[0], name, source.shape)),
                scratch=transform is not None)
 
@@ -125,6 +135,7 @@ def host_job(name: str, source: TensorSource, dtype: np.dtype | None, *, bounce_
 def sharded_job(
     name: str, source: TensorSource, dtype: np.dtype, sharding: jax.sharding.Sharding,
     *, read_once: bool, bounce_bytes: int, reshard_below: int = 0, transform: Transform | None = None,
+    slices_by_region: bool = False,
 ) -> Job:
     """This process's shards of a tensor, assembled into a global ``jax.Array``.
 
@@ -135,6 +146,7 @@ def sharded_job(
     a transposed or head-split shard still costs only its own bytes. A tensor
     whose shards across processes have runs under ``reshard_below`` bytes is
     read in row blocks and resharded on device (``planning.reshard_parts``).
+    ``slices_by_region``: as ``plan_tensor_reads`` (where checksum blocks are checked).
     """
     shape = source.shape if transform is None else transform.tree_shape
     try:
@@ -148,7 +160,8 @@ def sharded_job(
     if reshard_below and transform is None and source.whole is not None and not source.dtype.is_packed:
         rows = row_sharding(sharding, shape, source.dtype.bits // 8, reshard_below)
         if rows is not None:
-            inner = sharded_job(name, source, dtype, rows, read_once=False, bounce_bytes=bounce_bytes)
+            inner = sharded_job(name, source, dtype, rows, read_once=False, bounce_bytes=bounce_bytes,
+                                slices_by_region=slices_by_region)
             move = resharding(rows, sharding)
             return Job(dataclasses.replace(inner.reads, needed=needed, resharded=True),
                        lambda buffers: move(inner.finish(buffers)))
@@ -171,7 +184,8 @@ def sharded_job(
             views = {box: _view(buf, source.slices[0], name, box_shape(box)) for box, buf in zip(shards, buffers)}
             return _device_array(shape, sharding, dtype, local, views.__getitem__)
 
-        return Job(plan_tensor_reads(source, shards, needed, bounce_bytes), finish)
+        return Job(plan_tensor_reads(source, shards, needed, bounce_bytes,
+                                     slices_by_region=slices_by_region), finish)
 
     staged = _Staging(source, name, [transform.stored_box(box) for box in local])
 
@@ -181,7 +195,8 @@ def sharded_job(
             views(transform.stored_box(box)), transform.stored_box(box), box,
             out=_host_array(box_shape(box), dtype)))
 
-    return Job(plan_tensor_reads(source, staged.boxes, needed, bounce_bytes), finish_mapped, scratch=True)
+    return Job(plan_tensor_reads(source, staged.boxes, needed, bounce_bytes,
+                                 slices_by_region=slices_by_region), finish_mapped, scratch=True)
 
 
 class _Staging:
@@ -220,7 +235,8 @@ class AssembledLeaf:
     """
 
     def __init__(self, name: str, sources: Sequence[TensorSource], assembly: Assembly,
-                 dtype: np.dtype, sharding: jax.sharding.Sharding | None, *, bounce_bytes: int):
+                 dtype: np.dtype, sharding: jax.sharding.Sharding | None, *, bounce_bytes: int,
+                 slices_by_region: bool = False):
         self.name, self.assembly, self.dtype, self.sharding = name, assembly, np.dtype(dtype), sharding
         shape = assembly.shape
         if sharding is None:
@@ -233,12 +249,14 @@ class AssembledLeaf:
         self.buffers: dict[Box, np.ndarray] = {}
         self.value: Any = None
         self.jobs = [job for piece, source in zip(assembly.pieces, sources)
-                     for job in [self._job(piece, source, bounce_bytes)] if job is not None]
+                     for job in [self._job(piece, source, bounce_bytes, slices_by_region)]
+                     if job is not None]
         self._remaining = len(self.jobs)
         if not self.jobs:  # this process holds none of it (or it is empty)
             self.value = self._result()
 
-    def _job(self, piece: Piece, source: TensorSource, bounce_bytes: int) -> Job | None:
+    def _job(self, piece: Piece, source: TensorSource, bounce_bytes: int,
+             slices_by_region: bool) -> Job | None:
         if source.dtype.is_packed:
             raise SafetensorsError(f"a {source.dtype.code} tensor cannot be part of a stacked or "
                                    f"concatenated leaf ({self.name!r})", tensor=piece.stored)
@@ -268,7 +286,8 @@ class AssembledLeaf:
                 return self.value
             return None
 
-        return Job(plan_tensor_reads(source, staged.boxes, needed, bounce_bytes), finish, scratch=True)
+        return Job(plan_tensor_reads(source, staged.boxes, needed, bounce_bytes,
+                                     slices_by_region=slices_by_region), finish, scratch=True)
 
     def _buffer(self, box: Box) -> np.ndarray:
         if box not in self.buffers:
@@ -433,21 +452,41 @@ class _Scratch:
             self._free.append(self._lent.pop(id(views)))
 
 
-def transfer(storage: Storage, file: str, request: Transfer, buffers: Sequence[np.ndarray]) -> None:
-    """One ranged read, scattered into ``buffers`` (gaps into a scratch buffer)."""
+def transfer(storage: Storage, file: str, request: Transfer, buffers: Sequence[np.ndarray],
+             verifier: Verifier | None = None) -> None:
+    """One ranged read, scattered into ``buffers``, its bytes checked by ``verifier`` when it
+    holds the file's checksums (raising ``ChecksumError`` for a damaged block).
+
+    Gap bytes land in scratch memory: all gaps in one buffer, overwriting each other,
+    unless they are checked (then each keeps its own bytes until hashed).
+    """
+    checked = verifier is not None and verifier.checks(file)
     gaps = request.lengths[request.targets == GAP]
-    scratch = memoryview(np.empty(int(gaps.max()) if len(gaps) else 0, np.uint8))
-    views = [scratch[:length] if target == GAP else memoryview(buffers[target])[offset:offset + length]
-             for target, offset, length in request.segments]
+    scratch = memoryview(np.empty(int(gaps.sum() if checked else gaps.max()) if len(gaps) else 0, np.uint8))
+    views, used = [], 0
+    for target, offset, length in request.segments:
+        if target == GAP:
+            views.append(scratch[used:used + length])
+            used += length if checked else 0
+        else:
+            views.append(memoryview(buffers[target])[offset:offset + length])
     storage.read_scatter(file, request.offset, views)
+    if checked:
+        damage = verifier.check(file, request.offset, views)
+        if damage:
+            raise damage[0].error()
 
 
 def execute(storage: Storage, plan: ReadPlan, jobs: Sequence[Job], *, memory_budget: int,
-            threads: int, stats: LoadStats, cancelled: threading.Event | None = None) -> list[Any]:
+            threads: int, stats: LoadStats, cancelled: threading.Event | None = None,
+            checksums: Mapping[str, FileChecksums] | None = None) -> list[Any]:
     """Runs ``plan`` (of ``jobs``' reads): every job's result, in job order; stops with
-    ``KeyboardInterrupt`` once ``cancelled`` is set."""
+    ``KeyboardInterrupt`` once ``cancelled`` is set. Reads of the files ``checksums`` holds
+    are checked against them (``plan`` must read their blocks whole: ``plan_reads`` with
+    their layouts)."""
     budget = _Budget(memory_budget)
     scratch = _Scratch()
+    verifier = Verifier(checksums or {})
     lock = threading.Lock()
     results: list[Any] = [None] * len(jobs)
     stats.tensors += len(jobs)
@@ -455,10 +494,11 @@ def execute(storage: Storage, plan: ReadPlan, jobs: Sequence[Job], *, memory_bud
     stats.tensors_resharded += sum(j.reads.resharded for j in jobs)
     stats.bytes_needed += sum(j.reads.needed for j in jobs)
     stats.files += len(plan.files)
+    stats.checksum_overread += plan.padding
 
     def read(file: str, request: Transfer, buffers: Sequence[np.ndarray]) -> None:
         pool.check_cancelled()  # queued reads of a cancelled load end here, unread
-        transfer(storage, file, request, buffers)
+        transfer(storage, file, request, buffers, verifier)
         with lock:
             stats.bytes_read += request.length
             stats.requests += 1
@@ -510,4 +550,6 @@ def execute(storage: Storage, plan: ReadPlan, jobs: Sequence[Job], *, memory_bud
                       for file, transfers in batch.transfers for request in transfers]
             finishing.append(transferring.submit(finish, batch, buffers, reads, reserved))
         transferring.wait(finishing)
+    verifier.finish()
+    stats.bytes_verified += verifier.bytes_verified
     return results

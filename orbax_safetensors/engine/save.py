@@ -42,6 +42,7 @@ from orbax_safetensors.engine.resharding import resharding, row_sharding
 from orbax_safetensors.engine.tree_names import flatten_with_names
 from orbax_safetensors.errors import DistributedError, ProcessFailure
 from orbax_safetensors.format import dtype_for_numpy, to_bytes
+from orbax_safetensors.format.checksums import RESERVED_KEYS
 from orbax_safetensors.index import (
     DISTRIBUTED_INDEX_NAME,
     parse_size,
@@ -104,6 +105,15 @@ class SaveOptions:
     metadata: Mapping[str, str] | None = None
     overwrite: bool = False
     mapping: mapping_rules.Mapping | None = None
+    checksums: bool = True
+
+
+def check_metadata(metadata: Mapping[str, str] | None) -> None:
+    """The caller's ``__metadata__`` must leave our checksum entries to us."""
+    taken = sorted(set(metadata or ()) & set(RESERVED_KEYS))
+    if taken:
+        raise ValueError(f"metadata keys {taken} are reserved for the checksums a save writes "
+                         "(pass checksums=False to write none)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +136,7 @@ def save(
     storage_options: Mapping[str, Any] | None = None,
     filesystem: fsspec.AbstractFileSystem | None = None,
     mapping: mapping_rules.Mapping | None = None,
+    checksums: bool = True,
 ) -> SaveStats:
     """Saves the arrays of ``tree`` as safetensors, named by their key paths; blocks until committed.
 
@@ -154,9 +165,15 @@ def save(
       mapping: an ``ost.Mapping`` from checkpoint names and layouts to the tree's;
         each leaf is stored under its mapped name, each shard transposed or
         reshaped on the host into the stored box(es) it covers.
+      checksums: store the crc32c of every 256 KiB block of every tensor (in
+        each file's ``__metadata__``, and each file's whole crc32c in the
+        index), computed by each process over the bytes it writes; every load
+        then checks the blocks it reads. Other readers ignore them. ``False``
+        writes exactly what transformers' ``save_pretrained`` writes.
     """
     job = prepare_save(Location.resolve(path, storage_options, filesystem), tree,
-                       SaveOptions(layout, max_shard_size, metadata, overwrite, mapping), copy=False)
+                       SaveOptions(layout, max_shard_size, metadata, overwrite, mapping, checksums),
+                       copy=False)
     return wait_interruptibly(job, job.start())
 
 
@@ -196,6 +213,7 @@ def async_save(
     storage_options: Mapping[str, Any] | None = None,
     filesystem: fsspec.AbstractFileSystem | None = None,
     mapping: mapping_rules.Mapping | None = None,
+    checksums: bool = True,
 ) -> concurrent.futures.Future[SaveStats]:
     """Like ``save``, but returns once this process's shards are copied to host memory.
 
@@ -206,7 +224,7 @@ def async_save(
     pending save at exit, so nothing is lost by returning early.
     """
     return prepare_save(Location.resolve(path, storage_options, filesystem), tree,
-                        SaveOptions(layout, max_shard_size, metadata, overwrite, mapping),
+                        SaveOptions(layout, max_shard_size, metadata, overwrite, mapping, checksums),
                         copy=True).start()
 
 
@@ -234,6 +252,8 @@ def prepare_save(location: Location, tree: Any, options: SaveOptions, *, copy: b
     if location.is_single_file and options.layout == "distributed":
         raise ValueError(f"{location.url!r}: the distributed layout is a directory of files")
     parse_size(options.max_shard_size)  # a bad size is the caller's error, before anything starts
+    if options.checksums:
+        check_metadata(options.metadata)
     key = next_operation_key("save")
     commit = take_location(location, key, overwrite=options.overwrite, fresh=new_directory)
     # Several processes writing one hf file: thin strips are written as row blocks instead.
@@ -441,16 +461,15 @@ def _hf(location: Location, shards: list[HostShard], specs: list[TensorSpec],
         options: SaveOptions) -> write.Strategy:
     """The hf layout's plan, and the strategy the backend calls for."""
     if location.is_single_file:
-        plan = plan_single_file(location.file_name, specs, options.metadata)
+        plan = plan_single_file(location.file_name, specs, options.metadata, checksums=options.checksums)
     else:
         plan = plan_hf_checkpoint(specs, max_shard_size=options.max_shard_size,
-                                  metadata=options.metadata)
+                                  metadata=options.metadata, checksums=options.checksums)
     by_name = collections.defaultdict(list)
     for shard in shards:
         by_name[shard.name].append(shard)
 
     def streamed(file: FilePlan) -> Iterator[memoryview | bytes]:
-        yield file.header
         for info in file.tensors:
             yield to_bytes(_whole_tensor(info.shape, by_name[info.name]))
 
@@ -469,27 +488,27 @@ def _distributed(shards: list[HostShard], specs: Mapping[str, TensorSpec],
     metadata = dict(options.metadata or {})
     files = plan_distributed_files(
         jax.process_index(), [SliceSpec(s.name, specs[s.name].dtype, s.box) for s in merged],
-        max_shard_size=options.max_shard_size, metadata=metadata)
+        max_shard_size=options.max_shard_size, metadata=metadata, checksums=options.checksums)
     slices_in = {file.name: slices for file, slices in files}
 
     def chunks(file: FilePlan) -> Iterator[memoryview | bytes]:
-        yield file.header
         order = {s.name: data[(s.name, s.box)] for s in slices_in[file.name]}
         for info in file.tensors:
             yield from _payload(order[info.name])
 
-    def to_commit(op: Operation) -> tuple[list[str], tuple[str, bytes]]:
-        mine = [[s.name, file.name, [a for a, _ in s.box], list(s.shape)]
-                for file, slices in files for s in slices]
-        entries = [e for raw in gather_to_all(f"{op.key}/slices", json.dumps(mine))
-                   for e in json.loads(raw)]
+    def to_commit(op: Operation, file_crcs: dict[str, int]) -> tuple[list[str], tuple[str, bytes]]:
+        mine = {"slices": [[s.name, file.name, [a for a, _ in s.box], list(s.shape)]
+                           for file, slices in files for s in slices], "crc32c": file_crcs}
+        every = [json.loads(raw) for raw in gather_to_all(f"{op.key}/slices", json.dumps(mine))]
+        entries = [e for document in every for e in document["slices"]]
         slices: dict[str, list[SliceEntry]] = collections.defaultdict(list)
         for name, file, offsets, shape in entries:
             slices[name].append(SliceEntry(file, tuple(offsets), tuple(shape)))
         tensors = {name: DistributedTensor(spec.dtype, spec.shape, tuple(slices[name]))
                    for name, spec in specs.items()}
+        crcs = {file: crc for document in every for file, crc in document["crc32c"].items()}
         return (sorted({file for _, file, _, _ in entries}),
-                (DISTRIBUTED_INDEX_NAME, serialize_distributed_index(tensors, metadata)))
+                (DISTRIBUTED_INDEX_NAME, serialize_distributed_index(tensors, metadata, crcs)))
 
     # Without their index these files read as torch DCP output: where they go straight to
     # their final names, a marker says they are a save in progress until it commits.

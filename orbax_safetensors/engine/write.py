@@ -16,21 +16,37 @@
 ``for_storage`` picks between the first two and the third for an hf save; the
 other callers stream by nature. Every strategy's ``write`` ends in an
 agreement between the processes and returns what the commit puts in place.
+
+Checksums (``format.checksums``) are computed by each writer over the bytes it
+writes, as it writes them: no file is read back. A checksummed file's header
+is planned with zeros where its block CRCs go; once the data is written the
+header is replaced by one of the same length holding them. In place, process
+0 rewrites the header's bytes; in parts, process 0 uploads the objects that
+hold headers last; streamed, the writer holds the header back (writing it
+over the zeros, or as the first part of a merge, or with data held in memory
+where the backend has neither).
 """
 
 from __future__ import annotations
 
 import abc
+import base64
 import collections
+import concurrent.futures
+import errno
 import dataclasses
+import functools
 import itertools
 import json
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import jax
+import numpy as np
 
-from orbax_safetensors.engine.coordination import gather_to_all
+from orbax_safetensors.engine.coordination import gather_to_all, gather_to_primary
 from orbax_safetensors.engine.operation import Operation
+from orbax_safetensors.format.checksums import FileChecksums, Piece, Tally
 from orbax_safetensors.planning import (
     HEADER,
     FilePlan,
@@ -51,7 +67,80 @@ _SMALL_OBJECT = 4 << 20  # an object smaller than this costs more in requests th
 _VIEWS_PER_WRITE = 1024  # buffers per pwritev (Linux's IOV_MAX)
 
 Payloads = Sequence[memoryview]  # the bytes of each shard a process writes, by Segment.target
-Chunks = Callable[[FilePlan], Iterable[memoryview | bytes]]  # a file's bytes, front to back
+Chunks = Callable[[FilePlan], Iterable[memoryview | bytes]]  # a file's data, front to back
+FileCrcs = dict[str, int]  # file name → crc32c of the whole file, for the index
+
+
+class Checksums:
+    """The crc32c pieces of the bytes this process writes (``add``, from any thread), per
+    checksummed file of ``files``; completed into each file's block CRCs where all its bytes
+    were written here (``local``) or on process 0 from every process's (``gathered``)."""
+
+    def __init__(self, files: Sequence[FilePlan]):
+        self.files = {f.name: f for f in files if f.checksummed}
+        self._pieces: dict[str, list[Piece]] = collections.defaultdict(list)
+        self._lock = threading.Lock()
+
+    def add(self, file: str, offset: int, views: Sequence[memoryview | bytes]) -> None:
+        """The bytes ``views`` hold back to back from ``offset`` of ``file`` were written."""
+        if file in self.files:
+            pieces = self.files[file].layout.pieces(offset, views)
+            with self._lock:
+                self._pieces[file].extend(pieces)
+
+    def local(self, name: str) -> np.ndarray:
+        """Block CRCs of file ``name``, which this process wrote whole."""
+        return self._complete([self._encode()], [name])[name]
+
+    def gathered(self, key: str) -> dict[str, np.ndarray] | None:
+        """On process 0, block CRCs of every file from every process's pieces (``None`` on the
+        others). Blocks complete within a process cross as CRCs, the rest as pieces."""
+        raw = gather_to_primary(key, self._encode())
+        return None if raw is None else self._complete(raw)
+
+    def _encode(self) -> str:
+        document = {}
+        with self._lock:
+            by_file = {name: list(pieces) for name, pieces in self._pieces.items()}
+        for name, pieces in by_file.items():
+            tally = Tally(self.files[name].layout)
+            done = tally.add(pieces)
+            blocks = np.array([b for b, _ in done], np.int64)
+            crcs = np.array([c for _, c in done], np.uint32)
+            document[name] = {"blocks": base64.b64encode(blocks.tobytes()).decode(),
+                              "crcs": base64.b64encode(crcs.tobytes()).decode(),
+                              "partial": [[p.block, p.start, p.length, p.crc] for p in tally.partial()]}
+        return json.dumps(document)
+
+    def _complete(self, raw: Sequence[str], names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
+        result = {}
+        documents = [json.loads(r) for r in raw]
+        for name in self.files if names is None else names:
+            file = self.files[name]
+            crcs, seen = np.zeros(file.layout.count, np.uint32), np.zeros(file.layout.count, bool)
+            tally = Tally(file.layout)
+            for document in documents:
+                part = document.get(name)
+                if part is None:
+                    continue
+                blocks = np.frombuffer(base64.b64decode(part["blocks"]), np.int64)
+                crcs[blocks] = np.frombuffer(base64.b64decode(part["crcs"]), np.uint32)
+                seen[blocks] = True
+                for block, crc in tally.add(Piece(*p) for p in part["partial"]):
+                    crcs[block], seen[block] = crc, True
+            if not seen.all():
+                missing = int(np.flatnonzero(~seen)[0])
+                raise AssertionError(f"{name}: no process wrote all of block {missing} "
+                                     f"{file.layout.block(missing)}")
+            result[name] = crcs
+        return result
+
+
+def final_headers(files: Sequence[FilePlan], crcs: dict[str, np.ndarray]) -> tuple[dict[str, bytes], FileCrcs]:
+    """Each checksummed file's header holding its block CRCs, and every file's whole crc32c."""
+    headers = {f.name: f.header_with(crcs[f.name]) for f in files if f.name in crcs}
+    return headers, {f.name: FileChecksums(f.layout, crcs[f.name]).file_crc(headers[f.name])
+                     for f in files if f.name in crcs}
 
 
 @dataclasses.dataclass
@@ -63,6 +152,7 @@ class Written:
     bytes_written: int = 0
     requests: int = 0
     files_written: int = 0
+    file_crcs: FileCrcs = dataclasses.field(default_factory=dict)  # to check before the commit
 
 
 class Strategy(abc.ABC):
@@ -79,14 +169,14 @@ def for_storage(storage: Storage, plan: WritePlan,
     """The strategy an hf save takes on ``storage``, from its declared capabilities.
 
     ``owned`` plans this process's byte ranges (``planning.owned_ranges``),
-    ``payloads`` gives its shards' bytes, ``streamed`` a whole file's bytes.
+    ``payloads`` gives its shards' bytes, ``streamed`` a whole file's data.
     """
     capabilities = storage.capabilities
     if capabilities.offset_writes:
         return InPlace(plan, owned(), payloads)
     if capabilities.server_side_merge or jax.process_count() > 1:
         return InParts(plan, owned(), payloads)
-    return Streamed(plan.files, streamed, lambda op: ([f.name for f in plan.files], plan.index))
+    return Streamed(plan.files, streamed, lambda op, crcs: ([f.name for f in plan.files], plan.index(crcs)))
 
 
 def _begin(op: Operation, commit: Commit, **kwargs) -> None:
@@ -100,6 +190,20 @@ def _begin(op: Operation, commit: Commit, **kwargs) -> None:
 def _views(segments: Iterable[Segment], payloads: Payloads, header: bytes = b"") -> list[memoryview]:
     return [memoryview(header) if target == HEADER else payloads[target][offset:offset + length]
             for target, offset, length in segments]
+
+
+def _gather_checksums(op: Operation, checksums: Checksums,
+                      clean_up: Callable[[], None]) -> tuple[dict[str, bytes], FileCrcs]:
+    """Process 0: every file's final header and whole crc32c, from every process's pieces."""
+    if not checksums.files:  # the same plan everywhere: every process skips it alike
+        return {}, {}
+    crcs: dict[str, dict[str, np.ndarray] | None] = {}
+
+    def gather() -> None:
+        crcs["all"] = checksums.gathered(f"{op.key}/crc32c")
+
+    op.run("checksummed", gather, clean_up)
+    return final_headers(list(checksums.files.values()), crcs["all"] or {}) if op.is_primary else ({}, {})
 
 
 class InPlace(Strategy):
@@ -122,6 +226,7 @@ class InPlace(Strategy):
 
         op.on_primary("created", create, lambda: commit.discard(names))
         payloads = self.payloads()
+        checksums = Checksums(self.plan.files)
 
         def write_range(file_name: str, request: Transfer) -> None:
             # Views a batch at a time: a range of strided shards holds a run per row of each,
@@ -129,9 +234,10 @@ class InPlace(Strategy):
             offset, segments = request.offset, list(request.segments)
             for start in range(0, len(segments), _VIEWS_PER_WRITE):
                 op.check_cancelled()
-                batch = segments[start:start + _VIEWS_PER_WRITE]
-                storage.write_at(commit.temporary(file_name), offset, _views(batch, payloads))
-                offset += sum(length for _, _, length in batch)
+                batch = _views(segments[start:start + _VIEWS_PER_WRITE], payloads)
+                checksums.add(file_name, offset, batch)
+                storage.write_at(commit.temporary(file_name), offset, batch)
+                offset += sum(len(view) for view in batch)
 
         files = sorted({name for name, _ in self.owned})
 
@@ -141,13 +247,31 @@ class InPlace(Strategy):
                            for name, transfers in self.owned for r in transfers])
                 pool.wait([pool.submit(storage.sync, commit.temporary(name)) for name in files])
 
-        op.run("written", write_all, lambda: commit.discard(names) if op.is_primary else None)
-        return Written(names, self.plan.index, sum(len(p) for p in payloads),
-                       sum(len(transfers) for _, transfers in self.owned), len(files))
+        discard = lambda: commit.discard(names) if op.is_primary else None  # noqa: E731
+        op.run("written", write_all, discard)
+        headers, file_crcs = _gather_checksums(op, checksums, discard)
+
+        def rewrite_headers() -> None:
+            with op.executor(_WRITE_THREADS, "orbax_safetensors-headers") as pool:
+                pool.wait([pool.submit(self._rewrite, storage, commit.temporary(name), header)
+                           for name, header in headers.items()])
+
+        op.on_primary("headers", rewrite_headers, discard)
+        return Written(names, self.plan.index(file_crcs), sum(len(p) for p in payloads),
+                       sum(len(transfers) for _, transfers in self.owned), len(files), file_crcs)
+
+    @staticmethod
+    def _rewrite(storage: Storage, path: str, header: bytes) -> None:
+        storage.write_at(path, 0, [memoryview(header)])
+        storage.sync(path)
 
 
 class InParts(Strategy):
-    """Part objects uploaded in parallel by their owners, merged server-side by process 0."""
+    """Part objects uploaded in parallel by their owners, merged server-side by process 0.
+
+    The objects holding a checksummed file's header are uploaded last, by process
+    0, once every process's checksums are in.
+    """
 
     def __init__(self, plan: WritePlan, owned: Sequence[tuple[str, Transfers]],
                  payloads: Callable[[], Payloads]):
@@ -161,17 +285,24 @@ class InParts(Strategy):
         names = [f.name for f in self.plan.files]
         headers = {f.name: f.header for f in self.plan.files}
         payloads = self.payloads()
+        checksums = Checksums(self.plan.files)
         _begin(op, commit)
+        last = [u for u in self.uploads if u.file in checksums.files
+                and any((r.targets == HEADER).any() for r in u.ranges)]
+        now = [u for u in self.uploads if not any(u is v for v in last)]
+
+        def views(item: Upload) -> list[memoryview]:
+            return [v for r in item.ranges for v in _views(r.segments, payloads, headers.get(item.file, b""))]
 
         def upload(item: Upload) -> None:
             op.check_cancelled()
-            views = [v for r in item.ranges
-                     for v in _views(r.segments, payloads, headers.get(item.file, b""))]
-            storage.write(commit.part(item.file, item.key), views)
+            storage.write(commit.part(item.file, item.key), views(item))
 
         def upload_all() -> None:
+            for item in last:  # uploaded once the headers are final; summed now
+                checksums.add(item.file, item.key, views(item))
             with op.executor(_WRITE_THREADS, "orbax_safetensors-upload") as pool:
-                pool.wait([pool.submit(upload, item) for item in self.uploads])
+                pool.wait([pool.submit(self._counted, checksums, item, views, upload) for item in now])
 
         # (file, offset, length, object key, position in the object) of every range
         mine = [[u.file, r.offset, r.length, u.key, position]
@@ -188,9 +319,14 @@ class InParts(Strategy):
         part_objects = sorted({commit.part(file, key) for file, _, _, key, _ in every})
         op.agree("uploaded", error,
                  lambda: storage.discard(part_objects) if op.is_primary else None)
+        final, file_crcs = _gather_checksums(
+            op, checksums, lambda: (storage.discard(part_objects), commit.discard(names)) if op.is_primary else None)
+        headers.update(final)
 
         def assemble() -> None:
             try:
+                with op.executor(_WRITE_THREADS, "orbax_safetensors-upload") as pool:
+                    pool.wait([pool.submit(upload, item) for item in last])
                 self._assemble(op, commit, every)
             except BaseException:
                 storage.discard(part_objects)
@@ -200,8 +336,14 @@ class InParts(Strategy):
                 pool.map(storage.remove, part_objects)
 
         op.on_primary("merged", assemble)
-        return Written(names, self.plan.index, sum(len(p) for p in payloads), len(self.uploads),
-                       len({u.file for u in self.uploads}))
+        return Written(names, self.plan.index(file_crcs), sum(len(p) for p in payloads),
+                       len(self.uploads), len({u.file for u in self.uploads}), file_crcs)
+
+    @staticmethod
+    def _counted(checksums: Checksums, item: Upload, views: Callable[[Upload], list[memoryview]],
+                 upload: Callable[[Upload], None]) -> None:
+        checksums.add(item.file, item.key, views(item))
+        upload(item)
 
     def _assemble(self, op: Operation, commit: Commit, parts: list[tuple]) -> None:
         """Process 0: each file from its parts, server-side where each part is one object."""
@@ -236,8 +378,9 @@ def _read_spans(storage: Storage, spans: list[tuple[int, int, str, int]]) -> Ite
 
 
 class Streamed(Strategy):
-    """This process's ``files`` written whole, front to back, from ``chunks``; ``to_commit``
-    (after every process has written) says what the commit puts in place.
+    """This process's ``files`` written whole, front to back, from ``chunks`` (each file's
+    data); ``to_commit`` (after every process has written; given the whole crc32c of each
+    file this process wrote) says what the commit puts in place.
 
     ``marks_files``: the index name of a layout whose files read as another kind of
     checkpoint without it (the distributed layout's read as torch DCP output), so that a
@@ -245,7 +388,7 @@ class Streamed(Strategy):
     """
 
     def __init__(self, files: Sequence[FilePlan], chunks: Chunks,
-                 to_commit: Callable[[Operation], tuple[list[str], tuple[str, bytes] | None]],
+                 to_commit: Callable[[Operation, FileCrcs], tuple[list[str], tuple[str, bytes] | None]],
                  *, marks_files: str | None = None):
         self.files, self.chunks, self.to_commit = list(files), chunks, to_commit
         self.marks_files = marks_files
@@ -253,28 +396,96 @@ class Streamed(Strategy):
     def write(self, op: Operation, commit: Commit) -> Written:
         _begin(op, commit, marks_files=self.marks_files)
         written = [0]
+        checksums = Checksums(self.files)
+        file_crcs: FileCrcs = {}
 
         def counted(file: FilePlan) -> Iterator[memoryview | bytes]:
+            offset = file.data_start
             for chunk in self.chunks(file):
                 op.check_cancelled()
+                checksums.add(file.name, offset, [chunk])
+                offset += len(chunk)
                 written[0] += len(chunk)
                 yield chunk
 
         def write_all() -> None:
             for file in self.files:
-                commit.storage.write(commit.temporary(file.name), counted(file))
+                path = commit.temporary(file.name)
+                if not file.checksummed:
+                    commit.storage.write(path, itertools.chain([file.header], counted(file)))
+                    continue
+                _write_header_last(commit, file, counted(file), functools.partial(header, file))
+                check_stored(commit.storage, {path: file_crcs[file.name]})
+
+        def header(file: FilePlan) -> bytes:
+            headers, whole = final_headers([file], {file.name: checksums.local(file.name)})
+            file_crcs.update(whole)
+            return headers[file.name]
 
         op.run("written", write_all, lambda: commit.discard(f.name for f in self.files))
-        names, index = self.to_commit(op)
-        header_bytes = sum(len(f.header) for f in self.files)
-        return Written(names, index, written[0] - header_bytes, len(self.files), len(self.files))
+        names, index = self.to_commit(op, file_crcs)
+        return Written(names, index, written[0], len(self.files), len(self.files))
+
+
+def _write_header_last(commit: Commit, file: FilePlan, data: Iterator[memoryview | bytes],
+                       header: Callable[[], bytes]) -> None:
+    """Writes ``file`` from its ``data``, its ``header`` asked for once the data has passed.
+
+    Over the planned header where the backend writes at offsets; else as a
+    merge of two objects, the header with the first data (as much as a merge's
+    first part needs) held in memory, the rest streamed; else (``memory://``)
+    with all the data held.
+    """
+    storage, path = commit.storage, commit.temporary(file.name)
+    capabilities = storage.capabilities
+    if capabilities.offset_writes:
+        storage.write(path, itertools.chain([file.header], data))
+        storage.write_at(path, 0, [memoryview(header())])
+        storage.sync(path)
+        return
+    held, rest = bytearray(), None
+    for chunk in data:
+        view = memoryview(chunk).cast("B")
+        room = capabilities.first_part_bytes - len(held) if capabilities.server_side_merge else len(view)
+        held += view[:room]
+        if len(view) > room:
+            rest = view[room:]
+            break
+    if rest is None:
+        storage.write(path, [header(), held])
+        return
+    first, second = commit.part(file.name, 0), commit.part(file.name, file.data_start + len(held))
+    try:
+        storage.write(second, itertools.chain([rest], data))
+        head = header()
+        storage.write(first, [head, held])
+        storage.merge(path, [first, second], [len(head) + len(held), file.size - len(head) - len(held)])
+    finally:
+        storage.discard([first, second])
+
+
+def check_stored(storage: Storage, paths: dict[str, int]) -> None:
+    """Raises unless each object holds the bytes whose crc32c we computed as we wrote them
+    (``paths``: path → crc), where the store keeps a crc32c of its own: an upload corrupted
+    on the way fails the save before it is committed."""
+    def check(path: str) -> None:
+        stored = storage.stored_crc32c(path)
+        if stored is not None and stored != paths[path]:
+            raise OSError(errno.EIO, f"the store holds other bytes than were written (its crc32c "
+                          f"{stored:#010x}, ours {paths[path]:#010x}); nothing was committed", path)
+
+    with concurrent.futures.ThreadPoolExecutor(_WRITE_THREADS) as pool:
+        list(pool.map(check, paths))
 
 
 def commit_written(op: Operation, commit: Commit, written: Written) -> None:
-    """Process 0 puts the written files and the index in place; on a failure it has rolled
-    back, and the files are discarded. Every process learns the outcome."""
+    """Process 0 checks the files against the store's own checksums and puts them and the
+    index in place; on a failure it has rolled back, and the files are discarded. Every
+    process learns the outcome."""
     def put_in_place() -> None:
         try:
+            check_stored(commit.storage, {commit.temporary(name): crc
+                                          for name, crc in written.file_crcs.items()})
             commit.commit(written.files, written.index, op.at_commit_point)
         except BaseException:
             commit.discard(list(written.files) + ([written.index[0]] if written.index else []))

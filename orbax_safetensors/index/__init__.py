@@ -1,10 +1,13 @@
 """Layer 2: checkpoint-level metadata (indexes, file naming, shard packing)."""
 
 from orbax_safetensors.index.hf_index import (
+    FILE_CRCS_KEY,
     INDEX_NAME,
     SINGLE_FILE_NAME,
     HFIndex,
     check_file_name,
+    decode_crc,
+    encode_crc,
     is_shard_file_name,
     parse_index,
     serialize_index,
@@ -25,7 +28,7 @@ from orbax_safetensors.index.distributed_index import (
 from orbax_safetensors.index.packing import pack_shards, parse_size
 
 __all__ = [
-    "INDEX_NAME", "SINGLE_FILE_NAME", "HFIndex", "check_file_name", "is_shard_file_name",
+    "FILE_CRCS_KEY", "INDEX_NAME", "SINGLE_FILE_NAME", "decode_crc", "encode_crc", "HFIndex", "check_file_name", "is_shard_file_name",
     "parse_index", "serialize_index", "shard_file_name", "pack_shards", "parse_size",
     "DISTRIBUTED_INDEX_NAME", "DistributedTensor", "SliceEntry", "check_slices", "dcp_metadata",
     "dcp_offsets", "distributed_file_name", "is_distributed_file_name",

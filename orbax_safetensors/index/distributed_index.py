@@ -27,7 +27,14 @@ import numpy as np
 
 from orbax_safetensors.errors import SafetensorsError
 from orbax_safetensors.format import DTYPES, DType
-from orbax_safetensors.index.hf_index import check_file_name, is_encodable, load_json, short_repr
+from orbax_safetensors.index.hf_index import (
+    FILE_CRCS_KEY,
+    check_file_name,
+    encode_crc,
+    is_encodable,
+    load_json,
+    short_repr,
+)
 
 DISTRIBUTED_INDEX_NAME = "orbax_safetensors.distributed.json"
 DCP_SHARDING_INFO = "DCP_SHARDING_INFO"
@@ -248,9 +255,12 @@ def _sweep_overlap(lo: np.ndarray, hi: np.ndarray, runs: np.ndarray, order: np.n
 
 
 def serialize_distributed_index(
-    tensors: Mapping[str, DistributedTensor], metadata: Mapping[str, str]
+    tensors: Mapping[str, DistributedTensor], metadata: Mapping[str, str],
+    file_crcs: Mapping[str, int] | None = None,
 ) -> bytes:
-    document = {
+    """Our index; ``file_crcs``: each file's whole-object crc32c (``encode_crc``), as the HF
+    index stores them."""
+    document: dict[str, object] = {
         "format": _FORMAT,
         "version": 1,
         "metadata": dict(metadata),
@@ -264,6 +274,8 @@ def serialize_distributed_index(
             for name, t in sorted(tensors.items())
         },
     }
+    if file_crcs:
+        document[FILE_CRCS_KEY] = {name: encode_crc(crc) for name, crc in sorted(file_crcs.items())}
     return (json.dumps(document, indent=1, sort_keys=True) + "\n").encode("utf-8")
 
 

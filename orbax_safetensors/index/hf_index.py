@@ -10,6 +10,7 @@ delete) something else.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import re
@@ -20,6 +21,7 @@ from orbax_safetensors.errors import SafetensorsError
 from orbax_safetensors.format import reject_duplicate_keys
 
 INDEX_NAME = "model.safetensors.index.json"
+FILE_CRCS_KEY = "crc32c"  # index metadata: file name → crc32c of the whole file
 SINGLE_FILE_NAME = "model.safetensors"
 _SHARD_NAME = re.compile(r"^model-(\d{5,})-of-(\d{5,})\.safetensors$")
 
@@ -110,6 +112,21 @@ def check_file_name(name: object, *, file: str, tensor: str | None = None) -> st
     return name
 
 
+def encode_crc(crc: int) -> str:
+    """A crc32c as GCS and S3 spell it: base64 of its 4 big-endian bytes."""
+    return base64.b64encode(int(crc).to_bytes(4, "big")).decode("ascii")
+
+
+def decode_crc(text: object) -> int | None:
+    """``encode_crc``'s inverse; ``None`` for anything that is not one."""
+    if not isinstance(text, str) or len(text) != 8:
+        return None
+    try:
+        return int.from_bytes(base64.b64decode(text, validate=True), "big")
+    except ValueError:
+        return None
+
+
 def parse_index(raw: bytes, *, file: str = INDEX_NAME) -> HFIndex:
     """Parses an index; the only error it raises is a SafetensorsError naming ``file``.
 
@@ -132,7 +149,13 @@ def parse_index(raw: bytes, *, file: str = INDEX_NAME) -> HFIndex:
     return HFIndex(weight_map, metadata)
 
 
-def serialize_index(weight_map: Mapping[str, str], total_size: int) -> bytes:
-    """The index bytes transformers' ``save_pretrained`` would write."""
-    document = {"metadata": {"total_size": int(total_size)}, "weight_map": dict(weight_map)}
+def serialize_index(weight_map: Mapping[str, str], total_size: int,
+                    file_crcs: Mapping[str, int] | None = None) -> bytes:
+    """The index bytes transformers' ``save_pretrained`` would write, plus (``file_crcs``) each
+    file's whole-object crc32c under ``metadata.crc32c``, base64 of the big-endian value as
+    GCS reports it (transformers keeps the metadata it does not know, and reads none of it)."""
+    metadata: dict[str, object] = {"total_size": int(total_size)}
+    if file_crcs:
+        metadata[FILE_CRCS_KEY] = {name: encode_crc(crc) for name, crc in sorted(file_crcs.items())}
+    document = {"metadata": metadata, "weight_map": dict(weight_map)}
     return (json.dumps(document, indent=2, sort_keys=True) + "\n").encode("utf-8")

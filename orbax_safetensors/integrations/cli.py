@@ -2,10 +2,10 @@
 
 Human-readable tables on a terminal, ``--json`` for scripts; failures print one
 line on stderr and exit non-zero, never a traceback for a bad checkpoint.
-Long jobs (``consolidate``, ``convert``) draw a progress line on stderr only
-when it is a terminal, so a script or CI log gets nothing there but errors,
-and stdout holds exactly one line: the human summary, or with ``--json`` a
-JSON object. Orbax and TensorStore are imported by ``convert`` alone, since
+Long jobs (``consolidate``, ``convert``, ``verify --data``) draw a progress
+line on stderr only when it is a terminal, so a script or CI log gets nothing
+there but errors, and stdout holds exactly one line: the human summary, or
+with ``--json`` a JSON object. Orbax and TensorStore are imported by ``convert`` alone, since
 they take seconds to import and the other commands never need them.
 """
 
@@ -32,6 +32,7 @@ _INSPECT_EXAMPLES = """examples:
 _VERIFY_EXAMPLES = """examples:
   orbax-safetensors verify ./llama-checkpoint
   orbax-safetensors verify s3://bucket/run/step_100/params --json   # exit status 1 if anything is wrong
+  orbax-safetensors verify ./llama-checkpoint --data   # also read all tensor data, check its crc32c
 """
 _CONSOLIDATE_EXAMPLES = """examples:
   orbax-safetensors consolidate ./distributed-ckpt ./hf-ckpt --max-shard-size 2GB
@@ -100,8 +101,8 @@ def _verify(args: argparse.Namespace) -> int:
         sys.stderr.write(f"verify {args.path}: checking...")
         sys.stderr.flush()
         Progress.unfinished_line = True
-    report = verify(args.path)
-    if on_terminal:
+    report = verify(args.path, data=args.data, progress=_progress(args))
+    if on_terminal and not args.data:  # with --data the progress line says what was read
         sys.stderr.write(f"\rverify {args.path}: checked {len(report.files)} file(s) in "
                          f"{format_seconds(time.perf_counter() - started)}\x1b[K\n")
         Progress.unfinished_line = False
@@ -114,10 +115,14 @@ def _verify(args: argparse.Namespace) -> int:
         for leftover in report.leftovers:
             print(f"note: file {leftover!r} is not part of the checkpoint (left over from an "
                   "earlier save?); readers ignore it")
+        if report.unchecked:
+            print(f"note: {len(report.unchecked)} file(s) store no checksums (written by another "
+                  "library, or saved with checksums=False): their data was not checked")
         found = (f"{len(report.problems)} problem{'s' * (len(report.problems) != 1)}"
                  if report.problems else "ok")
+        checked = f", {_human_bytes(report.bytes_checked)} checked against checksums" if args.data else ""
         print(f"{found}: {report.layout}, {len(report.files)} file(s), {report.tensors} tensors, "
-              f"{_human_bytes(report.bytes)}")
+              f"{_human_bytes(report.bytes)}{checked}")
     return 0 if report.ok else 1
 
 
@@ -198,8 +203,11 @@ def build_parser() -> argparse.ArgumentParser:
                     _VERIFY_EXAMPLES)
     check.add_argument("path", help="a .safetensors file or a checkpoint directory")
     check.add_argument("--json", action="store_true", help="machine-readable report")
+    check.add_argument("--data", action="store_true",
+                       help="also read every byte of tensor data and check it against the "
+                            "crc32c checksums its file stores; list every damaged tensor")
     check.add_argument("--no-progress", dest="progress", action="store_false",
-                       help="no status line (it shows only when stderr is a terminal)")
+                       help="no status or progress line (they show only when stderr is a terminal)")
     check.set_defaults(run=_verify)
     merge = command("consolidate",
                     "rewrite a distributed (or torch DCP) checkpoint as an HF checkpoint",

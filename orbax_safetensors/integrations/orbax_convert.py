@@ -118,6 +118,7 @@ def convert(
     metadata: Mapping[str, str] | None = None,
     overwrite: bool = False,
     progress: bool | None = None,
+    checksums: bool = True,
     storage_options: Mapping[str, Any] | None = None,
     filesystem: fsspec.AbstractFileSystem | None = None,
 ) -> ConvertStats:
@@ -147,6 +148,8 @@ def convert(
         even with ``overwrite``). The new Orbax checkpoint is written beside it
         and swapped in, so a failure leaves the old one.
       progress: a progress line on stderr; ``None`` shows it on a terminal.
+      checksums: safetensors output: write block checksums as ``ost.save``
+        does. A safetensors source's own are checked as its bytes are read.
       storage_options / filesystem: for a safetensors ``src``/``dst`` given
         as an fsspec URL, as in ``ost.load``. The Orbax side goes through
         Orbax's own paths (local or ``gs://``).
@@ -176,7 +179,7 @@ def convert(
                 f"{', '.join(repr(n) for n in foreign[:5])}{', ...' if len(foreign) > 5 else ''}); "
                 "convert replaces only an Orbax checkpoint, even with overwrite: choose another "
                 "destination")
-    options = StreamOptions(max_shard_size, metadata, overwrite, block_bytes, progress)
+    options = StreamOptions(max_shard_size, metadata, overwrite, block_bytes, progress, checksums)
     label = f"convert {os.fspath(src)} -> {target.url}"
     if fmt == ORBAX:
         return _orbax_to_safetensors(item, target, options, label=label, started=started)

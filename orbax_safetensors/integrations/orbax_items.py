@@ -24,6 +24,7 @@ from orbax_safetensors.engine import (
     ReadOptions,
     SaveJob,
     SaveOptions,
+    check_metadata,
     check_tree,
     load,
     metadata,
@@ -54,6 +55,7 @@ class SafetensorsSave(ocp_args.CheckpointArgs):
     storage_options: Mapping[str, Any] | None = None
     filesystem: fsspec.AbstractFileSystem | None = None
     mapping: NameMapping | None = None
+    checksums: bool = True
 
     def __post_init__(self) -> None:
         # A bad item raises here, at the caller's line; from inside the handler
@@ -62,6 +64,8 @@ class SafetensorsSave(ocp_args.CheckpointArgs):
         if self.mapping is not None:
             self.mapping.map_specs(specs)
         parse_size(self.max_shard_size)
+        if self.checksums:
+            check_metadata(self.metadata)
 
 
 @dataclasses.dataclass
@@ -99,7 +103,8 @@ def prepare_item_save(directory: Any, args: SafetensorsSave) -> SaveJob:
     """
     return prepare_save(
         Location.resolve(_url(directory), args.storage_options, args.filesystem), args.item,
-        SaveOptions(args.layout, args.max_shard_size, args.metadata, mapping=args.mapping),
+        SaveOptions(args.layout, args.max_shard_size, args.metadata, mapping=args.mapping,
+                    checksums=args.checksums),
         copy=True, new_directory=True)
 
 

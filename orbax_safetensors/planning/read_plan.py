@@ -21,7 +21,8 @@ never re-plans. Four steps, all pure:
    run lands in its buffer.
 4. ``plan_reads``: tensors in file order, cut into batches under the memory
    budget; each batch's direct runs coalesced per file across its tensors
-   (``transfers.coalesce``), each bounce read's runs on their own.
+   (``transfers.coalesce``), each bounce read's runs on their own; in a file
+   whose checksums are checked, every checksum block a run touches read whole.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from orbax_safetensors.format import DType, TensorInfo
+from orbax_safetensors.format.checksums import BlockLayout
 from orbax_safetensors.planning.boxes import (
     Box,
     box_shape,
@@ -304,13 +306,17 @@ class TensorReads:
 
 
 def plan_tensor_reads(source: TensorSource, shards: Sequence[Box], needed: int,
-                      bounce_bytes: int) -> TensorReads:
+                      bounce_bytes: int, *, slices_by_region: bool = False) -> TensorReads:
     """Reads that fill ``shards`` (boxes of the tensor) from the source's slices.
 
     A whole stored tensor goes through region planning (shards that together
     form a box are read once, contiguously). For slices, each shard is read
     directly from the slice holding all of it, or assembled through bounce
-    blocks from every slice it intersects.
+    blocks from every slice it intersects. With ``slices_by_region`` slices are
+    read by region too: the part of a region each slice holds is read once and
+    cut into every shard it feeds. A file with checksum blocks wants that: a
+    strided part of one shard reads every block it touches whole, so shard by
+    shard each block would be read once per shard.
     """
     itemsize = source.dtype.bits // 8
     shards = tuple(shards)
@@ -320,20 +326,36 @@ def plan_tensor_reads(source: TensorSource, shards: Sequence[Box], needed: int,
             for region in plan_regions(source.shape, shards)
             for read in plan_region_reads(region, source.shape, itemsize, bounce_bytes))
         return TensorReads(source.slices, source.shape, itemsize, shards, reads, needed)
-    reads = []
-    for shard in shards:
-        for k, stored in enumerate(source.slices):
-            part = intersect(shard, stored.box)
-            if part is None:
-                continue
-            if part == shard:
-                reads.append(SliceRead(k, shard, shard))
-                continue
-            relative = tuple((a - o, b - o) for (a, b), o in zip(part, stored.origin))
-            for block in row_blocks(relative, itemsize, bounce_bytes):
-                box = tuple((a + o, b + o) for (a, b), o in zip(block, stored.origin))
-                reads.append(SliceRead(k, box, None))
-    return TensorReads(source.slices, source.shape, itemsize, shards, tuple(reads), needed)
+    regions = (plan_regions(source.shape, shards) if slices_by_region
+               else [Region(shard, (shard,)) for shard in shards])
+    reads = tuple(read for region in regions for k, stored in enumerate(source.slices)
+                  for read in _slice_reads(region, k, stored, itemsize, bounce_bytes))
+    return TensorReads(source.slices, source.shape, itemsize, shards, reads, needed)
+
+
+def _slice_reads(region: Region, k: int, stored: StoredSlice, itemsize: int,
+                 bounce_bytes: int) -> list[SliceRead]:
+    """The reads of the part of ``region`` that slice ``k`` holds: as ``plan_region_reads``
+    reads a whole tensor's region when every shard touching the part lies in it, else
+    through bounce blocks (a shard split between slices is assembled from each)."""
+    part = intersect(region.box, stored.box)
+    if part is None:
+        return []
+
+    def relative(box: Box) -> Box:
+        return tuple((a - o, b - o) for (a, b), o in zip(box, stored.origin))
+
+    def absolute(box: Box) -> Box:
+        return tuple((a + o, b + o) for (a, b), o in zip(box, stored.origin))
+
+    touching = [m for m in region.members if intersect(m, stored.box) is not None]
+    if all(intersect(m, stored.box) == m for m in touching):
+        reads = plan_region_reads(Region(relative(part), tuple(map(relative, touching))),
+                                  stored.info.shape, itemsize, bounce_bytes)
+    else:
+        reads = [RegionRead(block, None) for block in row_blocks(relative(part), itemsize, bounce_bytes)]
+    return [SliceRead(k, absolute(r.box), None if r.direct is None else absolute(r.direct))
+            for r in reads]
 
 
 def plan_byte_reads(stored: StoredSlice, boxes: Sequence[Box], needed: int, *,
@@ -415,10 +437,21 @@ class ReadPlan:
     def files(self) -> set[str]:
         return {t.slices[r.slice].file for t in self.tensors for r in t.reads}
 
+    @property
+    def padding(self) -> int:
+        """Bytes read only to complete checksum blocks (``Transfers.padding``)."""
+        return sum(transfers.padding for batch in self.batches
+                   for transfers in [t for _, t in batch.transfers] + [r.transfers for r in batch.bounced])
 
-def plan_reads(tensors: Sequence[TensorReads], profile: ReadProfile) -> ReadPlan:
+
+def plan_reads(tensors: Sequence[TensorReads], profile: ReadProfile,
+               blocks: Mapping[str, BlockLayout] | None = None) -> ReadPlan:
     """Batches of ``tensors`` in file order, each at most half the budget (so the next batch
-    is read while the last one is finished), with every request coalesced and chunked."""
+    is read while the last one is finished), with every request coalesced and chunked.
+
+    ``blocks``: the checksum blocks of the files whose checksums the reads check; each
+    block a run touches is read whole (``coalesce``), so it can be checked.
+    """
     tensors = tuple(tensors)
     order = sorted(range(len(tensors)),
                    key=lambda i: (tensors[i].slices[0].file, tensors[i].slices[0].offset))
@@ -431,13 +464,15 @@ def plan_reads(tensors: Sequence[TensorReads], profile: ReadProfile) -> ReadPlan
             size = 0
         groups[-1].append(i)
         size += tensors[i].nbytes
-    return ReadPlan(tensors, tuple(_batch(tensors, group, profile) for group in groups))
+    blocks = blocks or {}
+    return ReadPlan(tensors, tuple(_batch(tensors, group, profile, blocks) for group in groups))
 
 
-def _batch(tensors: Sequence[TensorReads], group: list[int], profile: ReadProfile) -> Batch:
-    def cut(runs: Runs) -> Transfers:
+def _batch(tensors: Sequence[TensorReads], group: list[int], profile: ReadProfile,
+           blocks: Mapping[str, BlockLayout]) -> Batch:
+    def cut(runs: Runs, file: str) -> Transfers:
         return coalesce(runs, max_gap=profile.max_gap, max_overread=profile.max_overread,
-                        chunk_bytes=profile.chunk_bytes)
+                        chunk_bytes=profile.chunk_bytes, blocks=blocks.get(file))
 
     runs_by_file: dict[str, list[Runs]] = {}
     bounced = []
@@ -456,9 +491,9 @@ def _batch(tensors: Sequence[TensorReads], group: list[int], profile: ReadProfil
                 shard_bounds = np.array(tensor.shards, np.int64).reshape(
                     len(tensor.shards), len(tensor.shape), 2)
             bounced.append(BounceRead(i, read.box, box_size(read.box) * tensor.itemsize, file,
-                                      cut(tensor.runs(read, 0)), shard_bounds))
+                                      cut(tensor.runs(read, 0), file), shard_bounds))
         first_buffer += len(tensor.shards)
-    transfers = tuple((file, cut(Runs.concatenate(runs))) for file, runs in runs_by_file.items())
+    transfers = tuple((file, cut(Runs.concatenate(runs), file)) for file, runs in runs_by_file.items())
     return Batch(tuple(group), sum(tensors[i].nbytes for i in group), transfers, tuple(bounced))
 
 

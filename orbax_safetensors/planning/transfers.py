@@ -12,6 +12,12 @@ through (and discarded) only when it is at most ``max_gap`` bytes and at most
 buffer outgrows the in-flight budget. A write plan coalesces with no gaps and
 no over-read: its transfers are exactly the bytes a process owns.
 
+A read whose file stores block checksums (``format.checksums``) must see every
+block it touches whole to check it: requests reach down and up to block
+boundaries, and two runs touching one block share a request (the bytes between
+them are read), whatever the gap rules say. Blocks are cut per tensor, so this
+never reads into another tensor, and adds less than two blocks per run.
+
 A strided shard has a run per row, millions for a large tensor, so runs and
 transfers are kept as parallel integer arrays (``Runs``, ``Transfers``) and
 computed with vectorised numpy, never one Python object per run: a plan's
@@ -25,6 +31,8 @@ from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import numpy as np
+
+from orbax_safetensors.format.checksums import BlockLayout
 
 GAP = -1  # Segment.target of bytes read only because they lie between two needed runs
 
@@ -63,7 +71,11 @@ class Transfers:
     """Ranged requests on one file as parallel arrays: request ``i`` moves ``lengths[i]``
     bytes at ``offsets[i]``, made of segments ``bounds[i]:bounds[i + 1]`` of ``segments``
     (a ``Runs`` whose ``offsets`` are unused: a segment's place in the file follows from
-    the request's offset and the lengths before it)."""
+    the request's offset and the lengths before it).
+
+    ``padding`` counts the bytes the requests read only to complete checksum blocks
+    (``coalesce`` with ``blocks``), beyond what they would read without; a write plan's
+    requests (which ``take`` and ``merged`` regroup) have none."""
 
     offsets: np.ndarray
     lengths: np.ndarray
@@ -71,6 +83,7 @@ class Transfers:
     targets: np.ndarray
     target_offsets: np.ndarray
     segment_lengths: np.ndarray
+    padding: int = 0
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -150,8 +163,10 @@ class Runs:
                     np.full(count, target, np.int64), np.arange(count, dtype=np.int64) * length)
 
 
-def coalesce(runs: Runs, *, max_gap: int, max_overread: float, chunk_bytes: int) -> Transfers:
-    """Ranged requests that deliver every run, under the over-read and chunk bounds."""
+def coalesce(runs: Runs, *, max_gap: int, max_overread: float, chunk_bytes: int,
+             blocks: BlockLayout | None = None) -> Transfers:
+    """Ranged requests that deliver every run, under the over-read and chunk bounds; with
+    ``blocks`` (the file's checksum blocks), reading every block a run touches whole."""
     if max_overread < 1.0:
         raise ValueError(f"max_overread must be >= 1.0, got {max_overread}")
     if chunk_bytes <= 0:
@@ -173,33 +188,55 @@ def coalesce(runs: Runs, *, max_gap: int, max_overread: float, chunk_bytes: int)
     starts = np.flatnonzero(~continues)
     seg_offsets, seg_lengths = offsets[starts], np.add.reduceat(lengths, starts)
     seg_targets, seg_target_offsets = targets[starts], target_offsets[starts]
+    seg_ends = seg_offsets + seg_lengths
 
     # A segment joins the request of the one before it across a gap it pays for itself.
-    gaps = seg_offsets[1:] - (seg_offsets[:-1] + seg_lengths[:-1])
+    gaps = seg_offsets[1:] - seg_ends[:-1]
     joins = (gaps == 0) | ((gaps > 0) & (gaps <= max_gap)
                            & (gaps <= (max_overread - 1.0) * seg_lengths[1:]))
-    gap_before = np.zeros(len(seg_offsets), bool)
-    gap_before[1:] = joins & (gaps > 0)
-    # Segments with a GAP segment in front of each gap read through.
-    position = np.cumsum(1 + gap_before) - 1
-    count = int(position[-1]) + 1
+    # Each segment's reach: itself, or the whole blocks it touches.
+    low, high, padding = seg_offsets, seg_ends, 0
+    if blocks is not None:
+        low, high = blocks.cover(seg_offsets, seg_lengths)
+        plain = _spanned(seg_offsets, seg_ends, joins)
+        joins = joins | ((gaps >= 0) & (low[1:] <= high[:-1]))  # a shared block, or no gap
+        padding = _spanned(low, high, joins) - plain
+    first = np.flatnonzero(np.concatenate([[True], ~joins]))
+    last = np.concatenate([first[1:] - 1, [len(seg_offsets) - 1]])
+    # Every segment with the GAP segment before it (the gap after the segment before, or the
+    # padding down to its first block), and the last of a request with the padding after it.
+    before = np.zeros(len(seg_offsets), np.int64)
+    before[1:] = np.where(joins, gaps, 0)
+    before[first] = seg_offsets[first] - low[first]
+    after = np.zeros(len(seg_offsets), np.int64)
+    after[last] = high[last] - seg_ends[last]
+    position = np.cumsum(1 + (before > 0) + (after > 0)) - 1 - (after > 0)
+    count = int(position[-1] + (after[-1] > 0)) + 1
     out_targets = np.full(count, GAP, np.int64)
     out_offsets = np.zeros(count, np.int64)
     out_lengths = np.zeros(count, np.int64)
     out_targets[position] = seg_targets
     out_offsets[position] = seg_target_offsets
     out_lengths[position] = seg_lengths
-    out_lengths[position[gap_before] - 1] = gaps[gap_before[1:]]
-    first = np.flatnonzero(np.concatenate([[True], ~joins]))
-    last = np.concatenate([first[1:] - 1, [len(seg_offsets) - 1]])
-    request_offsets = seg_offsets[first]
-    request_lengths = seg_offsets[last] + seg_lengths[last] - request_offsets
-    bounds = np.concatenate([position[first], [count]])
+    out_lengths[position[before > 0] - 1] = before[before > 0]
+    out_lengths[position[after > 0] + 1] = after[after > 0]
+    request_offsets = low[first]
+    request_lengths = high[last] - request_offsets
+    bounds = np.concatenate([position[first] - (before[first] > 0), [count]])
     if int(request_lengths.max()) <= chunk_bytes:
         return Transfers(request_offsets, request_lengths, bounds, out_targets, out_offsets,
-                         out_lengths)
-    return _chunked(request_offsets, request_lengths, bounds, out_targets, out_offsets,
-                    out_lengths, chunk_bytes)
+                         out_lengths, padding)
+    return dataclasses.replace(
+        _chunked(request_offsets, request_lengths, bounds, out_targets, out_offsets, out_lengths,
+                 chunk_bytes), padding=padding)
+
+
+def _spanned(low: np.ndarray, high: np.ndarray, joins: np.ndarray) -> int:
+    """Bytes read by requests from ``low`` of their first segment to ``high`` of their last,
+    a segment joining the one before it where ``joins``."""
+    first = np.flatnonzero(np.concatenate([[True], ~joins]))
+    last = np.concatenate([first[1:] - 1, [len(low) - 1]])
+    return int((high[last] - low[first]).sum())
 
 
 def _chunked(request_offsets: np.ndarray, request_lengths: np.ndarray, bounds: np.ndarray,

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from orbax_safetensors.format import DType, TensorInfo, serialize_header
+from orbax_safetensors.format.checksums import BlockLayout, FileChecksums
 from orbax_safetensors.index import (
     dcp_metadata,
     distributed_file_name,
@@ -44,11 +46,18 @@ class TensorSpec:
 
 @dataclasses.dataclass(frozen=True)
 class FilePlan:
-    """One output file: the bytes before its data and where each tensor goes."""
+    """One output file: the bytes before its data and where each tensor goes.
+
+    A ``checksummed`` file's header holds zeros where its block checksums go
+    (``format.checksums``): they are known only once the data is written, and
+    ``header_with`` then gives the same-length header that replaces it.
+    """
 
     name: str
     header: bytes
     tensors: tuple[TensorInfo, ...]
+    metadata: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    checksummed: bool = False
 
     @property
     def data_start(self) -> int:
@@ -58,25 +67,52 @@ class FilePlan:
     def size(self) -> int:
         return self.data_start + sum(t.nbytes for t in self.tensors)
 
+    @functools.cached_property
+    def layout(self) -> BlockLayout:
+        """Where the checksum blocks of this file lie."""
+        return BlockLayout.of(self.tensors, self.data_start)
+
+    def header_with(self, crcs: np.ndarray) -> bytes:
+        """The header that stores ``crcs`` (one per block), as long as the planned one."""
+        header, _ = serialize_header(((t.name, t.dtype, t.shape) for t in self.tensors),
+                                     {**self.metadata, **FileChecksums(self.layout, crcs).metadata()})
+        if len(header) != len(self.header):
+            raise AssertionError(f"{self.name}: the checksummed header changed length")
+        return header
+
 
 @dataclasses.dataclass(frozen=True)
 class WritePlan:
-    """The files of a save and its index (``(name, bytes)``, put in place last by the commit;
-    ``None`` when one file holds everything)."""
+    """The files of a save and what its index lists (``index_name`` is ``None`` when one
+    file holds everything); the index is made last, once the files' checksums are known."""
 
     files: tuple[FilePlan, ...]
-    index: tuple[str, bytes] | None
+    index_name: str | None = None
+    weight_map: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def index(self, file_crcs: Mapping[str, int] | None = None) -> tuple[str, bytes] | None:
+        """``(name, bytes)`` of the index, put in place last by the commit; with each
+        file's whole-object crc32c (``file_crcs``) in its metadata."""
+        if self.index_name is None:
+            return None
+        total = sum(t.nbytes for f in self.files for t in f.tensors)
+        return self.index_name, serialize_index(self.weight_map, total, file_crcs)
 
 
-def plan_file(name: str, specs: Sequence[TensorSpec], metadata: Mapping[str, str]) -> FilePlan:
+def plan_file(name: str, specs: Sequence[TensorSpec], metadata: Mapping[str, str],
+              *, checksums: bool = False) -> FilePlan:
     """One file with ``specs`` ordered as the Rust crate orders them.
 
     Widest dtype first, then by name: every tensor starts at an offset aligned
     to its own width, which lets readers view the data without copying.
     """
     ordered = sorted(specs, key=lambda s: (-s.dtype.bits, s.name))
-    header, infos = serialize_header(((s.name, s.dtype, s.shape) for s in ordered), metadata)
-    return FilePlan(name, header, tuple(infos.values()))
+    entries = [(s.name, s.dtype, s.shape) for s in ordered]
+    header, infos = serialize_header(entries, metadata)
+    if checksums:  # the block count does not depend on where the data starts
+        zeros = FileChecksums.zeros(BlockLayout.of(infos.values(), 0))
+        header, infos = serialize_header(entries, {**metadata, **zeros.metadata()})
+    return FilePlan(name, header, tuple(infos.values()), dict(metadata), checksums)
 
 
 def plan_hf_checkpoint(
@@ -84,26 +120,28 @@ def plan_hf_checkpoint(
     *,
     max_shard_size: int | str,
     metadata: Mapping[str, str] | None = None,
+    checksums: bool = False,
 ) -> WritePlan:
     """Shards ``specs`` like transformers: one ``model.safetensors`` or indexed shards."""
     header_metadata = {**HF_METADATA, **(metadata or {})}
     by_name = {s.name: s for s in specs}
     groups = pack_shards([(s.name, s.nbytes) for s in specs], max_shard_size)
     if len(groups) == 1:
-        return WritePlan((plan_file(SINGLE_FILE_NAME, specs, header_metadata),), None)
+        return WritePlan((plan_file(SINGLE_FILE_NAME, specs, header_metadata, checksums=checksums),))
     files = tuple(
-        plan_file(shard_file_name(i, len(groups)), [by_name[n] for n in group], header_metadata)
+        plan_file(shard_file_name(i, len(groups)), [by_name[n] for n in group], header_metadata,
+                  checksums=checksums)
         for i, group in enumerate(groups)
     )
-    weight_map = {t.name: f.name for f in files for t in f.tensors}
-    return WritePlan(files, (INDEX_NAME, serialize_index(weight_map, sum(s.nbytes for s in specs))))
+    return WritePlan(files, INDEX_NAME, {t.name: f.name for f in files for t in f.tensors})
 
 
 def plan_single_file(
-    name: str, specs: Sequence[TensorSpec], metadata: Mapping[str, str] | None = None
+    name: str, specs: Sequence[TensorSpec], metadata: Mapping[str, str] | None = None,
+    *, checksums: bool = False,
 ) -> WritePlan:
     """Everything in one named file, whatever its size (the caller asked for it)."""
-    return WritePlan((plan_file(name, specs, {**HF_METADATA, **(metadata or {})}),), None)
+    return WritePlan((plan_file(name, specs, {**HF_METADATA, **(metadata or {})}, checksums=checksums),))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +167,7 @@ def plan_distributed_files(
     *,
     max_shard_size: int | str,
     metadata: Mapping[str, str] | None = None,
+    checksums: bool = False,
 ) -> tuple[tuple[FilePlan, tuple[SliceSpec, ...]], ...]:
     """One process's files of the distributed layout, named and annotated like torch DCP.
 
@@ -159,8 +198,8 @@ def plan_distributed_files(
             **HF_METADATA, **(metadata or {}),
             **dcp_metadata({s.name: [a for a, _ in s.box] for s in group})}
         specs = [TensorSpec(s.name, s.dtype, s.shape) for s in group]
-        files.append((plan_file(distributed_file_name(process, i, len(groups)), specs, header_metadata),
-                      tuple(group)))
+        files.append((plan_file(distributed_file_name(process, i, len(groups)), specs, header_metadata,
+                                checksums=checksums), tuple(group)))
     return tuple(files)
 
 

@@ -36,6 +36,8 @@ class Capabilities:
       chunk_bytes: the largest single read worth making; bigger runs become parallel reads.
       max_gap: bytes between two needed runs worth reading through rather than
         splitting the read (what one more request costs, in bytes).
+      first_part_bytes: the least a ``merge``'s first part must hold to be merged without
+        passing the bytes after it through this process (S3: 5 MiB).
     """
 
     offset_writes: bool = False
@@ -44,6 +46,7 @@ class Capabilities:
     pins_versions: bool = False
     chunk_bytes: int = 32 << 20
     max_gap: int = 0
+    first_part_bytes: int = 0
 
 
 class Storage(abc.ABC):
@@ -96,6 +99,12 @@ class Storage(abc.ABC):
         server-side concatenation override it.
         """
         self.write(destination, (self.read(p, 0, n) for p, n in zip(parts, sizes)))
+
+    def stored_crc32c(self, path: str) -> int | None:
+        """The crc32c the store itself keeps of the whole object (GCS for every object, S3
+        where one was sent with it), or ``None``: a check of our bytes against theirs that
+        costs a metadata request, not a read."""
+        return None
 
     def sync(self, path: str) -> None:
         """Makes every write to ``path`` so far durable."""

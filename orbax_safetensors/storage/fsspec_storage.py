@@ -20,6 +20,8 @@ from typing import BinaryIO, TypeVar
 import fsspec
 
 from orbax_safetensors.errors import CheckpointBusyError
+from orbax_safetensors.format.checksums import crc32c
+from orbax_safetensors.index import decode_crc, encode_crc
 from orbax_safetensors.storage import retry
 from orbax_safetensors.storage.base import Capabilities, Storage
 
@@ -27,6 +29,7 @@ T = TypeVar("T")
 
 _COMPOSE_MAX = 32  # GCS compose sources per call
 _S3_MIN_PART = 5 << 20  # S3 multipart parts, all but the last
+_S3_SINGLE_PUT = 100 << 20  # s3fs sends less than this as one PUT (which can carry a checksum)
 _READ_BLOCK = 16 << 20  # buffered sequential reads
 _LOCK_REFRESH = 20.0  # seconds between rewrites of a held lock
 _LOCK_STALE = 120.0  # a lock not rewritten for this long belongs to a dead writer
@@ -99,7 +102,8 @@ class FsspecStorage(Storage):
         def upload() -> None:
             try:
                 if replayable:  # one request with the joined bytes, no client-side write buffer
-                    self.fs.pipe_file(path, b"".join(chunks))
+                    data = b"".join(chunks)
+                    self.fs.pipe_file(path, data, **self._upload_checksum(data))
                     return
                 with self.fs.open(path, "wb") as f:
                     for chunk in chunks:
@@ -112,6 +116,26 @@ class FsspecStorage(Storage):
         self._forget_listings()
         retry.call(self.retries if replayable else retry.RetryPolicy(attempts=1),
                    self.url(path), "write", upload)
+
+    def _upload_checksum(self, data: bytes) -> dict[str, str]:
+        """S3 checks a PUT against the crc32c sent with it and refuses one that differs (a
+        corruption on the way); GCS through gcsfs cannot be sent one, and its own crc32c is
+        compared instead (``stored_crc32c``)."""
+        if _protocols(self.fs) & {"s3", "s3a"} and len(data) < _S3_SINGLE_PUT:
+            return {"ChecksumAlgorithm": "CRC32C", "ChecksumCRC32C": encode_crc(crc32c(data))}
+        return {}
+
+    def stored_crc32c(self, path: str) -> int | None:
+        protocols = _protocols(self.fs)
+        if protocols & {"gs", "gcs"}:
+            return decode_crc(self._call(path, "info", lambda: self.fs.info(path)).get("crc32c"))
+        if protocols & {"s3", "s3a"}:
+            bucket, key, _ = self.fs.split_path(path)
+            head = self._call(path, "head", lambda: self.fs.call_s3(
+                "head_object", Bucket=bucket, Key=key, ChecksumMode="ENABLED"))
+            if head.get("ChecksumType", "FULL_OBJECT") == "FULL_OBJECT":  # not a checksum of parts'
+                return decode_crc(head.get("ChecksumCRC32C"))
+        return None
 
     def merge(self, destination: str, parts: Sequence[str], sizes: Sequence[int]) -> None:
         """Server-side concatenation where the store has it.
@@ -297,7 +321,8 @@ def _capabilities(fs: fsspec.AbstractFileSystem) -> Capabilities:
     protocols = _protocols(fs)
     return Capabilities(offset_writes=False, cheap_rename=not protocols & _OBJECT_STORES,
                         server_side_merge=bool(protocols & _MERGING_STORES),
-                        pins_versions=False, chunk_bytes=8 << 20, max_gap=1 << 20)
+                        pins_versions=False, chunk_bytes=8 << 20, max_gap=1 << 20,
+                        first_part_bytes=_S3_MIN_PART if protocols & {"s3", "s3a"} else 0)
 
 
 def _version(entry: dict) -> tuple:
