@@ -194,3 +194,27 @@ def test_sent_and_stored_checksums_match_ours(proxied):
     raw = location.storage.read(location.storage.join(location.path, INDEX_NAME), 0, 1 << 20)
     assert location.storage.stored_crc32c(location.storage.join(location.path, INDEX_NAME)) == (
         google_crc32c.value(raw))
+
+
+@pytest.mark.parametrize("nth", [1, 2])
+def test_a_streamed_upload_whose_answer_is_lost_is_redone_whole(proxied, proxy, nth):
+    """A file streamed from its tensors (the distributed layout's, its header held back)
+    cannot be re-sent by the client once an answer is lost mid-stream (gcsfs: the resumable
+    session moved on, or is over): the save produces the stream again and uploads it anew."""
+    protocol, bucket, options, _, _ = proxied
+    url = f"{bucket}/lost-answer-{nth}"
+    # Over S3's 5 MiB first part and gcsfs's 5 MiB chunk, so that both stream in requests.
+    values = {"a": np.arange(1_600_000, dtype=np.float32), "b": np.arange(7, dtype=np.int8)}
+    uploads = itertools.count()
+
+    def nth_request_of_the_stream(method, target):
+        if protocol == "gs":  # the session's start, then its chunks
+            return "uploadType=resumable" in target and next(uploads) == nth
+        return method == "PUT" and ".part-" in target and next(uploads) == nth - 1
+
+    proxy.fail_next(1, "after_forward", methods={"PUT", "POST"}, match=nth_request_of_the_stream)
+    ost.save(url, values, layout="distributed", storage_options=options)
+    assert proxy.stats.faults["after_forward"] == 1
+    loaded = ost.load(url, storage_options=options)
+    for name, value in values.items():
+        np.testing.assert_array_equal(loaded[name], value)

@@ -57,7 +57,7 @@ from orbax_safetensors.planning import (
     WritePlan,
     plan_uploads,
 )
-from orbax_safetensors.storage import Storage
+from orbax_safetensors.storage import Replayable, Storage
 from orbax_safetensors.storage.commit import Commit
 
 WRITE_CHUNK_BYTES = 64 << 20  # the largest single write request
@@ -360,8 +360,8 @@ class InParts(Strategy):
                 commit.storage.merge(commit.temporary(file.name), [p for _, _, p, _ in spans],
                                      [n for _, n, _, _ in spans])
             else:  # packed parts: read each object front to back, in file order
-                commit.storage.write(commit.temporary(file.name),
-                                     _read_spans(commit.storage, spans))
+                commit.storage.write(commit.temporary(file.name), Replayable(
+                    functools.partial(_read_spans, commit.storage, spans)))
 
 
 def _read_spans(storage: Storage, spans: list[tuple[int, int, str, int]]) -> Iterator[bytes]:
@@ -399,23 +399,27 @@ class Streamed(Strategy):
         checksums = Checksums(self.files)
         file_crcs: FileCrcs = {}
 
-        def counted(file: FilePlan) -> Iterator[memoryview | bytes]:
-            offset = file.data_start
-            for chunk in self.chunks(file):
-                op.check_cancelled()
-                checksums.add(file.name, offset, [chunk])
-                offset += len(chunk)
-                written[0] += len(chunk)
-                yield chunk
+        def counted(file: FilePlan) -> Replayable:
+            # Replayed whole when an upload is retried: the same bytes are summed again,
+            # which completes the same blocks with the same CRCs.
+            def stream() -> Iterator[memoryview | bytes]:
+                offset = file.data_start
+                for chunk in self.chunks(file):
+                    op.check_cancelled()
+                    checksums.add(file.name, offset, [chunk])
+                    offset += len(chunk)
+                    yield chunk
+            return Replayable(stream)
 
         def write_all() -> None:
             for file in self.files:
                 path = commit.temporary(file.name)
                 if not file.checksummed:
-                    commit.storage.write(path, itertools.chain([file.header], counted(file)))
-                    continue
-                _write_header_last(commit, file, counted(file), functools.partial(header, file))
-                check_stored(commit.storage, {path: file_crcs[file.name]})
+                    commit.storage.write(path, _after(file.header, counted(file)))
+                else:
+                    _write_header_last(commit, file, counted(file), functools.partial(header, file))
+                    check_stored(commit.storage, {path: file_crcs[file.name]})
+                written[0] += file.size - file.data_start
 
         def header(file: FilePlan) -> bytes:
             headers, whole = final_headers([file], {file.name: checksums.local(file.name)})
@@ -427,7 +431,11 @@ class Streamed(Strategy):
         return Written(names, index, written[0], len(self.files), len(self.files))
 
 
-def _write_header_last(commit: Commit, file: FilePlan, data: Iterator[memoryview | bytes],
+def _after(head: bytes | memoryview, data: Replayable) -> Replayable:
+    return Replayable(lambda: itertools.chain([head], data))
+
+
+def _write_header_last(commit: Commit, file: FilePlan, data: Replayable,
                        header: Callable[[], bytes]) -> None:
     """Writes ``file`` from its ``data``, its ``header`` asked for once the data has passed.
 
@@ -439,24 +447,24 @@ def _write_header_last(commit: Commit, file: FilePlan, data: Iterator[memoryview
     storage, path = commit.storage, commit.temporary(file.name)
     capabilities = storage.capabilities
     if capabilities.offset_writes:
-        storage.write(path, itertools.chain([file.header], data))
+        storage.write(path, _after(file.header, data))
         storage.write_at(path, 0, [memoryview(header())])
         storage.sync(path)
         return
-    held, rest = bytearray(), None
-    for chunk in data:
+    held, chunks = bytearray(), iter(data)
+    for chunk in chunks:
         view = memoryview(chunk).cast("B")
         room = capabilities.first_part_bytes - len(held) if capabilities.server_side_merge else len(view)
         held += view[:room]
         if len(view) > room:
-            rest = view[room:]
+            rest = data.after(len(held), itertools.chain([view[room:]], chunks))
             break
-    if rest is None:
+    else:
         storage.write(path, [header(), held])
         return
     first, second = commit.part(file.name, 0), commit.part(file.name, file.data_start + len(held))
     try:
-        storage.write(second, itertools.chain([rest], data))
+        storage.write(second, rest)
         head = header()
         storage.write(first, [head, held])
         storage.merge(path, [first, second], [len(head) + len(held), file.size - len(head) - len(held)])

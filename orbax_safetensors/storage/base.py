@@ -12,7 +12,7 @@ import abc
 import concurrent.futures
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import BinaryIO
 
 _LOG = logging.getLogger("orbax_safetensors")
@@ -47,6 +47,36 @@ class Capabilities:
     chunk_bytes: int = 32 << 20
     max_gap: int = 0
     first_part_bytes: int = 0
+
+
+class Replayable(Iterable):
+    """A stream of chunks that can be produced again from its start (``produce`` makes a
+    fresh iterator each time). A write given one is retried whole on a transient failure;
+    a one-shot iterator cannot be replayed, so it gets one attempt."""
+
+    def __init__(self, produce: Callable[[], Iterable[memoryview | bytes]]):
+        self._produce = produce
+
+    def __iter__(self) -> Iterator[memoryview | bytes]:
+        return iter(self._produce())
+
+    def after(self, skip: int, resume: Iterator[memoryview | bytes] | None = None) -> Replayable:
+        """The same stream without its first ``skip`` bytes; its first pass is ``resume``
+        where given (an iterator of this stream already ``skip`` bytes in), so nothing is
+        produced twice unless the stream is replayed."""
+        first = [resume] if resume is not None else []
+
+        def rest() -> Iterator[memoryview | bytes]:
+            if first:
+                yield from first.pop()
+                return
+            left = skip
+            for chunk in self:
+                view = memoryview(chunk).cast("B")
+                if left < len(view):
+                    yield view[left:]
+                left = max(0, left - len(view))
+        return Replayable(rest)
 
 
 class Storage(abc.ABC):
@@ -98,7 +128,7 @@ class Storage(abc.ABC):
         This default streams every part through this process; backends with
         server-side concatenation override it.
         """
-        self.write(destination, (self.read(p, 0, n) for p, n in zip(parts, sizes)))
+        self.write(destination, Replayable(lambda: (self.read(p, 0, n) for p, n in zip(parts, sizes))))
 
     def stored_crc32c(self, path: str) -> int | None:
         """The crc32c the store itself keeps of the whole object (GCS for every object, S3

@@ -23,7 +23,7 @@ from orbax_safetensors.errors import CheckpointBusyError
 from orbax_safetensors.format.checksums import crc32c
 from orbax_safetensors.index import decode_crc, encode_crc
 from orbax_safetensors.storage import retry
-from orbax_safetensors.storage.base import Capabilities, Storage
+from orbax_safetensors.storage.base import Capabilities, Replayable, Storage
 
 T = TypeVar("T")
 
@@ -97,22 +97,27 @@ class FsspecStorage(Storage):
             position += len(view)
 
     def write(self, path: str, chunks: Iterable[memoryview | bytes]) -> None:
-        """A sequence of chunks is retried whole; a one-shot iterator (a stream) cannot be
-        replayed, so it gets one attempt here (the client still retries its parts)."""
+        """A sequence of chunks (one request) or a ``Replayable`` stream is retried whole;
+        a one-shot iterator cannot be replayed, so it gets one attempt here (the client
+        still retries its parts)."""
         def upload() -> None:
             try:
-                if replayable:  # one request with the joined bytes, no client-side write buffer
+                if isinstance(chunks, Sequence):  # one request, no client-side write buffer
                     data = b"".join(chunks)
                     self.fs.pipe_file(path, data, **self._upload_checksum(data))
                     return
                 with self.fs.open(path, "wb") as f:
                     for chunk in chunks:
                         f.write(chunk)
-            except FileNotFoundError as e:
-                # Not the object (writes create it) but the upload session: an earlier
-                # request of it was done although its answer was lost. Redo it whole.
-                raise ConnectionError(f"upload session lost: {e}") from e
-        replayable = isinstance(chunks, Sequence)
+            except Exception as e:
+                # Not the object (writes create it) nor the request but the upload session:
+                # an earlier request of it was done although its answer was lost, and the
+                # client's retry of it no longer fits (gone, or another Content-Range
+                # expected). Redo it whole.
+                if isinstance(e, FileNotFoundError) or "Content-Range" in str(e):
+                    raise ConnectionError(f"upload session lost: {e}") from e
+                raise
+        replayable = isinstance(chunks, (Sequence, Replayable))
         self._forget_listings()
         retry.call(self.retries if replayable else retry.RetryPolicy(attempts=1),
                    self.url(path), "write", upload)
