@@ -19,6 +19,7 @@ from orbax_safetensors.engine import (
     load,
     metadata,
     save,
+    target,
     verify,
 )
 from orbax_safetensors.errors import (
@@ -27,6 +28,7 @@ from orbax_safetensors.errors import (
     DistributedError,
     ProcessFailure,
     SafetensorsError,
+    SkippedLeavesWarning,
 )
 from orbax_safetensors.planning.mapping import Mapping, MappingError, Rule, Transform
 from orbax_safetensors import mappings
@@ -63,8 +65,9 @@ def __getattr__(name: str):
 __all__ = [
     "Mapping", "MappingError", "Rule", "Transform", "mappings",
     "CheckpointBusyError", "CheckpointMetadata", "ChecksumError", "DistributedError", "LoadStats", "ProcessFailure", "Problem", "ReadOptions", "SafetensorsError", "SaveStats",
+    "SkippedLeavesWarning",
     "StorageError", "UnsupportedOrbaxError", "VerifyReport",
-    "async_load", "async_save", "consolidate", "load", "metadata", "save", "verify", "__version__",
+    "async_load", "async_save", "consolidate", "load", "metadata", "save", "target", "verify", "__version__",
     "SafetensorsCheckpointHandler", "SafetensorsHandler", "SafetensorsLayout",
     "SafetensorsRestore", "SafetensorsSave", "ConvertStats", "convert",
 ]

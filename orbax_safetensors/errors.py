@@ -24,6 +24,12 @@ class SafetensorsError(ValueError):
         super().__init__(located(message, file, tensor))
 
 
+class SkippedLeavesWarning(UserWarning):
+    """A ``load(..., strict=False)`` left target leaves out; the message names them (and
+    ``LoadStats.skipped`` lists them all). ``warnings.simplefilter("error",
+    ost.SkippedLeavesWarning)`` makes a partial restore fail instead."""
+
+
 class ChecksumError(SafetensorsError):
     """Tensor bytes that do not match the crc32c their file stores: the file was damaged (on
     disk, in transit) or changed after it was written. Names the file, the tensor and the

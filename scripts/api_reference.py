@@ -20,14 +20,14 @@ REPO = Path(__file__).resolve().parent.parent
 OUTPUT = REPO / "docs" / "api.md"
 
 GROUPS = {
-    "Save, load, inspect": ["save", "async_save", "load", "async_load", "metadata", "verify", "consolidate",
+    "Save, load, inspect": ["save", "async_save", "load", "async_load", "target", "metadata", "verify", "consolidate",
                             "convert"],
     "Options and results": ["ReadOptions", "LoadStats", "SaveStats", "CheckpointMetadata",
                             "VerifyReport", "Problem", "ConvertStats"],
     "Name and layout mapping": ["Mapping", "Rule", "Transform", "MappingError", "mappings"],
     "Orbax": ["SafetensorsSave", "SafetensorsRestore", "SafetensorsCheckpointHandler",
               "SafetensorsHandler", "SafetensorsLayout"],
-    "Errors": ["SafetensorsError", "ChecksumError", "StorageError", "CheckpointBusyError",
+    "Errors": ["SafetensorsError", "ChecksumError", "StorageError", "CheckpointBusyError", "SkippedLeavesWarning",
                "DistributedError", "ProcessFailure", "UnsupportedOrbaxError"],
 }
 

@@ -181,3 +181,46 @@ def test_convert_progress_on_a_terminal(tmp_path):
     assert failed[0] == 1 and failed[1] == ""
     assert failed[2].count("\n") == 1 and "already exists" in failed[2]
     assert "Traceback" not in failed[2]
+
+
+def test_version():
+    result = _cli("--version")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == f"orbax-safetensors {ost.__version__}"
+    assert lines[1].startswith("Python ") and "jax " in lines[1]  # what a bug report needs
+
+
+def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
+    """`orbax-safetensors inspect --json CKPT | head -1`: no traceback, no error line."""
+    ost.save(tmp_path / "c", {f"layers.{i}.w": np.zeros(2, np.float32) for i in range(2000)})
+    child = subprocess.Popen(  # ~350 KB of JSON: far more than a pipe holds
+        [sys.executable, "-m", "orbax_safetensors.integrations.cli", "inspect", "--json",
+         str(tmp_path / "c")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=_REPO)
+    try:
+        assert child.stdout.readline() == b"{\n"
+        child.stdout.close()  # the reader leaves, as head does
+        stderr = child.stderr.read().decode()
+        code = child.wait(timeout=120)
+    finally:
+        child.kill()
+        child.wait()
+    assert "Traceback" not in stderr and stderr == ""
+    assert code == 141  # as a shell reports a tool SIGPIPE ended
+
+
+def test_special_files_are_named_not_missing(tmp_path):
+    """A device, a FIFO (never opened: that would block) or a dangling link says what it is."""
+    os.mkfifo(tmp_path / "fifo")
+    os.symlink(tmp_path / "gone", tmp_path / "link")
+    for path, kind in (("/dev/null", "is a character device"), (str(tmp_path / "fifo"), "is a FIFO")):
+        for command in ("inspect", "verify"):
+            result = _cli(command, path)  # times out (fails) rather than hangs on a FIFO
+            assert result.returncode == 1, result
+            said = result.stderr + result.stdout
+            assert kind in said and "not a regular file or directory" in said, said
+            assert "does not exist" not in said and "Traceback" not in said
+    for command in ("inspect", "verify"):
+        result = _cli(command, str(tmp_path / "link"))
+        assert result.returncode == 1
+        assert f"symbolic link to {str(tmp_path / 'gone')!r}, which does not exist" in result.stderr

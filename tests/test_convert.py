@@ -19,7 +19,7 @@ import pytest
 
 import orbax_safetensors as ost
 from orbax_safetensors.engine.tree_names import flatten_with_names
-from orbax_safetensors.integrations.orbax_convert import nest_names
+from orbax_safetensors.engine import nest
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -170,13 +170,13 @@ def test_sharded_arrays_scalars_and_other_safetensors_layouts(tmp_path):
 
 
 def test_nesting_conflicts_ask_for_flat():
-    assert nest_names(["a.b", "a.c", "d"], [1, 2, 3]) == {"a": {"b": 1, "c": 2}, "d": 3}
+    assert nest({"a.b": 1, "a.c": 2, "d": 3}) == {"a": {"b": 1, "c": 2}, "d": 3}
     with pytest.raises(ValueError, match="nest=False"):
-        nest_names(["a", "a.b"], [1, 2])
+        nest({"a": 1, "a.b": 2})
     with pytest.raises(ValueError, match="nest=False"):
-        nest_names(["a.b", "a"], [1, 2])
+        nest({"a.b": 1, "a": 2})
     with pytest.raises(ValueError, match="empty part"):
-        nest_names(["a..b"], [1])
+        nest({"a..b": 1})
 
 
 def test_checkpoint_manager_step_directories(tmp_path):
@@ -382,3 +382,22 @@ def test_convert_overwrites_an_orbax_checkpoint_and_keeps_files_beside_an_hf_one
     _assert_same(ost.load(hf), _flat(_tree()))
     assert (hf / "config.json").read_text() == '{"model_type": "llama"}'
     assert (hf / "tokenizer" / "vocab.txt").read_text() == "a b c"
+
+
+def test_orbax_output_shards_follow_numeric_layer_order(tmp_path):
+    """Indices sort as numbers, as in a PyTorch state_dict: each shard holds consecutive layers
+    (``layers.2`` before ``layers.10``; Flax's ``Dense_2`` before ``Dense_10``), not 0, 1, 10, 11."""
+    tree = {"layers": [{"w": np.full(4, i, np.float32)} for i in range(12)],  # 16 B each
+            "head": {f"Dense_{i}": np.full(4, i, np.float32) for i in range(12)}}
+    _save_orbax(tmp_path / "orbax", tree)
+    ost.convert(tmp_path / "orbax", tmp_path / "hf", max_shard_size="32B", progress=False)
+    weight_map = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())[
+        "weight_map"]
+    shards = {}
+    for name, file in weight_map.items():
+        shards.setdefault(file, set()).add(name)
+    in_file_order = [shards[f] for f in sorted(shards)]
+    assert in_file_order == (
+        [{f"head.Dense_{i}", f"head.Dense_{i + 1}"} for i in range(0, 12, 2)]
+        + [{f"layers.{i}.w", f"layers.{i + 1}.w"} for i in range(0, 12, 2)])
+    _assert_same(ost.load(tmp_path / "hf"), _flat(tree))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import os
 import re
 import subprocess
 import sys
@@ -59,3 +60,16 @@ def test_the_orbax_v1_migration_example_reads_the_same_arrays(tmp_path):
         for result in (theirs, ours, layout):
             np.testing.assert_array_equal(np.asarray(result[name]), value, err_msg=name)
             assert result[name].sharding == abstract[name].sharding
+
+
+@pytest.mark.slow  # two fresh interpreters importing JAX
+@pytest.mark.parametrize("devices", [1, 8])
+def test_the_readme_tour_runs_as_written(tmp_path, devices):
+    tour = (REPO / "README.md").read_text().split("## API tour", 1)[1]
+    code = re.search(r"```python\n(.*?)```", tour, re.S).group(1)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "save ckpt/: " in result.stderr and "load ckpt/: " in result.stderr  # progress=True

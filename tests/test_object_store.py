@@ -135,10 +135,15 @@ def test_checkpoint_manager_on_a_bucket(store):
     values = sources()
     params = _global_arrays(values, "fsdp")
     # Orbax's default finalization renames the step directory, which S3 cannot do for a
-    # prefix; a commit file instead is Orbax's own mechanism for such stores.
-    options = ocp.CheckpointManagerOptions(
-        max_to_keep=2,
-        temporary_path_class=ocp.path.atomicity.CommitFileTemporaryPath if protocol == "s3" else None)
+    # prefix; a commit file instead is Orbax's own mechanism for such stores (the README's advice:
+    # AtomicityOptions from Orbax 0.12.3, temporary_path_class before).
+    commit_file = {}
+    if protocol == "s3" and hasattr(ocp.options, "AtomicityOptions"):
+        commit_file = {"atomicity_options": ocp.options.AtomicityOptions(
+            mode=ocp.options.AtomicityMode.COMMIT_FILE)}
+    elif protocol == "s3":
+        commit_file = {"temporary_path_class": ocp.path.atomicity.CommitFileTemporaryPath}
+    options = ocp.CheckpointManagerOptions(max_to_keep=2, **commit_file)
     with ocp.CheckpointManager(url, options=options) as mngr:
         for step in range(3):
             mngr.save(step, args=ocp.args.Composite(
@@ -151,6 +156,9 @@ def test_checkpoint_manager_on_a_bucket(store):
             params=ost.SafetensorsRestore(target_for(values, "mesh_2d"))))
     assert_shards_equal(restored["params"], values, target_for(values, "mesh_2d"))
     assert ost.metadata(f"{url}/2/params").tensors.keys() == values.keys()
+    if protocol == "s3":  # Orbax finalized each step with its commit file, not a rename
+        fs, root = fsspec.core.url_to_fs(url)
+        assert fs.exists(f"{root}/2/commit_success.txt")
 
 
 def test_explicit_storage_options_and_filesystem(store, monkeypatch):

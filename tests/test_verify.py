@@ -244,3 +244,25 @@ def test_cli_verify(tmp_path):
     assert {os.path.basename(p["file"]) for p in report["problems"]} == set(shards[:2])
     missing = _cli("verify", os.fspath(tmp_path / "absent"))
     assert missing.returncode == 1 and missing.stderr.count("\n") == 1
+
+
+def test_a_whole_float_total_size_is_accepted_and_others_reported(tmp_path):
+    """transformers wrote ``"total_size": 1234.0`` in some versions: fine for verify and load
+    alike; a fractional or negative total is a problem verify reports (load never reads it)."""
+    path = _sharded(tmp_path)
+    index_path = os.path.join(path, "model.safetensors.index.json")
+    index = json.loads(open(index_path).read())
+    for total, ok in ((float(TOTAL), True), (TOTAL + 0.5, False), (-TOTAL, False),
+                      (-float(TOTAL), False)):
+        index["metadata"]["total_size"] = total
+        open(index_path, "w").write(json.dumps(index))
+        assert f'"total_size": {total}' in open(index_path).read()  # e.g. 2560.0, not 2560
+        report = ost.verify(path)
+        assert report.ok is ok, (total, report.problems)
+        if not ok:
+            assert [(p.file and os.path.basename(p.file), p.message) for p in report.problems] == [
+                ("model.safetensors.index.json",
+                 f"metadata.total_size is {total!r}, but the tensors hold {TOTAL} bytes")]
+        restored = ost.load(path)
+        assert sorted(restored) == sorted(VALUES)
+        np.testing.assert_array_equal(restored["layer3.w"], VALUES["layer3.w"])

@@ -1,16 +1,6 @@
 """Flat dotted names ↔ nested dicts, for tests that build targets by name."""
 
-
-def nest(flat: dict) -> dict:
-    """``{"a.b": x}`` → ``{"a": {"b": x}}``."""
-    tree: dict = {}
-    for name, value in flat.items():
-        *parents, leaf = name.split(".")
-        node = tree
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = value
-    return tree
+from orbax_safetensors.engine.tree_names import nest  # noqa: F401  (the library's own)
 
 
 def flat(tree: dict, prefix: str = "") -> dict:

@@ -33,12 +33,13 @@ from orbax_safetensors.engine.save import (
     prepare_save,
     save,
 )
-from orbax_safetensors.engine.tree_names import flatten_with_names
+from orbax_safetensors.engine.targets import target
+from orbax_safetensors.engine.tree_names import flatten_with_names, nest
 from orbax_safetensors.engine.verify import Problem, VerifyReport, verify
 
 __all__ = [
     "CheckpointMetadata", "LoadStats", "Problem", "ReadOptions", "SaveStats", "VerifyReport",
-    "async_load", "async_save", "consolidate", "load", "metadata", "save", "verify",
+    "async_load", "async_save", "consolidate", "load", "metadata", "nest", "save", "target", "verify",
     "BlockSource", "Checkpoint", "CheckpointBlocks", "Progress", "SaveJob", "SaveOptions",
     "StreamOptions", "check_metadata", "check_tree", "flatten_with_names", "format_seconds", "metadata_of",
     "open_checkpoint", "prepare_save", "summary_line", "write_blocks",

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
+import stat
 import time
 from collections.abc import Callable
 from typing import Any
@@ -49,7 +51,7 @@ from orbax_safetensors.index import (
 )
 from orbax_safetensors.index.distributed_index import DCP_SHARDING_INFO, DCP_VERSION
 from orbax_safetensors.planning import StoredSlice, TensorSource
-from orbax_safetensors.storage import Location, Storage
+from orbax_safetensors.storage import LocalStorage, Location, Storage
 from orbax_safetensors.storage.commit import (
     DirectoryView,
     is_interrupted_direct_save,
@@ -153,8 +155,7 @@ def survey(location: Location, findings: Findings, storage: Storage | None = Non
     except FileNotFoundError:
         return Survey(location, NOTHING, DirectoryView(frozenset()))
     except NotADirectoryError:
-        findings.problem("is a file, not a checkpoint directory (a single-file checkpoint is "
-                         "named *.safetensors)", location.url)
+        findings.problem(_not_a_directory(location), location.url)
         return Survey(location, UNKNOWN, DirectoryView(frozenset()))
     names = view.names
     shards = {n for n in names if is_shard_file_name(n) or is_distributed_file_name(n)}
@@ -194,6 +195,25 @@ def survey(location: Location, findings: Findings, storage: Storage | None = Non
         committed.add(SINGLE_FILE_NAME)
     return dataclasses.replace(found, layout=layout, committed=frozenset(committed),
                                present=frozenset(shards | committed), index=index)
+
+
+_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device",
+          stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}
+
+
+def _not_a_directory(location: Location) -> str:
+    """What a checkpoint directory's path holds instead: a file, or (stat'ed, never opened: a
+    FIFO's open would block) a device, FIFO or socket, which is neither file nor directory."""
+    if isinstance(location.storage, LocalStorage):
+        try:
+            mode = os.stat(location.path).st_mode
+        except OSError:
+            mode = stat.S_IFREG
+        if not stat.S_ISREG(mode):
+            kind = _KINDS.get(stat.S_IFMT(mode), "a special file")
+            return f"is {kind}, not a regular file or directory, so not a checkpoint"
+    return ("is a file, not a checkpoint directory (a single-file checkpoint is named "
+            "*.safetensors)")
 
 
 def _survey_file(location: Location, leftovers: bool) -> Survey:
@@ -508,6 +528,18 @@ def _view_or_none(location: Location) -> DirectoryView | None:
 
 def _raise_nothing(location: Location) -> None:
     if location.is_single_file:
-        raise SafetensorsError("file does not exist", file=location.path)
-    raise FileNotFoundError(f"no safetensors checkpoint at {location.url!r}: it does not exist")
+        raise SafetensorsError(missing_reason(location), file=location.path)
+    raise FileNotFoundError(f"no safetensors checkpoint at {location.url!r}: "
+                            f"it {missing_reason(location).removeprefix('file ')}")
+
+
+def missing_reason(location: Location) -> str:
+    """Why nothing is at ``location``: it does not exist, or is a link to something missing
+    (which ``ls`` shows, so "does not exist" alone would puzzle)."""
+    if isinstance(location.storage, LocalStorage) and os.path.islink(location.path):
+        try:
+            return f"file is a symbolic link to {os.readlink(location.path)!r}, which does not exist"
+        except OSError:
+            pass
+    return "file does not exist"
 

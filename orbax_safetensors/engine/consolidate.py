@@ -164,8 +164,7 @@ def write_blocks(location: Location, source: BlockSource, options: StreamOptions
     """
     started = time.perf_counter() if started is None else started
     metadata = {**source.metadata, **(options.metadata or {})}
-    if options.checksums:
-        check_metadata(metadata)
+    check_metadata(metadata, checksums=options.checksums)
     plan = plan_hf_checkpoint(source.specs, max_shard_size=options.max_shard_size,
                               metadata=metadata, checksums=options.checksums)
     blocks = parse_size(options.block_bytes)

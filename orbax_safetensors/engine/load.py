@@ -13,6 +13,7 @@ import logging
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -22,9 +23,12 @@ import numpy as np
 
 from orbax_safetensors.engine.catalog import Checkpoint, open_checkpoint
 from orbax_safetensors.engine.coordination import gather_to_all, next_operation_key
-from orbax_safetensors.engine.read import AssembledLeaf, Job, LoadStats, execute, host_job, sharded_job
+from orbax_safetensors.engine.progress import Progress
+from orbax_safetensors.engine.read import (
+    AssembledLeaf, Job, LoadStats, execute, host_job, refuse_casts, sharded_job)
 from orbax_safetensors.engine.tree_names import flatten_with_names
-from orbax_safetensors.errors import SafetensorsError
+from orbax_safetensors.engine.tree_names import nest as nest_names
+from orbax_safetensors.errors import SafetensorsError, SkippedLeavesWarning
 from orbax_safetensors.index import parse_size
 from orbax_safetensors.planning import ReadProfile, TensorSource, plan_reads
 from orbax_safetensors.planning import mapping as mapping_rules
@@ -126,6 +130,20 @@ class ReadOptions:
         less than two blocks per contiguous run (``LoadStats.checksum_overread``).
         Files without checksums load unchecked; ``False`` reads exactly what is
         needed and checks nothing.
+      casting: which conversions to the target's dtypes a load makes, because
+        numpy's ``astype`` changes values without a word (-300.0 into int8 is
+        -44, NaN into int32 is INT_MIN) and a model would train or serve on them.
+        ``"same_kind"`` converts where every value keeps its meaning: float ↔
+        float (bfloat16, float16, fp8: rounded), bool → anything, int → float,
+        int → an int type holding all of the stored type's values. It refuses
+        float → int or bool (and complex → real) before reading a byte, with an
+        ``ost.SafetensorsError`` listing every such tensor; and it checks a
+        narrowing or sign-changing int cast (int32 → int8, int8 → uint8,
+        uint64 → int64, int → bool) on the values read, per shard (a min and a
+        max), raising an ``ost.SafetensorsError`` naming the tensor and the first
+        value that does not fit. With a mapping that scales, the rule applies to
+        the final cast (float32 once scaled). ``"unsafe"`` casts as ``astype``
+        does, whatever the values.
     """
 
     memory_budget: int | str = "1GB"
@@ -136,6 +154,12 @@ class ReadOptions:
     replicated_read_once: bool | None = None
     reshard_thin_shards: bool | None = None
     verify_checksums: bool = True
+    casting: str = "same_kind"
+
+    def __post_init__(self):
+        if self.casting not in ("same_kind", "unsafe"):
+            raise ValueError(f'ReadOptions.casting must be "same_kind" (refuse casts that change '
+                             f'values) or "unsafe" (numpy astype), not {self.casting!r}')
 
 
 def load(
@@ -148,6 +172,8 @@ def load(
     storage_options: Mapping[str, Any] | None = None,
     filesystem: fsspec.AbstractFileSystem | None = None,
     mapping: mapping_rules.Mapping | None = None,
+    progress: bool = False,
+    nest: bool = False,
 ) -> Any:
     """Loads a checkpoint into the structure, dtypes and shardings of ``target``.
 
@@ -158,26 +184,36 @@ def load(
     Args:
       path: a ``.safetensors`` file or a checkpoint directory (any fsspec URL).
       target: a PyTree whose leaves are ``jax.Array``s or ``jax.ShapeDtypeStruct``s
-        (with ``.sharding`` for device arrays), numpy arrays or ``None`` (host
-        arrays of the stored dtype; single process only). ``None`` loads every
-        tensor into a flat ``{name: numpy array}``.
+        (with ``.sharding`` for device arrays; without, numpy arrays: single
+        process only) or numpy arrays, e.g. ``jax.eval_shape(init)``. ``None``
+        in the tree is an empty subtree, as in JAX (optax states hold some):
+        it is returned as ``None``. No target loads every tensor into a flat
+        ``{name: numpy array}``.
       strict: raise if the target and the checkpoint differ in names or shapes
         (the error lists every offending tensor). With ``strict=False`` only
-        tensors present in both with equal shapes are loaded; every other
-        target leaf is returned unchanged.
+        tensors present in both with equal shapes are loaded; of the other
+        target leaves, arrays are returned unchanged and abstract ones
+        (``ShapeDtypeStruct``) as ``None``, with a ``SkippedLeavesWarning``
+        naming them and their names in ``stats.skipped``.
       options: memory budget, read sizes, replicated read-once; see ``ReadOptions``.
       stats: a ``LoadStats`` to fill with this process's bytes and requests.
       storage_options: constructor arguments of the fsspec filesystem (credentials,
-        ``endpoint_url``, ...), e.g. ``{"anon": True}``; or
+        ``endpoint_url``, ...), e.g. ``{"anon": True}``; for ``hf://`` paths also
+        ``token``, ``revision``, ``local_files_only`` and ``cache_dir``; or
       filesystem: an fsspec filesystem you already configured (``s3fs.S3FileSystem(...)``).
       mapping: an ``ost.Mapping`` from checkpoint names and layouts to the target's
         (e.g. ``ost.mappings.llama()`` for a Hugging Face Llama into a Flax model).
         Each leaf is read as the stored box holding its shards and transposed or
         reshaped on the host, shard by shard. Without a target the result is
         keyed by tree names.
+      progress: draw a progress line on stderr (this process's bytes read, rate,
+        time left; process 0 only), as the CLI does.
+      nest: without a target, return the tensors nested by the dots of their
+        names (``{"model": {"layers": {"0": {...}}}}``) instead of flat.
     """
     loading = _Loading(Location.resolve(path, storage_options, filesystem), target, strict,
-                       options or ReadOptions(), stats if stats is not None else LoadStats(), mapping)
+                       options or ReadOptions(), stats if stats is not None else LoadStats(), mapping,
+                       progress=progress, nest=nest)
     return loading.run(loading.plan())
 
 
@@ -191,6 +227,8 @@ def async_load(
     storage_options: Mapping[str, Any] | None = None,
     filesystem: fsspec.AbstractFileSystem | None = None,
     mapping: mapping_rules.Mapping | None = None,
+    progress: bool = False,
+    nest: bool = False,
 ) -> concurrent.futures.Future[Any]:
     """Like ``load``, but returns once the load is planned; the reads run in the background.
 
@@ -215,7 +253,7 @@ def async_load(
         reshard_thin_shards=bool(options.reshard_thin_shards))
     loading = _Loading(Location.resolve(path, storage_options, filesystem), target, strict,
                        options, stats if stats is not None else LoadStats(), mapping,
-                       abandoned=_Abandoned())
+                       abandoned=_Abandoned(), progress=progress, nest=nest)
     planned = loading.plan()
     future: concurrent.futures.Future[Any] = concurrent.futures.Future()
     future.set_running_or_notify_cancel()
@@ -254,6 +292,8 @@ class _Loading:
     stats: LoadStats
     mapping: mapping_rules.Mapping | None
     abandoned: threading.Event | None = None  # stops the reads (KeyboardInterrupt) once set
+    progress: bool = False
+    nest: bool = False
     started: float = dataclasses.field(default_factory=time.perf_counter)
     key: str = dataclasses.field(default_factory=lambda: next_operation_key("load"))
 
@@ -338,13 +378,15 @@ class _Abandoned(threading.Event):
 def _plan(checkpoint: Checkpoint, loading: _Loading) -> Callable[[], Any]:
     """Checks the target against the checkpoint and plans every read; the result reads them."""
     target, strict, options, mapping = loading.target, loading.strict, loading.options, loading.mapping
+    if loading.nest and target is not None:
+        raise ValueError("nest=True shapes a load without a target; a target gives its own structure")
     stats = loading.stats
     if target is None:
         names = sorted(checkpoint.tensors)
         requests = [_Request(None, None, None)] * len(names)
         leaves, treedef = [], None
     else:
-        names, leaves, treedef = flatten_with_names(target, is_leaf=lambda x: x is None)
+        names, leaves, treedef = flatten_with_names(target)
         requests = [_request_for(name, leaf) for name, leaf in zip(names, leaves)]
     assemblies = None
     if mapping is not None:
@@ -352,6 +394,10 @@ def _plan(checkpoint: Checkpoint, loading: _Loading) -> Callable[[], Any]:
         wanted = [i for i, assembly in enumerate(assemblies) if assembly is not None]
     else:
         wanted = _match(checkpoint, names, requests, strict)
+    if target is not None:
+        _report_skipped(names, wanted, stats)
+    elif loading.nest:
+        nest_names(dict.fromkeys(names[i] for i in wanted))  # names that cannot nest fail here, unread
     if jax.process_count() > 1:
         hosted = [names[i] for i in wanted if requests[i].sharding is None]
         if hosted:
@@ -386,14 +432,15 @@ def _plan(checkpoint: Checkpoint, loading: _Loading) -> Callable[[], Any]:
             outputs.append(len(jobs))
             jobs.append(_job(stored, checkpoint.tensors[stored], request, read_once, reshard_below,
                              bounce_bytes, None if assembly is None else assembly.transform,
-                             slices_by_region=by_region))
+                             slices_by_region=by_region, casting=options.casting))
             continue
         sources = [checkpoint.tensors[piece.stored] for piece in assembly.pieces]
         dtype = request.dtype or assembly.pieces[0].transform.tree_dtype(sources[0].dtype.numpy)
         leaf = AssembledLeaf(names[i], sources, assembly, dtype, request.sharding, bounce_bytes=bounce_bytes,
-                             slices_by_region=by_region)
+                             slices_by_region=by_region, casting=options.casting)
         outputs.append(leaf)
         jobs.extend(leaf.jobs)
+    refuse_casts(jobs, outputs)  # float → int and the like, all at once, before any read
     if any(job.scratch for job in jobs):
         # Staging of transformed tensors is recycled between batches (Job.scratch); a small
         # budget keeps it, and the fresh pages it costs, small.
@@ -402,15 +449,21 @@ def _plan(checkpoint: Checkpoint, loading: _Loading) -> Callable[[], Any]:
                       {file: c.layout for file, c in checksums.items()})
 
     def read() -> Any:
+        report = Progress(f"load {checkpoint.survey.location.url}", plan.nbytes,
+                          enabled=loading.progress and jax.process_index() == 0).start()
         values = execute(checkpoint.storage, plan, jobs, memory_budget=profile.memory_budget,
                          threads=options.threads, stats=stats, cancelled=loading.abandoned,
-                         checksums=checksums)
+                         checksums=checksums, progress=report)
+        report.close()
         stats.seconds += time.perf_counter() - loading.started
         _LOG.debug("loaded %s: %s", checkpoint.survey.location.url, stats)
         loaded = [values[out] if isinstance(out, int) else out.value for out in outputs]
         if treedef is None:
-            return dict(zip([names[i] for i in wanted], loaded))
-        result = list(leaves)
+            flat = dict(zip([names[i] for i in wanted], loaded))
+            return nest_names(flat) if loading.nest else flat
+        # A skipped leaf the caller gave as a value stays; one given as a shape only (nothing
+        # to return) becomes None, an empty subtree, so no abstract leaf passes for an array.
+        result = [None if isinstance(leaf, jax.ShapeDtypeStruct) else leaf for leaf in leaves]
         for i, value in zip(wanted, loaded):
             result[i] = value
         return jax.tree_util.tree_unflatten(treedef, result)
@@ -419,15 +472,16 @@ def _plan(checkpoint: Checkpoint, loading: _Loading) -> Callable[[], Any]:
 
 
 def _job(name: str, source: TensorSource, request: _Request, read_once: bool, reshard_below: int,
-         bounce_bytes: int, transform: Transform | None = None, *, slices_by_region: bool) -> Job:
+         bounce_bytes: int, transform: Transform | None = None, *, slices_by_region: bool,
+         casting: str) -> Job:
     if transform is not None and transform.is_identity:
         transform = None
     if request.sharding is None:
         return host_job(name, source, request.dtype, bounce_bytes=bounce_bytes, transform=transform,
-                        slices_by_region=slices_by_region)
+                        slices_by_region=slices_by_region, casting=casting)
     return sharded_job(name, source, request.dtype, request.sharding,
                        read_once=read_once, bounce_bytes=bounce_bytes, reshard_below=reshard_below,
-                       transform=transform, slices_by_region=slices_by_region)
+                       transform=transform, slices_by_region=slices_by_region, casting=casting)
 
 
 def _map(
@@ -479,16 +533,43 @@ def _map(
     return names, requests, assemblies
 
 
+def _report_skipped(names: list[str], wanted: list[int], stats: LoadStats) -> None:
+    """A ``strict=False`` load says which leaves it left out: a warning and ``stats.skipped``."""
+    chosen = set(wanted)
+    stats.skipped[:] = [name for i, name in enumerate(names) if i not in chosen]
+    if stats.skipped:
+        shown = ", ".join(stats.skipped[:20]) + (", ..." if len(stats.skipped) > 20 else "")
+        warnings.warn(f"strict=False: {len(stats.skipped)} target leaves not loaded (absent from "
+                      f"the checkpoint or of another shape; abstract ones are returned as None, "
+                      f"arrays unchanged; the list is in LoadStats.skipped): {shown}",
+                      SkippedLeavesWarning, stacklevel=5)
+
+
 def _request_for(name: str, leaf: Any) -> _Request:
-    if leaf is None:
-        return _Request(None, None, None)
     if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
-        return _Request(np.dtype(leaf.dtype), tuple(leaf.shape), getattr(leaf, "sharding", None))
+        return _Request(np.dtype(leaf.dtype), tuple(leaf.shape),
+                        _concrete(name, getattr(leaf, "sharding", None)))
     if isinstance(leaf, (np.ndarray, np.generic)):
         return _Request(leaf.dtype, tuple(leaf.shape), None)
     raise TypeError(
         f"target leaf {name!r} is a {type(leaf).__name__}; use a jax.Array, a "
-        "jax.ShapeDtypeStruct, a numpy array or None")
+        "jax.ShapeDtypeStruct (without a sharding: a numpy array) or a numpy array")
+
+
+def _concrete(name: str, sharding: jax.sharding.Sharding | None) -> jax.sharding.Sharding | None:
+    """A sharding over devices: ``jax.eval_shape`` of sharded arrays names only an abstract
+    mesh (axis names and sizes), which the mesh set with ``jax.sharding.set_mesh`` makes
+    concrete."""
+    mesh = getattr(sharding, "mesh", None)
+    if not isinstance(mesh, jax.sharding.AbstractMesh):
+        return sharding
+    current = jax.sharding.get_mesh()
+    if isinstance(current, jax.sharding.Mesh) and current.devices.size and current.abstract_mesh == mesh:
+        return jax.sharding.NamedSharding(current, sharding.spec, memory_kind=sharding.memory_kind)
+    raise ValueError(
+        f"target leaf {name!r} is sharded over an abstract mesh ({mesh}), as jax.eval_shape "
+        "returns: load inside `with jax.sharding.set_mesh(mesh):` with the mesh it stands for, "
+        "or give shardings on a concrete mesh (ost.target builds them from the checkpoint)")
 
 
 def _match(checkpoint: Checkpoint, names: list[str], requests: list[_Request], strict: bool) -> list[int]:

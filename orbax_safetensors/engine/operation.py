@@ -23,15 +23,17 @@ import jax
 
 from orbax_safetensors.engine.coordination import gather_to_all
 from orbax_safetensors.engine.executor import Executor
+from orbax_safetensors.engine.progress import Progress
 from orbax_safetensors.errors import DistributedError, ProcessFailure
 
 
 class Operation:
     """The steps of one multi-process write at ``where`` (for messages), keyed by ``key``."""
 
-    def __init__(self, key: str, where: str):
+    def __init__(self, key: str, where: str, progress: Progress | None = None):
         self.key = key
         self.where = where
+        self.progress = progress
         self.cancelled = threading.Event()
         self.committing = False
         self._guard = threading.Lock()
@@ -57,6 +59,11 @@ class Operation:
         with self._guard:
             self.check_cancelled()
             self.committing = True
+
+    def wrote(self, nbytes: int) -> None:
+        """This process wrote ``nbytes`` more of the checkpoint (for the progress line)."""
+        if self.progress is not None:
+            self.progress.advance(nbytes)
 
     def check_cancelled(self) -> None:
         if self.cancelled.is_set():

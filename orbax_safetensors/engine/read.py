@@ -30,6 +30,7 @@ import numpy as np
 from orbax_safetensors.engine.executor import Executor
 from orbax_safetensors.engine.host_memory import carve, footprint, host_buffers, populate
 from orbax_safetensors.engine.integrity import Verifier
+from orbax_safetensors.engine.progress import Progress
 from orbax_safetensors.engine.resharding import (
     device_boxes,
     resharding,
@@ -39,6 +40,7 @@ from orbax_safetensors.engine.resharding import (
 from orbax_safetensors.errors import SafetensorsError
 from orbax_safetensors.format import from_bytes
 from orbax_safetensors.format.checksums import FileChecksums
+from orbax_safetensors.format.dtypes import cast_kind, first_out_of_range
 from orbax_safetensors.planning import (
     GAP,
     Batch,
@@ -77,6 +79,8 @@ class LoadStats:
     (``ReadOptions.verify_checksums``), ``checksum_overread`` the bytes among
     ``bytes_read`` read only to complete blocks needed in part (less than two
     blocks per contiguous run: 512 KiB at the default block size).
+    ``skipped`` names the target leaves a ``strict=False`` load left out
+    (absent from the checkpoint, or of another shape).
     """
 
     bytes_needed: int = 0
@@ -89,6 +93,7 @@ class LoadStats:
     bytes_verified: int = 0
     checksum_overread: int = 0
     seconds: float = 0.0
+    skipped: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,11 +103,62 @@ class Job:
     ``scratch``: the result is a copy (transformed by a mapping), so the buffers
     are only staging and come from memory recycled between batches rather than
     fresh pages (which cost most of a load here; see ``host_memory``).
+    ``refused``: the cast to the result's dtype ``ReadOptions.casting`` refuses (float →
+    int), described; ``refuse_casts`` raises them all before anything is read.
     """
 
     reads: TensorReads
     finish: Callable[[list[np.ndarray]], Any]
     scratch: bool = False
+    refused: str | None = None
+
+
+_UNSAFE_HINT = ('pass options=ost.ReadOptions(casting="unsafe") to cast as numpy astype does '
+                "(truncating, wrapping around)")
+
+
+def _casting(name: str, source: TensorSource, transform: Transform | None, target: np.dtype | None,
+             casting: str, leaf: str | None = None) -> tuple[str | None, Callable | None]:
+    """What ``casting`` (``ReadOptions.casting``) makes of casting a tensor to ``target``: the
+    refusal to report before any read (float → int: ``format.dtypes.cast_kind``), or the
+    check of the values read (int → an int type holding only some ints), or neither. The cast
+    is from the values the ``transform`` leaves (float32 once scaled), the final one."""
+    if target is None or casting == "unsafe":
+        return None, None
+    stored = source.dtype.numpy
+    values = stored if transform is None else transform.tree_dtype(stored)
+    kind = cast_kind(values, target)
+    file = source.slices[0].file if source.slices else None
+    if kind == "unsafe":
+        where = f" in {file.rsplit('/', 1)[-1]}" if file else ""
+        scaled = "" if values == stored else f" ({values} once scaled)"
+        part = "" if leaf is None else f" (part of {leaf!r})"
+        return f"{name!r}{part}{where}: stored {stored}{scaled}, target {np.dtype(target)}", None
+    if kind == "check_range":
+        return None, functools.partial(_check_range, name, file, np.dtype(target))
+    return None, None
+
+
+def _check_range(name: str, file: str | None, target: np.dtype, values: np.ndarray) -> None:
+    """Raises unless every one of the integer ``values`` read fits ``target``."""
+    bad = first_out_of_range(values, target)
+    if bad is not None:
+        raise SafetensorsError(
+            f"value {bad} (stored {values.dtype}) does not fit the target dtype {target}: "
+            f"refusing a cast that changes it; {_UNSAFE_HINT}", file=file, tensor=name)
+
+
+def refuse_casts(jobs: Sequence[Job], outputs: Sequence[Any] = ()) -> None:
+    """Raises ``SafetensorsError`` listing every refused cast of ``jobs`` and of the
+    ``AssembledLeaf``s among ``outputs`` (other items are ignored), if any."""
+    refused = [job.refused for job in jobs if job.refused is not None]
+    refused += [r for leaf in outputs if isinstance(leaf, AssembledLeaf) for r in leaf.refused]
+    refused = list(dict.fromkeys(refused))
+    if refused:
+        raise SafetensorsError(
+            f"refusing to cast {len(refused)} tensor(s) to a target dtype that changes their "
+            "values (float → int truncates; NaN and inf become arbitrary integers): "
+            + "; ".join(refused) + f". Give the target the stored dtype, or {_UNSAFE_HINT}")
 
 
 def _whole_slice(name: str, source: TensorSource, why: str) -> StoredSlice:
@@ -113,29 +169,37 @@ def _whole_slice(name: str, source: TensorSource, why: str) -> StoredSlice:
 
 
 def host_job(name: str, source: TensorSource, dtype: np.dtype | None, *, bounce_bytes: int,
-             transform: Transform | None = None, slices_by_region: bool = False) -> Job:
+             transform: Transform | None = None, slices_by_region: bool = False,
+             casting: str = "same_kind") -> Job:
     """The whole tensor as a numpy array (of ``dtype``, if given; mapped by ``transform``).
-    ``slices_by_region``: as ``plan_tensor_reads`` (where checksum blocks are checked)."""
+    ``slices_by_region``: as ``plan_tensor_reads`` (where checksum blocks are checked);
+    ``casting``: as ``ReadOptions.casting``."""
+    refused, check = _casting(name, source, transform, dtype, casting)
 
     def convert(host: np.ndarray) -> np.ndarray:
         if transform is not None:
             host = np.ascontiguousarray(transform.apply(host))
-        return host if dtype is None or dtype == host.dtype else host.astype(dtype)
+        if dtype is None or dtype == host.dtype:
+            return host
+        if check is not None:
+            check(host)
+        return host.astype(dtype)
 
     if source.dtype.is_packed:
         stored = _whole_slice(name, source, f"a {source.dtype.code} tensor")
         return Job(plan_byte_reads(stored, [((0, stored.info.nbytes),)], stored.info.nbytes),
-                   lambda buffers: convert(_view(buffers[0], stored, name, source.shape)))
+                   lambda buffers: convert(_view(buffers[0], stored, name, source.shape)),
+                   refused=refused)
     return Job(plan_tensor_reads(source, [full_box(source.shape)], source.nbytes, bounce_bytes,
                                  slices_by_region=slices_by_region),
                lambda buffers: convert(_view(buffers[0], source.slices[0], name, source.shape)),
-               scratch=transform is not None)
+               scratch=transform is not None, refused=refused)
 
 
 def sharded_job(
     name: str, source: TensorSource, dtype: np.dtype, sharding: jax.sharding.Sharding,
     *, read_once: bool, bounce_bytes: int, reshard_below: int = 0, transform: Transform | None = None,
-    slices_by_region: bool = False,
+    slices_by_region: bool = False, casting: str = "same_kind",
 ) -> Job:
     """This process's shards of a tensor, assembled into a global ``jax.Array``.
 
@@ -146,8 +210,29 @@ def sharded_job(
     a transposed or head-split shard still costs only its own bytes. A tensor
     whose shards across processes have runs under ``reshard_below`` bytes is
     read in row blocks and resharded on device (``planning.reshard_parts``).
-    ``slices_by_region``: as ``plan_tensor_reads`` (where checksum blocks are checked).
+    ``slices_by_region``: as ``plan_tensor_reads`` (where checksum blocks are checked);
+    ``casting``: as ``ReadOptions.casting`` (a narrowing int cast checks each shard read),
+    of a cast to the dtype JAX gives the array (int32 for int64 unless ``jax_enable_x64``).
     """
+    dtype = _device_dtype(dtype)
+    refused, check = _casting(name, source, transform, dtype, casting)
+    job = _sharded_job(name, source, dtype, sharding, read_once=read_once, bounce_bytes=bounce_bytes,
+                       reshard_below=reshard_below, transform=transform,
+                       slices_by_region=slices_by_region, check=check)
+    return job if refused is None else dataclasses.replace(job, refused=refused)
+
+
+def _device_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype a ``jax.Array`` of ``dtype`` has: without ``jax_enable_x64``, JAX makes
+    64-bit types 32-bit, wrapping values around; cast on the host instead, under the policy."""
+    return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+
+
+def _sharded_job(
+    name: str, source: TensorSource, dtype: np.dtype, sharding: jax.sharding.Sharding,
+    *, read_once: bool, bounce_bytes: int, reshard_below: int, transform: Transform | None,
+    slices_by_region: bool, check: Callable[[np.ndarray], None] | None,
+) -> Job:
     shape = source.shape if transform is None else transform.tree_shape
     try:
         local, _ = device_boxes(sharding, shape)
@@ -156,12 +241,13 @@ def sharded_job(
     needed = sum(box_size(b) for b in local) * source.dtype.bits // 8
     if (read_once and transform is None and source.whole is not None and source.nbytes > 0
             and _bitcastable(source.dtype.numpy) and shared_across_processes(sharding, shape)):
-        return _read_once_job(source.whole, dtype, sharding, needed)
+        return _read_once_job(source.whole, dtype, sharding, needed, check)
     if reshard_below and transform is None and source.whole is not None and not source.dtype.is_packed:
         rows = row_sharding(sharding, shape, source.dtype.bits // 8, reshard_below)
         if rows is not None:
-            inner = sharded_job(name, source, dtype, rows, read_once=False, bounce_bytes=bounce_bytes,
-                                slices_by_region=slices_by_region)
+            inner = _sharded_job(name, source, dtype, rows, read_once=False, bounce_bytes=bounce_bytes,
+                                 reshard_below=0, transform=None, slices_by_region=slices_by_region,
+                                 check=check)
             move = resharding(rows, sharding)
             return Job(dataclasses.replace(inner.reads, needed=needed, resharded=True),
                        lambda buffers: move(inner.finish(buffers)))
@@ -173,7 +259,7 @@ def sharded_job(
             host = _view(buffers[0], stored, name, source.shape)
             host = host if transform is None else transform.apply(host)
             return _device_array(shape, sharding, dtype, local, lambda box: host[
-                tuple(slice(a, b) for a, b in box)])
+                tuple(slice(a, b) for a, b in box)], check)
 
         return Job(plan_byte_reads(stored, [((0, stored.info.nbytes),)], needed), finish_packed)
 
@@ -182,7 +268,7 @@ def sharded_job(
 
         def finish(buffers: list[np.ndarray]) -> jax.Array:
             views = {box: _view(buf, source.slices[0], name, box_shape(box)) for box, buf in zip(shards, buffers)}
-            return _device_array(shape, sharding, dtype, local, views.__getitem__)
+            return _device_array(shape, sharding, dtype, local, views.__getitem__, check)
 
         return Job(plan_tensor_reads(source, shards, needed, bounce_bytes,
                                      slices_by_region=slices_by_region), finish)
@@ -190,7 +276,7 @@ def sharded_job(
     staged = _Staging(source, name, [transform.stored_box(box) for box in local])
 
     def finish_mapped(buffers: list[np.ndarray]) -> jax.Array:
-        views = staged.views(buffers)
+        views = staged.views(buffers, check)
         return _device_array(shape, sharding, dtype, local, lambda box: transform.to_tree(
             views(transform.stored_box(box)), transform.stored_box(box), box,
             out=_host_array(box_shape(box), dtype)))
@@ -212,10 +298,13 @@ class _Staging:
                  and all(intersect(a, b) is None for k, a in enumerate(wanted) for b in wanted[k + 1:]))
         self.boxes = (region,) if tiles else wanted
 
-    def views(self, buffers: list[np.ndarray]) -> Callable[[Box], np.ndarray]:
-        """The staged values of each wanted box."""
+    def views(self, buffers: list[np.ndarray],
+              check: Callable[[np.ndarray], None] | None = None) -> Callable[[Box], np.ndarray]:
+        """The staged values of each wanted box, all passed to ``check`` first (if given)."""
         held = {box: _view(buf, self.source.slices[0], self.name, box_shape(box))
                 for box, buf in zip(self.boxes, buffers)}
+        if check is not None:
+            host_map(check, list(held.values()))
         if len(self.boxes) != 1 or len(held) == 0:
             return held.__getitem__
         (region, values), = held.items()
@@ -236,8 +325,14 @@ class AssembledLeaf:
 
     def __init__(self, name: str, sources: Sequence[TensorSource], assembly: Assembly,
                  dtype: np.dtype, sharding: jax.sharding.Sharding | None, *, bounce_bytes: int,
-                 slices_by_region: bool = False):
-        self.name, self.assembly, self.dtype, self.sharding = name, assembly, np.dtype(dtype), sharding
+                 slices_by_region: bool = False, casting: str = "same_kind"):
+        self.name, self.assembly, self.sharding = name, assembly, sharding
+        self.dtype = np.dtype(dtype) if sharding is None else _device_dtype(dtype)
+        self.casting = casting
+        # Every piece's refused cast (``refuse_casts``), whether or not this process reads it.
+        self.refused = tuple(refused for piece, source in zip(assembly.pieces, sources)
+                             for refused in [_casting(piece.stored, source, piece.transform, self.dtype,
+                                                      casting, leaf=name)[0]] if refused is not None)
         shape = assembly.shape
         if sharding is None:
             self.local = {full_box(shape): []}
@@ -264,11 +359,12 @@ class AssembledLeaf:
         if not parts:
             return None
         transform = piece.transform
+        _, check = _casting(piece.stored, source, transform, self.dtype, self.casting)
         staged = _Staging(source, piece.stored, [transform.stored_box(own) for _, own in parts.values()])
         needed = sum(box_size(inside) for inside, _ in parts.values()) * source.dtype.bits // 8
 
         def finish(buffers: list[np.ndarray]) -> Any:
-            views = staged.views(buffers)
+            views = staged.views(buffers, check)
             for box in parts:  # allocated here, in turn; filled below, in parallel
                 self._buffer(box)
 
@@ -329,12 +425,18 @@ def _host_array(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     return array
 
 
-def _device_array(shape, sharding, dtype, local: dict[Box, list[jax.Device]], host_shard) -> jax.Array:
+def _device_array(shape, sharding, dtype, local: dict[Box, list[jax.Device]], host_shard,
+                  check: Callable[[np.ndarray], None] | None = None) -> jax.Array:
     """Puts each local shard on its devices (one batched ``device_put``, a third of the
-    dispatch cost of one call per shard) and forms the global array."""
+    dispatch cost of one call per shard) and forms the global array. ``check``: of each
+    shard's values, before they are cast to ``dtype``."""
     def host(box: Box) -> np.ndarray:
         shard = host_shard(box)
-        return shard if shard.dtype == dtype else shard.astype(dtype)
+        if shard.dtype == dtype:
+            return shard
+        if check is not None:
+            check(shard)
+        return shard.astype(dtype)
 
     shards, targets = [], []
     for shard, devices in zip(host_map(host, list(local)), local.values()):
@@ -345,9 +447,11 @@ def _device_array(shape, sharding, dtype, local: dict[Box, list[jax.Device]], ho
 
 
 def _read_once_job(
-    stored: StoredSlice, dtype: np.dtype, sharding: jax.sharding.Sharding, needed: int
+    stored: StoredSlice, dtype: np.dtype, sharding: jax.sharding.Sharding, needed: int,
+    check: Callable[[np.ndarray], None] | None = None,
 ) -> Job:
-    """Each process reads 1/N of the bytes; XLA all-gathers them into ``sharding``."""
+    """Each process reads 1/N of the bytes; XLA all-gathers them into ``sharding``.
+    ``check``: of the tensor's smallest and largest value (found on device)."""
     info = stored.info
     devices = sorted(sharding.device_set, key=lambda d: d.id)
     chunk = math.ceil(info.nbytes / len(devices))
@@ -364,8 +468,13 @@ def _read_once_job(
             parts.append(jax.device_put(padded, devices[k]))
         flat = jax.make_array_from_single_device_arrays(
             (chunk * len(devices),), byte_sharding, parts)
-        convert = _bytes_to_array(info.nbytes, info.shape, info.dtype.numpy, np.dtype(dtype), sharding)
-        return convert(flat)
+        convert = _bytes_to_array(info.nbytes, info.shape, info.dtype.numpy, np.dtype(dtype), sharding,
+                                  bounds=check is not None)
+        if check is None:
+            return convert(flat)
+        result, lo, hi = convert(flat)  # every process sees the same bounds, and fails alike
+        check(np.array([np.asarray(lo.addressable_data(0)), np.asarray(hi.addressable_data(0))]))
+        return result
 
     return Job(plan_byte_reads(stored, [byte_boxes[k] for k in mine], needed, read_once=True),
                finish)
@@ -378,8 +487,10 @@ def _bitcastable(dtype: np.dtype) -> bool:
 
 
 @functools.lru_cache(maxsize=256)
-def _bytes_to_array(nbytes, shape, stored: np.dtype, target: np.dtype, sharding) -> Callable:
-    """A compiled bytes → typed, reshaped, resharded array (the all-gather happens here)."""
+def _bytes_to_array(nbytes, shape, stored: np.dtype, target: np.dtype, sharding,
+                    bounds: bool = False) -> Callable:
+    """A compiled bytes → typed, reshaped, resharded array (the all-gather happens here);
+    with ``bounds``, also the smallest and largest stored value, replicated."""
 
     def convert(flat: jax.Array) -> jax.Array:
         raw = flat[:nbytes]
@@ -389,9 +500,15 @@ def _bytes_to_array(nbytes, shape, stored: np.dtype, target: np.dtype, sharding)
             typed = jax.lax.bitcast_convert_type(raw, stored)
         else:
             typed = jax.lax.bitcast_convert_type(raw.reshape(-1, stored.itemsize), stored)
-        return typed.reshape(shape).astype(target)
+        result = typed.reshape(shape).astype(target)
+        return (result, typed.min(), typed.max()) if bounds else result
 
-    return jax.jit(convert, out_shardings=sharding)
+    if not bounds:
+        return jax.jit(convert, out_shardings=sharding)
+    devices = np.array(sorted(sharding.device_set, key=lambda d: d.id))
+    replicated = jax.sharding.NamedSharding(jax.sharding.Mesh(devices, ("all",)),
+                                            jax.sharding.PartitionSpec())
+    return jax.jit(convert, out_shardings=(sharding, replicated, replicated))
 
 
 def _view(buffer: np.ndarray, stored: StoredSlice, name: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -479,7 +596,8 @@ def transfer(storage: Storage, file: str, request: Transfer, buffers: Sequence[n
 
 def execute(storage: Storage, plan: ReadPlan, jobs: Sequence[Job], *, memory_budget: int,
             threads: int, stats: LoadStats, cancelled: threading.Event | None = None,
-            checksums: Mapping[str, FileChecksums] | None = None) -> list[Any]:
+            checksums: Mapping[str, FileChecksums] | None = None,
+            progress: Progress | None = None) -> list[Any]:
     """Runs ``plan`` (of ``jobs``' reads): every job's result, in job order; stops with
     ``KeyboardInterrupt`` once ``cancelled`` is set. Reads of the files ``checksums`` holds
     are checked against them (``plan`` must read their blocks whole: ``plan_reads`` with
@@ -502,6 +620,8 @@ def execute(storage: Storage, plan: ReadPlan, jobs: Sequence[Job], *, memory_bud
         with lock:
             stats.bytes_read += request.length
             stats.requests += 1
+        if progress is not None:
+            progress.advance(request.length)
 
     bounce_buffers = threading.local()
 

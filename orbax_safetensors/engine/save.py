@@ -38,10 +38,12 @@ from orbax_safetensors.engine.coordination import (
     share_from_primary,
 )
 from orbax_safetensors.engine.operation import Operation
+from orbax_safetensors.engine.progress import Progress
 from orbax_safetensors.engine.resharding import resharding, row_sharding
 from orbax_safetensors.engine.tree_names import flatten_with_names
 from orbax_safetensors.errors import DistributedError, ProcessFailure
-from orbax_safetensors.format import dtype_for_numpy, to_bytes
+from orbax_safetensors.format import check_name, dtype_for_numpy, to_bytes
+from orbax_safetensors.format import check_metadata as format_check_metadata
 from orbax_safetensors.format.checksums import RESERVED_KEYS
 from orbax_safetensors.index import (
     DISTRIBUTED_INDEX_NAME,
@@ -101,16 +103,34 @@ class SaveOptions:
     """What to write, besides the tree (``save``'s keyword arguments, as one value)."""
 
     layout: str = "hf"
-    max_shard_size: int | str = "5GB"
+    max_shard_size: int | str | None = None  # None: DEFAULT_MAX_SHARD_SIZE
     metadata: Mapping[str, str] | None = None
     overwrite: bool = False
     mapping: mapping_rules.Mapping | None = None
     checksums: bool = True
+    progress: bool = False
 
 
-def check_metadata(metadata: Mapping[str, str] | None) -> None:
-    """The caller's ``__metadata__`` must leave our checksum entries to us."""
-    taken = sorted(set(metadata or ()) & set(RESERVED_KEYS))
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+
+
+def check_max_shard_size(location: Location, max_shard_size: int | str | None) -> None:
+    """A bad size, or one that cannot apply (a single ``.safetensors`` file), is the caller's
+    error, raised before anything starts."""
+    if max_shard_size is None:
+        return
+    parse_size(max_shard_size)
+    if location.is_single_file:
+        raise ValueError(f"{location.url!r} is one .safetensors file, which max_shard_size cannot "
+                         "split: save to a directory (no .safetensors suffix) to get "
+                         "model-0000i-of-0000N.safetensors files and an index, or drop max_shard_size")
+
+
+def check_metadata(metadata: Mapping[str, str] | None, *, checksums: bool) -> None:
+    """The caller's ``__metadata__`` must be what every reader reads (string keys and values,
+    a header under 100 MB) and, with checksums, leave our checksum entries to us."""
+    format_check_metadata(metadata or {})
+    taken = sorted(set(metadata or ()) & set(RESERVED_KEYS)) if checksums else []
     if taken:
         raise ValueError(f"metadata keys {taken} are reserved for the checksums a save writes "
                          "(pass checksums=False to write none)")
@@ -130,13 +150,14 @@ def save(
     tree: Any,
     *,
     layout: str = "hf",
-    max_shard_size: int | str = "5GB",
+    max_shard_size: int | str | None = None,
     metadata: Mapping[str, str] | None = None,
     overwrite: bool = False,
     storage_options: Mapping[str, Any] | None = None,
     filesystem: fsspec.AbstractFileSystem | None = None,
     mapping: mapping_rules.Mapping | None = None,
     checksums: bool = True,
+    progress: bool = False,
 ) -> SaveStats:
     """Saves the arrays of ``tree`` as safetensors, named by their key paths; blocks until committed.
 
@@ -155,7 +176,9 @@ def save(
       tree: a PyTree of ``jax.Array`` (any sharding, across processes) or numpy
         arrays (written by process 0).
       layout: ``"hf"``, whole tensors in the Hugging Face layout.
-      max_shard_size: bytes per file, as an int or a string like ``"5GB"``.
+      max_shard_size: bytes per file of a checkpoint directory, as an int or a
+        string like ``"2GB"`` (default ``"5GB"``, as transformers). A
+        ``.safetensors`` path is one file: passing it there is an error.
       metadata: str→str stored in every file's ``__metadata__`` (next to
         ``"format": "pt"``, which transformers requires).
       overwrite: replace a checkpoint already at ``path`` instead of refusing.
@@ -170,9 +193,11 @@ def save(
         index), computed by each process over the bytes it writes; every load
         then checks the blocks it reads. Other readers ignore them. ``False``
         writes exactly what transformers' ``save_pretrained`` writes.
+      progress: draw a progress line on stderr (this process's bytes written,
+        rate, time left; process 0 only), as the CLI does.
     """
     job = prepare_save(Location.resolve(path, storage_options, filesystem), tree,
-                       SaveOptions(layout, max_shard_size, metadata, overwrite, mapping, checksums),
+                       SaveOptions(layout, max_shard_size, metadata, overwrite, mapping, checksums, progress),
                        copy=False)
     return wait_interruptibly(job, job.start())
 
@@ -207,13 +232,14 @@ def async_save(
     tree: Any,
     *,
     layout: str = "hf",
-    max_shard_size: int | str = "5GB",
+    max_shard_size: int | str | None = None,
     metadata: Mapping[str, str] | None = None,
     overwrite: bool = False,
     storage_options: Mapping[str, Any] | None = None,
     filesystem: fsspec.AbstractFileSystem | None = None,
     mapping: mapping_rules.Mapping | None = None,
     checksums: bool = True,
+    progress: bool = False,
 ) -> concurrent.futures.Future[SaveStats]:
     """Like ``save``, but returns once this process's shards are copied to host memory.
 
@@ -224,7 +250,7 @@ def async_save(
     pending save at exit, so nothing is lost by returning early.
     """
     return prepare_save(Location.resolve(path, storage_options, filesystem), tree,
-                        SaveOptions(layout, max_shard_size, metadata, overwrite, mapping, checksums),
+                        SaveOptions(layout, max_shard_size, metadata, overwrite, mapping, checksums, progress),
                         copy=True).start()
 
 
@@ -251,9 +277,8 @@ def prepare_save(location: Location, tree: Any, options: SaveOptions, *, copy: b
         specs, assemblies = options.mapping.map_specs(tree_specs)
     if location.is_single_file and options.layout == "distributed":
         raise ValueError(f"{location.url!r}: the distributed layout is a directory of files")
-    parse_size(options.max_shard_size)  # a bad size is the caller's error, before anything starts
-    if options.checksums:
-        check_metadata(options.metadata)
+    check_max_shard_size(location, options.max_shard_size)
+    check_metadata(options.metadata, checksums=options.checksums)
     key = next_operation_key("save")
     commit = take_location(location, key, overwrite=options.overwrite, fresh=new_directory)
     # Several processes writing one hf file: thin strips are written as row blocks instead.
@@ -266,11 +291,16 @@ def prepare_save(location: Location, tree: Any, options: SaveOptions, *, copy: b
         commit.release()
         raise
     stats = SaveStats(tensors_resharded=resharded, blocking_seconds=time.perf_counter() - started)
+    report = None
+    if options.progress and jax.process_index() == 0:
+        sizes = {s.name: s for s in specs}
+        report = Progress(f"save {location.url}", sum(
+            sizes[s.name].dtype.nbytes(box_shape(s.box)) for s in shards), enabled=True).start()
     if options.layout == "distributed":
         strategy = lambda: _distributed(shards, {s.name: s for s in specs}, options)  # noqa: E731
     else:
         strategy = lambda: _hf(location, shards, specs, options)  # noqa: E731
-    return SaveJob(Operation(key, location.url), commit, strategy, stats, started)
+    return SaveJob(Operation(key, location.url, report), commit, strategy, stats, started)
 
 
 def take_location(location: Location, key: str, *, overwrite: bool, fresh: bool = False) -> Commit:
@@ -320,6 +350,8 @@ def check_tree(tree: Any, layout: str = "hf") -> tuple[dict[str, Any], list[Tens
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
     names, leaves, _ = flatten_with_names(tree)
+    for name in names:
+        check_name(name)
     arrays = dict(zip(names, (_checked_array(n, leaf) for n, leaf in zip(names, leaves))))
     return arrays, [_spec(name, array) for name, array in arrays.items()]
 
@@ -448,6 +480,8 @@ class SaveJob:
                 write.commit_written(self.operation, self.commit, written)
             finally:
                 self.commit.release()
+                if self.operation.progress is not None:
+                    self.operation.progress.close()
             self.stats.bytes_written = written.bytes_written
             self.stats.requests = written.requests
             self.stats.files = written.files_written
@@ -463,7 +497,7 @@ def _hf(location: Location, shards: list[HostShard], specs: list[TensorSpec],
     if location.is_single_file:
         plan = plan_single_file(location.file_name, specs, options.metadata, checksums=options.checksums)
     else:
-        plan = plan_hf_checkpoint(specs, max_shard_size=options.max_shard_size,
+        plan = plan_hf_checkpoint(specs, max_shard_size=options.max_shard_size or DEFAULT_MAX_SHARD_SIZE,
                                   metadata=options.metadata, checksums=options.checksums)
     by_name = collections.defaultdict(list)
     for shard in shards:
@@ -488,7 +522,8 @@ def _distributed(shards: list[HostShard], specs: Mapping[str, TensorSpec],
     metadata = dict(options.metadata or {})
     files = plan_distributed_files(
         jax.process_index(), [SliceSpec(s.name, specs[s.name].dtype, s.box) for s in merged],
-        max_shard_size=options.max_shard_size, metadata=metadata, checksums=options.checksums)
+        max_shard_size=options.max_shard_size or DEFAULT_MAX_SHARD_SIZE, metadata=metadata,
+        checksums=options.checksums)
     slices_in = {file.name: slices for file, slices in files}
 
     def chunks(file: FilePlan) -> Iterator[memoryview | bytes]:

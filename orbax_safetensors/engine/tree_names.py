@@ -9,7 +9,7 @@ is what lets either side load the other's checkpoint by name.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -35,12 +35,38 @@ def flatten_with_names(
     names = [path_name(path) for path, _ in pairs]
     first_path: dict[str, Any] = {}
     for name, (path, _) in zip(names, pairs):
-        if name == "":
+        if not path:
             raise ValueError(
                 "a bare array has no name: put it in a dict, e.g. {'weight': array}")
+        if name == "":
+            raise ValueError(f"the leaf at {jax.tree_util.keystr(path)} has an empty name; "
+                             "safetensors names a tensor by its key path, so give it a key")
         if name in first_path:
             raise ValueError(
                 f"two leaves are both named {name!r}: {jax.tree_util.keystr(first_path[name])} "
                 f"and {jax.tree_util.keystr(path)}; rename one of them")
         first_path[name] = path
     return names, [leaf for _, leaf in pairs], treedef
+
+
+def nest(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"a.b": x, "a.c": y}`` → ``{"a": {"b": x, "c": y}}``: the tree whose leaves have
+    these names (every key a string, ``"layers.0"`` → ``{"layers": {"0": ...}}``, which
+    flattens back to the same names). Raises if one name is a prefix of another, or has an
+    empty part, since no tree names its leaves so."""
+    tree: dict[str, Any] = {}
+    for name, value in flat.items():
+        parts = name.split(".")
+        if "" in parts:
+            raise ValueError(f"tensor name {name!r} has an empty part, so it cannot nest: keep "
+                             "the names flat (nest=False)")
+        node = tree
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                break
+        if not isinstance(node, dict) or parts[-1] in node:
+            raise ValueError(f"cannot nest {name!r}: another tensor's name is a prefix of it, or it "
+                             "of another's; keep the names flat (nest=False)")
+        node[parts[-1]] = value
+    return tree

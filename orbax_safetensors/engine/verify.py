@@ -117,7 +117,8 @@ def verify(
     found = catalog.survey(location, findings, leftovers=True)
     if found.layout == catalog.NOTHING:
         what = "safetensors file" if location.is_single_file else "safetensors checkpoint"
-        raise FileNotFoundError(f"no {what} at {location.url!r}")
+        reason = catalog.missing_reason(location).removeprefix("file ")
+        raise FileNotFoundError(f"no {what} at {location.url!r}: it {reason}")
     checkpoint = catalog.read(found, location.storage, findings)
     report = VerifyReport(
         location.url, found.layout,

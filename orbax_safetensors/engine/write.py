@@ -237,7 +237,9 @@ class InPlace(Strategy):
                 batch = _views(segments[start:start + _VIEWS_PER_WRITE], payloads)
                 checksums.add(file_name, offset, batch)
                 storage.write_at(commit.temporary(file_name), offset, batch)
-                offset += sum(len(view) for view in batch)
+                written = sum(len(view) for view in batch)
+                offset += written
+                op.wrote(written)
 
         files = sorted({name for name, _ in self.owned})
 
@@ -296,7 +298,9 @@ class InParts(Strategy):
 
         def upload(item: Upload) -> None:
             op.check_cancelled()
-            storage.write(commit.part(item.file, item.key), views(item))
+            data = views(item)
+            storage.write(commit.part(item.file, item.key), data)
+            op.wrote(sum(len(view) for view in data))
 
         def upload_all() -> None:
             for item in last:  # uploaded once the headers are final; summed now
@@ -408,6 +412,7 @@ class Streamed(Strategy):
                     op.check_cancelled()
                     checksums.add(file.name, offset, [chunk])
                     offset += len(chunk)
+                    op.wrote(len(chunk))
                     yield chunk
             return Replayable(stream)
 

@@ -8,6 +8,8 @@ from orbax_safetensors.format.header import (
     PREFIX_SIZE,
     Header,
     TensorInfo,
+    check_metadata,
+    check_name,
     header_size,
     parse_file_bytes,
     parse_header,
@@ -18,6 +20,6 @@ from orbax_safetensors.format.header import (
 __all__ = [
     "checksums",
     "DTYPES", "DType", "dtype_for_numpy", "from_bytes", "to_bytes",
-    "MAX_HEADER_SIZE", "METADATA_KEY", "PREFIX_SIZE", "Header", "TensorInfo",
+    "MAX_HEADER_SIZE", "METADATA_KEY", "PREFIX_SIZE", "Header", "TensorInfo", "check_metadata", "check_name",
     "header_size", "parse_file_bytes", "parse_header", "reject_duplicate_keys", "serialize_header",
 ]

@@ -7,6 +7,9 @@ bits ``[k*b, (k+1)*b)`` counting from the least significant bit of byte 0), whic
 for F4 is the "low nibble first" order torch's ``float4_e2m1fn_x2`` uses. A
 tensor of a sub-byte dtype must hold a whole number of bytes, exactly as the
 Rust crate demands; anything else is a misaligned slice.
+
+It also says which casts to a target's dtype keep values (``cast_kind``), the
+rule a load follows under ``ReadOptions(casting="same_kind")``.
 """
 
 from __future__ import annotations
@@ -120,3 +123,74 @@ def _unpack(raw: np.ndarray, dtype: DType, count: int) -> np.ndarray:
     bits = np.unpackbits(raw, bitorder="little").reshape(count, dtype.bits)
     codes = np.packbits(bits, axis=1, bitorder="little").reshape(count)
     return codes.view(dtype.numpy)
+
+
+# Casting on load -----------------------------------------------------------------------------
+#
+# A load converts each tensor to its target's dtype. ``numpy.astype`` does any conversion
+# without a word: -300.0 into int8 is -44, NaN into int32 is INT_MIN, 200 into int8 is -56.
+# Loading weights that silently became other numbers is worse than failing, so a load casts
+# only where every value keeps its meaning unless asked (``ReadOptions.casting="unsafe"``).
+
+def cast_kind(stored: np.dtype | type, target: np.dtype | type) -> str:
+    """How a cast of ``stored`` values to ``target`` can change them, numpy's ``same_kind``
+    rule extended to the ``ml_dtypes`` types (whose numpy kind is ``"V"``):
+
+    * ``"same"``: no cast.
+    * ``"safe"``: every value keeps its meaning: float ↔ float (bfloat16, float16, fp8 ...:
+      precision may be lost, as ``same_kind`` allows), bool → anything, int → float,
+      int → an int type holding every stored value (int8 → int32, uint8 → int16), real →
+      complex.
+    * ``"check_range"``: int → an int type (or bool) holding only some of the stored values
+      (int32 → int8, int8 → uint8, uint64 → int64, int → bool): safe exactly when the values
+      fit (bool: are 0 or 1), which only the values can tell.
+    * ``"unsafe"``: float → int or bool (truncated; NaN and inf become arbitrary integers),
+      complex → real (the imaginary part dropped), and anything this does not know.
+    """
+    stored, target = np.dtype(stored), np.dtype(target)
+    if stored == target:
+        return "same"
+    have, want = _kind(stored), _kind(target)
+    if have == "b" or (have in "iuf" and want in "fc") or (have == want == "c"):
+        return "safe"
+    if have in "iu" and want in "iub":
+        lo, hi = int_range(stored)
+        tlo, thi = int_range(target)
+        return "safe" if tlo <= lo and hi <= thi else "check_range"
+    return "unsafe"
+
+
+def int_range(dtype: np.dtype | type) -> tuple[int, int]:
+    """The smallest and largest value of an integer (or bool: 0, 1) dtype."""
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return 0, 1
+    info = ml_dtypes.iinfo(dtype)
+    return int(info.min), int(info.max)
+
+
+def first_out_of_range(values: np.ndarray, target: np.dtype | type):
+    """The first of the integer ``values`` (C order) that ``target`` cannot hold, or ``None``
+    when all fit; a min and a max unless one does not."""
+    if values.size == 0:
+        return None
+    lo, hi = int_range(target)
+    if lo <= int(values.min()) and int(values.max()) <= hi:
+        return None
+    flat = values.reshape(-1)
+    return flat[np.flatnonzero((flat < lo) | (flat > hi))[0]].item()
+
+
+def _kind(dtype: np.dtype) -> str:
+    """numpy's kind letter ("b", "i", "u", "f", "c"), also for ``ml_dtypes`` types; "?" else."""
+    if dtype.kind in "biufc":
+        return dtype.kind
+    try:
+        ml_dtypes.finfo(dtype)
+        return "f"
+    except ValueError:
+        pass
+    try:
+        return "i" if ml_dtypes.iinfo(dtype).min < 0 else "u"
+    except ValueError:
+        return "?"

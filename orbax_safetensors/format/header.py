@@ -158,12 +158,13 @@ def serialize_header(
     """
     document: dict[str, object] = {}
     if metadata is not None:
-        document[METADATA_KEY] = dict(_parse_metadata(dict(metadata), "<metadata>"))
+        document[METADATA_KEY] = check_metadata(metadata)
     infos: dict[str, TensorInfo] = {}
     offset = 0
     for name, dtype, shape in tensors:
         if name in infos or name == METADATA_KEY:
             raise SafetensorsError("name used twice or reserved", tensor=name)
+        check_name(name)
         shape = tuple(int(d) for d in shape)
         try:
             size = dtype.nbytes(shape)
@@ -175,7 +176,47 @@ def serialize_header(
         offset += size
     body = json.dumps(document, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     body += b" " * (-len(body) % _HEADER_ALIGNMENT)
+    if len(body) > MAX_HEADER_SIZE:
+        raise SafetensorsError(
+            f"the header of {len(infos)} tensors would be {len(body):,} bytes, over the "
+            f"{MAX_HEADER_SIZE:,}-byte limit every reader enforces (a smaller max_shard_size "
+            "puts fewer tensors in a file; metadata is repeated in every file)")
     return struct.pack("<Q", len(body)) + body, infos
+
+
+def check_metadata(metadata: Mapping[object, object]) -> dict[str, str]:
+    """``__metadata__`` as every reader requires it: string keys and values, valid UTF-8, and
+    small enough for a header; checked before a save writes anything, so that it never
+    writes a file no reader (ours included) can open."""
+    for key, value in metadata.items():
+        if not isinstance(key, str):
+            raise SafetensorsError(f"metadata key {key!r} is {type(key).__name__}; metadata keys "
+                                   "must be strings")
+        if not isinstance(value, str):
+            raise SafetensorsError(f"metadata[{key!r}] is {type(value).__name__}; metadata values "
+                                   "must be strings (json.dumps structured values)")
+        for text, what in ((key, "metadata key"), (value, f"metadata[{key!r}]")):
+            if not _is_utf8(text):
+                raise SafetensorsError(f"{what} holds an unpaired surrogate (not valid UTF-8)")
+    size = len(json.dumps(dict(metadata), separators=(",", ":"), ensure_ascii=False).encode("utf-8"))
+    if size > MAX_HEADER_SIZE:
+        raise SafetensorsError(f"metadata is {size:,} bytes as JSON, over the {MAX_HEADER_SIZE:,}-byte "
+                               "limit every reader enforces on a file's whole header")
+    return dict(metadata)  # type: ignore[arg-type]
+
+
+def check_name(name: str) -> None:
+    """A tensor name every reader can read back: valid UTF-8."""
+    if not _is_utf8(name):
+        raise SafetensorsError("the name holds an unpaired surrogate (not valid UTF-8)", tensor=name)
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def reject_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
@@ -230,10 +271,8 @@ def _reject_constant(name: str) -> None:
 
 
 def _check_text(value: str, what: str, file: str) -> None:
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise SafetensorsError(f"{what} holds an unpaired surrogate", file=file) from None
+    if not _is_utf8(value):
+        raise SafetensorsError(f"{what} holds an unpaired surrogate", file=file)
 
 
 def _parse_metadata(value: object, file: str) -> dict[str, str] | None:

@@ -132,7 +132,9 @@ def parse_index(raw: bytes, *, file: str = INDEX_NAME) -> HFIndex:
 
     ``metadata`` is kept as found (any JSON object): transformers reads only
     ``weight_map``, hub checkpoints carry assorted extra keys there, and we
-    never act on them.
+    never act on them. One exception: a ``total_size`` that is a whole float
+    (``1234.0``, which transformers wrote while its byte sizes were floats)
+    becomes the int it means, so ``verify`` compares it like any other.
     """
     document = load_json(raw, file=file, what="index")
     if not isinstance(document, dict) or not isinstance(document.get("weight_map"), dict):
@@ -146,6 +148,9 @@ def parse_index(raw: bytes, *, file: str = INDEX_NAME) -> HFIndex:
             raise SafetensorsError(
                 f"tensor name {short_repr(name)} holds an unpaired surrogate", file=file)
         weight_map[name] = check_file_name(target, file=file, tensor=name)
+    total = metadata.get("total_size")
+    if isinstance(total, float) and total.is_integer() and total >= 0:
+        metadata = {**metadata, "total_size": int(total)}
     return HFIndex(weight_map, metadata)
 
 

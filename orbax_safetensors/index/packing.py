@@ -18,6 +18,7 @@ _UNITS = {
     "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
 }
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+_DIGITS = re.compile(r"([0-9]+)")
 
 
 def parse_size(size: int | str) -> int:
@@ -55,3 +56,17 @@ def pack_shards(sizes: Sequence[tuple[str, int]], max_shard_size: int | str) -> 
     if current or not shards:
         shards.append(current)
     return shards
+
+
+def natural_key(name: str) -> tuple[tuple[tuple[str | int, ...], str], ...]:
+    """Sorts dotted names as a PyTorch ``state_dict`` lists them: in each ``.``-separated part,
+    a run of digits compares as a number, so ``layers.2`` comes before ``layers.10`` (and
+    Flax's ``Dense_2`` before ``Dense_10``), and a number before text; the rest as text.
+
+    Shards are filled in this order, so they hold consecutive layers, as transformers'
+    do; sorted as text (a JAX dict's order), one would hold layers 1, 10, 11, ...
+    """
+    # re.split puts text at even positions and numbers at odd ones: elementwise comparable.
+    return tuple((tuple(int(piece) if i % 2 else piece
+                        for i, piece in enumerate(_DIGITS.split(part))), part)
+                 for part in name.split("."))

@@ -6,15 +6,20 @@ Long jobs (``consolidate``, ``convert``, ``verify --data``) draw a progress
 line on stderr only when it is a terminal, so a script or CI log gets nothing
 there but errors, and stdout holds exactly one line: the human summary, or
 with ``--json`` a JSON object. Orbax and TensorStore are imported by ``convert`` alone, since
-they take seconds to import and the other commands never need them.
+they take seconds to import and the other commands never need them. A reader that stops early
+(``orbax-safetensors inspect --json CKPT | head -1``) ends the command quietly with status 141,
+as SIGPIPE ends a C tool, instead of a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import logging
 import os
+import platform
+import select
 import sys
 import time
 import warnings
@@ -58,6 +63,22 @@ _EXAMPLES = ("examples:\n" + "".join(
     text.split("\n", 1)[1].split("\n\n", 1)[0].rstrip("\n") + "\n"
     for text in (_INSPECT_EXAMPLES, _VERIFY_EXAMPLES, _CONSOLIDATE_EXAMPLES, _CONVERT_EXAMPLES))
     + "\nrun 'orbax-safetensors COMMAND --help' for a command's options.\n")
+
+
+_SIGPIPE_STATUS = 141  # 128 + SIGPIPE: what a shell reports for a tool a closed pipe ended
+
+
+def _version() -> str:
+    """``orbax-safetensors X.Y.Z``, then the versions a bug report needs (none imported;
+    the installed distribution's, which ``tests/test_packaging.py`` keeps equal to
+    ``ost.__version__``)."""
+    versions = []
+    for name in ("orbax-safetensors", "jax", "jaxlib", "orbax-checkpoint"):
+        try:
+            versions.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            versions.append(f"{name} not installed")
+    return f"{versions[0]}\nPython {platform.python_version()}, {', '.join(versions[1:])}"
 
 
 def _human_bytes(n: int) -> str:
@@ -186,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=_version(),
+                        help="print the version (and Python's, JAX's, Orbax's) and exit")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(name: str, help: str, examples: str) -> argparse.ArgumentParser:
@@ -231,18 +254,46 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()  # so a reader gone (`| head -1`) shows here, not at exit
+    except BrokenPipeError:
+        # Python flushes stdout again at exit: point it at /dev/null so that flush cannot fail
+        # too (see "Note on SIGPIPE" in the signal module's documentation).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return _SIGPIPE_STATUS
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
     except KeyboardInterrupt:
         _fail(args, "interrupted")
         return 130
+    except BrokenPipeError as e:
+        if _stdout_closed():
+            raise  # the reader of our output left: no failure of the command to report
+        _fail(args, str(e) or type(e).__name__)  # a pipe of the storage's, not stdout
+        return 1
     except (SafetensorsError, OSError, ValueError) as e:  # FileNotFound, FileExists, bad sizes
         _fail(args, str(e) or type(e).__name__)
         return 1
     except Exception as e:  # anything else still gets one line, with its type to search for
         _fail(args, f"{type(e).__name__}: {e}")
         return 1
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe (or socket) whose reader has gone: ``poll`` flags it an error."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll() here, or no real stdout
+        return True
 
 
 def _fail(args: argparse.Namespace, message: str) -> None:

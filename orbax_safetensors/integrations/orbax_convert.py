@@ -69,12 +69,13 @@ from orbax_safetensors.engine import (
     Progress,
     StreamOptions,
     flatten_with_names,
+    nest as nest_names,
     open_checkpoint,
     write_blocks,
 )
 from orbax_safetensors.errors import SafetensorsError
 from orbax_safetensors.format import TensorInfo, dtype_for_numpy, from_bytes, to_bytes
-from orbax_safetensors.index import parse_size
+from orbax_safetensors.index import natural_key, parse_size
 from orbax_safetensors.planning import Box, TensorSpec, box_shape, full_box, row_blocks
 from orbax_safetensors.storage import Location
 from orbax_safetensors.storage.commit import DirectorySwap
@@ -237,6 +238,8 @@ def _exists(path: str) -> bool:
         return True
 
 
+
+
 def _orbax_item_dir(path: str) -> str | None:
     """The Orbax PyTree item directory at ``path``: itself, or a step's only item."""
     if path.endswith(".safetensors"):
@@ -304,8 +307,9 @@ class OrbaxBlocks:
                     f"{name!r} is a {type(leaf).__name__.removesuffix('Metadata').lower()}: "
                     "safetensors holds only arrays")
             arrays[name] = leaf
+        # Numbers in names as numbers (layers.2 before layers.10): this decides the shards.
         self.specs = [TensorSpec(n, dtype_for_numpy(arrays[n].dtype), tuple(arrays[n].shape))
-                      for n in sorted(arrays)]
+                      for n in sorted(arrays, key=natural_key)]
         use_ocdbt = type_handlers.is_ocdbt_checkpoint(epath.Path(item_dir))
         use_zarr3 = bool(getattr(tree_metadata, "use_zarr3", False))
         context = ts.Context({"cache_pool#ocdbt": {"total_bytes_limit": 100_000_000},
@@ -456,7 +460,7 @@ def _safetensors_to_orbax(src: Location, dst: Location, options: StreamOptions, 
 
 def _write_orbax(checkpoint: Checkpoint, dst: Location, options: StreamOptions, *, nest: bool,
                  label: str, started: float) -> ConvertStats:
-    names = sorted(checkpoint.tensors)
+    names = sorted(checkpoint.tensors, key=natural_key)
     for name in names:
         if 0 in checkpoint.tensors[name].shape:
             raise ValueError(f"tensor {name!r} has zero size, which Orbax cannot save")
@@ -464,7 +468,7 @@ def _write_orbax(checkpoint: Checkpoint, dst: Location, options: StreamOptions, 
                       enabled=options.progress).start()
     blocks = CheckpointBlocks(checkpoint)
     leaves = [_StreamedTensor(n, blocks, parse_size(options.block_bytes), report) for n in names]
-    tree = nest_names(names, leaves) if nest else dict(zip(names, leaves))
+    tree = nest_names(dict(zip(names, leaves))) if nest else dict(zip(names, leaves))
     registry = type_handlers.create_type_handler_registry(
         (_StreamedTensor, _StreamedTensorHandler()))
     custom = {**checkpoint.metadata, **(options.metadata or {})}
@@ -483,24 +487,3 @@ def _write_orbax(checkpoint: Checkpoint, dst: Location, options: StreamOptions, 
     report.close()
     return ConvertStats(SAFETENSORS, ORBAX, len(names), report.done, 0,
                         time.perf_counter() - started)
-
-
-def nest_names(names: Sequence[str], leaves: Sequence[Any]) -> dict[str, Any]:
-    """``{"a.b": x}`` → ``{"a": {"b": x}}``; raises when one name is a prefix of another."""
-    tree: dict[str, Any] = {}
-    for name, leaf in zip(names, leaves):
-        parts = name.split(".")
-        if "" in parts:
-            raise ValueError(f"tensor name {name!r} has an empty part: convert with "
-                             "nest=False (--flat) to keep the names as they are")
-        node = tree
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                break
-        if not isinstance(node, dict) or parts[-1] in node:
-            raise ValueError(
-                f"tensor {name!r} and another whose name it prefixes (or that prefixes it) "
-                "cannot both be nested: convert with nest=False (--flat)")
-        node[parts[-1]] = leaf
-    return tree

@@ -64,8 +64,7 @@ class SafetensorsSave(ocp_args.CheckpointArgs):
         if self.mapping is not None:
             self.mapping.map_specs(specs)
         parse_size(self.max_shard_size)
-        if self.checksums:
-            check_metadata(self.metadata)
+        check_metadata(self.metadata, checksums=self.checksums)
 
 
 @dataclasses.dataclass

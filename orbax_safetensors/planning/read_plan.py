@@ -438,6 +438,12 @@ class ReadPlan:
         return {t.slices[r.slice].file for t in self.tensors for r in t.reads}
 
     @property
+    def nbytes(self) -> int:
+        """Bytes the plan reads from storage."""
+        return sum(transfers.nbytes for batch in self.batches
+                   for transfers in [t for _, t in batch.transfers] + [r.transfers for r in batch.bounced])
+
+    @property
     def padding(self) -> int:
         """Bytes read only to complete checksum blocks (``Transfers.padding``)."""
         return sum(transfers.padding for batch in self.batches

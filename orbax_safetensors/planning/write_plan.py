@@ -22,6 +22,7 @@ from orbax_safetensors.format.checksums import BlockLayout, FileChecksums
 from orbax_safetensors.index import (
     dcp_metadata,
     distributed_file_name,
+    natural_key,
     pack_shards,
     serialize_index,
     shard_file_name,
@@ -122,10 +123,12 @@ def plan_hf_checkpoint(
     metadata: Mapping[str, str] | None = None,
     checksums: bool = False,
 ) -> WritePlan:
-    """Shards ``specs`` like transformers: one ``model.safetensors`` or indexed shards."""
+    """Shards ``specs`` like transformers: one ``model.safetensors`` or indexed shards, filled
+    in the names' natural order (``layers.2`` before ``layers.10``)."""
     header_metadata = {**HF_METADATA, **(metadata or {})}
     by_name = {s.name: s for s in specs}
-    groups = pack_shards([(s.name, s.nbytes) for s in specs], max_shard_size)
+    groups = pack_shards([(s.name, s.nbytes) for s in sorted(specs, key=lambda s: natural_key(s.name))],
+                         max_shard_size)
     if len(groups) == 1:
         return WritePlan((plan_file(SINGLE_FILE_NAME, specs, header_metadata, checksums=checksums),))
     files = tuple(

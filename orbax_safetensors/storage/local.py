@@ -7,6 +7,11 @@ data, not a promise. Every ``OSError`` leaving this module names its file
 (``os.write`` alone would report ENOSPC without one), and only regular files
 are ever opened for reading: a FIFO named like a shard would block an
 ``open`` forever, a device would read without end.
+
+Symlinks are followed (a Hugging Face Hub cache snapshot is a directory of
+symlinks into ``../../blobs/``): what is checked, pinned and identified is the
+file a link points to, so a link to a FIFO or a directory gets the same error
+as the FIFO or directory itself.
 """
 
 from __future__ import annotations
@@ -143,9 +148,11 @@ class LocalStorage(Storage):
         return os.listdir(path)
 
     def list_versions(self, path: str) -> dict[str, str]:
-        """Inodes, free from ``scandir``: a rename over a name brings another inode."""
+        """Inodes, free from ``scandir``: a rename over a name brings another inode. A
+        symlink's version is its target's (a Hub cache snapshot's files are symlinks into
+        ``blobs/``, and what a read sees changes with the target, not with the link)."""
         with os.scandir(path) as entries:
-            return {entry.name: str(entry.inode()) for entry in entries}
+            return {entry.name: _version(entry) for entry in entries}
 
     def makedirs(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)
@@ -270,6 +277,16 @@ class LocalSnapshot(LocalStorage):
 
     def __del__(self):
         self.close()
+
+
+def _version(entry: os.DirEntry) -> str:
+    if not entry.is_symlink():
+        return str(entry.inode())
+    try:
+        target = entry.stat()  # follows the link
+        return f"{target.st_dev}:{target.st_ino}"
+    except OSError:  # dangling (or a loop): reading it fails, naming the file
+        return f"dangling {entry.inode()}"
 
 
 def _vectored(call, fd: int, buffers: Sequence[memoryview], offset: int, path: str) -> None:

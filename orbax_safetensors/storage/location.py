@@ -4,6 +4,10 @@ Resolved once, where a public function receives its path, so everything below
 talks to one ``Storage`` and names files the way the user will recognise them.
 A path ending in ``.safetensors`` names one file inside a directory (which may
 hold other files of the user's); any other path is a checkpoint directory.
+
+``hf://ORG/NAME[@REVISION][/PATH]`` names a commit of a Hugging Face Hub repository:
+read in place through ``HfFileSystem``, or offline from the local Hub cache's snapshot
+directory with the local backend, and never written (``storage/hf_hub.py``).
 """
 
 from __future__ import annotations
@@ -16,11 +20,13 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from orbax_safetensors.storage import hf_hub
 from orbax_safetensors.storage.base import Storage
 from orbax_safetensors.storage.fsspec_storage import FsspecStorage
 from orbax_safetensors.storage.local import LocalStorage
 
 SINGLE_FILE_SUFFIX = ".safetensors"
+_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}  # protocol → our extra naming its backend
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,16 +49,37 @@ class Location:
         ``storage_options`` (the filesystem's constructor arguments:
         credentials, ``endpoint_url``, ...) or given as an already configured
         ``filesystem``. A ``Location`` passes through unchanged.
+
+        ``hf://`` URLs (or an ``HfFileSystem`` as ``filesystem``) resolve here,
+        once, to one commit of the repository: offline (``HF_HUB_OFFLINE=1`` or
+        ``storage_options={"local_files_only": True}``) its snapshot directory
+        in the local Hub cache, read with the local backend; online the commit
+        on the Hub, read with ranged GETs. ``storage_options`` take a
+        ``revision`` and a ``cache_dir`` besides ``HfFileSystem``'s own
+        (``token``, ...). Both storages are read-only. A repository or revision
+        that is not there raises ``FileNotFoundError`` naming ``url``.
         """
         if isinstance(url, Location):
             return url
         text = os.fspath(url)
+        if (hf_hub.is_hub_filesystem(filesystem) if filesystem is not None
+                else hf_hub.is_hub_url(text)):
+            if filesystem is not None and storage_options:
+                raise ValueError("pass storage_options or a filesystem, not both")
+            return Location(*hf_hub.resolve(text, storage_options, filesystem), text)
         if filesystem is not None:
             if storage_options:
                 raise ValueError("pass storage_options or a filesystem, not both")
             fs, path = filesystem, filesystem._strip_protocol(text)
         else:
-            fs, path = fsspec.core.url_to_fs(text, **(storage_options or {}))
+            try:
+                fs, path = fsspec.core.url_to_fs(text, **(storage_options or {}))
+            except ImportError as e:  # fsspec knows the protocol; its backend is not installed
+                protocol = text.split("::")[-1].split("://", 1)[0].lower()
+                extra = _EXTRAS.get(protocol)
+                hint = (f"pip install 'orbax-safetensors[{extra}]'" if extra
+                        else "install the fsspec backend for it")
+                raise ImportError(f"{text!r}: {e}; {hint}") from e
         if isinstance(fs, LocalFileSystem):
             return Location(LocalStorage(), os.path.abspath(path), text)
         return Location(FsspecStorage(fs), path.rstrip("/"), text)
