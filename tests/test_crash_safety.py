@@ -115,8 +115,8 @@ def fork_server(tmp_path_factory):
 @dataclasses.dataclass(frozen=True)
 class Scenario:
     name: str
-    new: tuple[str, int | str]  # layout and max_shard_size of the save (or of consolidate's output)
-    old: tuple[str, int | str] | None = None  # checkpoint already there (version OLD)
+    new: tuple[str, int | str | None]  # layout and max_shard_size of the save (or of consolidate's output)
+    old: tuple[str, int | str | None] | None = None  # checkpoint already there (version OLD)
     consolidate: bool = False  # consolidate a distributed checkpoint of NEW instead of saving
     single_file_path: bool = False  # the path is ``.../model.safetensors`` itself, not a directory
 
@@ -133,7 +133,7 @@ SCENARIOS = [
     Scenario("hf single file over hf sharded", new=("hf", BIG), old=("hf", SMALL)),
     Scenario("hf sharded over hf single file", new=("hf", SMALL), old=("hf", BIG)),
     Scenario("hf sharded over distributed", new=("hf", MEDIUM), old=("distributed", SMALL)),
-    Scenario(".safetensors file path over an existing file", new=("hf", BIG), old=("hf", BIG),
+    Scenario(".safetensors file path over an existing file", new=("hf", None), old=("hf", None),
              single_file_path=True),
     Scenario("distributed, fresh", new=("distributed", SMALL)),
     Scenario("distributed over distributed, same file names", new=("distributed", SMALL),

@@ -48,7 +48,7 @@ for method in ("write_at", "write"):
         return _original(self, *args, **kwargs)
     setattr(LocalStorage, method, announcing)
 try:
-    ost.save(path, tree, max_shard_size="64MB", overwrite=True)
+    ost.save(path, tree, max_shard_size=None if path.endswith(".safetensors") else "64MB", overwrite=True)
     print(json.dumps({"outcome": "saved"}), flush=True)
 except KeyboardInterrupt:
     print(json.dumps({"outcome": "interrupted", "seconds": time.monotonic() - delivered[0]}),

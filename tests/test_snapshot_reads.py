@@ -33,6 +33,7 @@ def save(path, version, case):
     else:
         size = 20000
     layout = "distributed" if case == "distributed" else "hf"
+    size = None if path.endswith(".safetensors") else size  # one file: nothing to split
     ost.save(path, tree(version), max_shard_size=size, layout=layout, overwrite=True)
 """
 
