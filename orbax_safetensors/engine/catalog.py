@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import os
-import stat
 import time
 from collections.abc import Callable
 from typing import Any
@@ -51,7 +49,7 @@ from orbax_safetensors.index import (
 )
 from orbax_safetensors.index.distributed_index import DCP_SHARDING_INFO, DCP_VERSION
 from orbax_safetensors.planning import StoredSlice, TensorSource
-from orbax_safetensors.storage import LocalStorage, Location, Storage
+from orbax_safetensors.storage import Location, Storage
 from orbax_safetensors.storage.commit import (
     DirectoryView,
     is_interrupted_direct_save,
@@ -197,21 +195,12 @@ def survey(location: Location, findings: Findings, storage: Storage | None = Non
                                present=frozenset(shards | committed), index=index)
 
 
-_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device",
-          stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}
-
-
 def _not_a_directory(location: Location) -> str:
-    """What a checkpoint directory's path holds instead: a file, or (stat'ed, never opened: a
-    FIFO's open would block) a device, FIFO or socket, which is neither file nor directory."""
-    if isinstance(location.storage, LocalStorage):
-        try:
-            mode = os.stat(location.path).st_mode
-        except OSError:
-            mode = stat.S_IFREG
-        if not stat.S_ISREG(mode):
-            kind = _KINDS.get(stat.S_IFMT(mode), "a special file")
-            return f"is {kind}, not a regular file or directory, so not a checkpoint"
+    """What a checkpoint directory's path holds instead: a file, or a device, FIFO or socket,
+    which is neither file nor directory."""
+    kind = location.storage.special_kind(location.path)
+    if kind is not None:
+        return f"is {kind}, not a regular file or directory, so not a checkpoint"
     return ("is a file, not a checkpoint directory (a single-file checkpoint is named "
             "*.safetensors)")
 
@@ -536,10 +525,6 @@ def _raise_nothing(location: Location) -> None:
 def missing_reason(location: Location) -> str:
     """Why nothing is at ``location``: it does not exist, or is a link to something missing
     (which ``ls`` shows, so "does not exist" alone would puzzle)."""
-    if isinstance(location.storage, LocalStorage) and os.path.islink(location.path):
-        try:
-            return f"file is a symbolic link to {os.readlink(location.path)!r}, which does not exist"
-        except OSError:
-            pass
-    return "file does not exist"
+    kind = location.storage.special_kind(location.path)
+    return "file does not exist" if kind is None else f"file is {kind}"
 

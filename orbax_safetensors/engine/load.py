@@ -449,12 +449,14 @@ def _plan(checkpoint: Checkpoint, loading: _Loading) -> Callable[[], Any]:
                       {file: c.layout for file, c in checksums.items()})
 
     def read() -> Any:
-        report = Progress(f"load {checkpoint.survey.location.url}", plan.nbytes,
-                          enabled=loading.progress and jax.process_index() == 0).start()
+        report = None
+        if loading.progress and jax.process_index() == 0:
+            report = Progress(f"load {checkpoint.survey.location.url}", plan.nbytes, enabled=True).start()
         values = execute(checkpoint.storage, plan, jobs, memory_budget=profile.memory_budget,
                          threads=options.threads, stats=stats, cancelled=loading.abandoned,
                          checksums=checksums, progress=report)
-        report.close()
+        if report is not None:
+            report.close()
         stats.seconds += time.perf_counter() - loading.started
         _LOG.debug("loaded %s: %s", checkpoint.survey.location.url, stats)
         loaded = [values[out] if isinstance(out, int) else out.value for out in outputs]

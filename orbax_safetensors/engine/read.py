@@ -328,11 +328,10 @@ class AssembledLeaf:
                  slices_by_region: bool = False, casting: str = "same_kind"):
         self.name, self.assembly, self.sharding = name, assembly, sharding
         self.dtype = np.dtype(dtype) if sharding is None else _device_dtype(dtype)
-        self.casting = casting
+        casts = [_casting(piece.stored, source, piece.transform, self.dtype, casting, leaf=name)
+                 for piece, source in zip(assembly.pieces, sources)]
         # Every piece's refused cast (``refuse_casts``), whether or not this process reads it.
-        self.refused = tuple(refused for piece, source in zip(assembly.pieces, sources)
-                             for refused in [_casting(piece.stored, source, piece.transform, self.dtype,
-                                                      casting, leaf=name)[0]] if refused is not None)
+        self.refused = tuple(refused for refused, _ in casts if refused is not None)
         shape = assembly.shape
         if sharding is None:
             self.local = {full_box(shape): []}
@@ -343,15 +342,16 @@ class AssembledLeaf:
                 raise ValueError(f"tensor {name!r} of shape {shape}: target sharding does not fit: {e}") from None
         self.buffers: dict[Box, np.ndarray] = {}
         self.value: Any = None
-        self.jobs = [job for piece, source in zip(assembly.pieces, sources)
-                     for job in [self._job(piece, source, bounce_bytes, slices_by_region)]
+        self.jobs = [job for piece, source, (_, check) in zip(assembly.pieces, sources, casts)
+                     for job in [self._job(piece, source, bounce_bytes, slices_by_region, check)]
                      if job is not None]
         self._remaining = len(self.jobs)
         if not self.jobs:  # this process holds none of it (or it is empty)
             self.value = self._result()
 
-    def _job(self, piece: Piece, source: TensorSource, bounce_bytes: int,
-             slices_by_region: bool) -> Job | None:
+    def _job(self, piece: Piece, source: TensorSource, bounce_bytes: int, slices_by_region: bool,
+             check: Callable[[np.ndarray], None] | None) -> Job | None:
+        """``check``: of the stored values read, before their cast (``_casting``)."""
         if source.dtype.is_packed:
             raise SafetensorsError(f"a {source.dtype.code} tensor cannot be part of a stacked or "
                                    f"concatenated leaf ({self.name!r})", tensor=piece.stored)
@@ -359,7 +359,6 @@ class AssembledLeaf:
         if not parts:
             return None
         transform = piece.transform
-        _, check = _casting(piece.stored, source, transform, self.dtype, self.casting)
         staged = _Staging(source, piece.stored, [transform.stored_box(own) for _, own in parts.values()])
         needed = sum(box_size(inside) for inside, _ in parts.values()) * source.dtype.bits // 8
 

@@ -103,7 +103,7 @@ class SaveOptions:
     """What to write, besides the tree (``save``'s keyword arguments, as one value)."""
 
     layout: str = "hf"
-    max_shard_size: int | str | None = None  # None: DEFAULT_MAX_SHARD_SIZE
+    max_shard_size: int | str | None = None  # None: DEFAULT_MAX_SHARD_SIZE (set by prepare_save)
     metadata: Mapping[str, str] | None = None
     overwrite: bool = False
     mapping: mapping_rules.Mapping | None = None
@@ -278,6 +278,7 @@ def prepare_save(location: Location, tree: Any, options: SaveOptions, *, copy: b
     if location.is_single_file and options.layout == "distributed":
         raise ValueError(f"{location.url!r}: the distributed layout is a directory of files")
     check_max_shard_size(location, options.max_shard_size)
+    options = dataclasses.replace(options, max_shard_size=options.max_shard_size or DEFAULT_MAX_SHARD_SIZE)
     check_metadata(options.metadata, checksums=options.checksums)
     key = next_operation_key("save")
     commit = take_location(location, key, overwrite=options.overwrite, fresh=new_directory)
@@ -497,7 +498,7 @@ def _hf(location: Location, shards: list[HostShard], specs: list[TensorSpec],
     if location.is_single_file:
         plan = plan_single_file(location.file_name, specs, options.metadata, checksums=options.checksums)
     else:
-        plan = plan_hf_checkpoint(specs, max_shard_size=options.max_shard_size or DEFAULT_MAX_SHARD_SIZE,
+        plan = plan_hf_checkpoint(specs, max_shard_size=options.max_shard_size,
                                   metadata=options.metadata, checksums=options.checksums)
     by_name = collections.defaultdict(list)
     for shard in shards:
@@ -522,8 +523,7 @@ def _distributed(shards: list[HostShard], specs: Mapping[str, TensorSpec],
     metadata = dict(options.metadata or {})
     files = plan_distributed_files(
         jax.process_index(), [SliceSpec(s.name, specs[s.name].dtype, s.box) for s in merged],
-        max_shard_size=options.max_shard_size or DEFAULT_MAX_SHARD_SIZE, metadata=metadata,
-        checksums=options.checksums)
+        max_shard_size=options.max_shard_size, metadata=metadata, checksums=options.checksums)
     slices_in = {file.name: slices for file, slices in files}
 
     def chunks(file: FilePlan) -> Iterator[memoryview | bytes]:

@@ -25,7 +25,8 @@ import time
 import warnings
 from collections.abc import Sequence
 
-from orbax_safetensors.engine import Progress, consolidate, format_seconds, summary_line, verify
+from orbax_safetensors.engine import (
+    Progress, consolidate, format_bytes, format_seconds, summary_line, verify)
 from orbax_safetensors.engine import metadata as read_metadata
 from orbax_safetensors.errors import SafetensorsError
 from orbax_safetensors.format import dtype_for_numpy
@@ -81,14 +82,6 @@ def _version() -> str:
     return f"{versions[0]}\nPython {platform.python_version()}, {', '.join(versions[1:])}"
 
 
-def _human_bytes(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    raise AssertionError("unreachable")
-
-
 def _inspect(args: argparse.Namespace) -> int:
     info = read_metadata(args.path)
     rows = []
@@ -106,10 +99,10 @@ def _inspect(args: argparse.Namespace) -> int:
     for r in rows:
         shape = str(tuple(r["shape"]))
         print(f"{r['name']:<{width}}  {r['dtype']:<16} {shape:<20} "
-              f"{_human_bytes(r['bytes']):>10}  {', '.join(r['files'])}")
+              f"{format_bytes(r['bytes']):>10}  {', '.join(r['files'])}")
     files = {f for names in info.files.values() for f in names}
     total = sum(r["bytes"] for r in rows)
-    print(f"\n{len(rows)} tensors, {_human_bytes(total)} in {len(files)} file(s)")
+    print(f"\n{len(rows)} tensors, {format_bytes(total)} in {len(files)} file(s)")
     for key, value in sorted(info.metadata.items()):
         print(f"metadata {key} = {value}")
     return 0
@@ -141,9 +134,9 @@ def _verify(args: argparse.Namespace) -> int:
                   "library, or saved with checksums=False): their data was not checked")
         found = (f"{len(report.problems)} problem{'s' * (len(report.problems) != 1)}"
                  if report.problems else "ok")
-        checked = f", {_human_bytes(report.bytes_checked)} checked against checksums" if args.data else ""
+        checked = f", {format_bytes(report.bytes_checked)} checked against checksums" if args.data else ""
         print(f"{found}: {report.layout}, {len(report.files)} file(s), {report.tensors} tensors, "
-              f"{_human_bytes(report.bytes)}{checked}")
+              f"{format_bytes(report.bytes)}{checked}")
     return 0 if report.ok else 1
 
 

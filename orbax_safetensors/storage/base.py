@@ -144,6 +144,12 @@ class Storage(abc.ABC):
     def open_read(self, path: str) -> BinaryIO:
         """A buffered reader, for reading an object front to back in large requests."""
 
+    def special_kind(self, path: str) -> str | None:
+        """What ``path`` is when it is neither a regular file nor a directory ("a FIFO", "a
+        symbolic link to 'x', which does not exist"), for messages; ``None`` otherwise, and
+        where there are no such things (object stores)."""
+        return None
+
     @abc.abstractmethod
     def exists(self, path: str) -> bool: ...
 

@@ -138,6 +138,20 @@ class LocalStorage(Storage):
     def open_read(self, path: str) -> BinaryIO:
         return os.fdopen(_open_regular(path), "rb")
 
+    def special_kind(self, path: str) -> str | None:
+        try:
+            mode = os.stat(path).st_mode  # stat'ed, never opened: a FIFO's open would block
+        except FileNotFoundError:
+            try:
+                return f"a symbolic link to {os.readlink(path)!r}, which does not exist"
+            except OSError:  # not a link: nothing there
+                return None
+        except OSError:
+            return None
+        if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+            return None
+        return _KINDS.get(stat.S_IFMT(mode), "a special file")
+
     def exists(self, path: str) -> bool:
         return os.path.exists(path)
 
