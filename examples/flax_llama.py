@@ -195,9 +195,12 @@ def main(argv: list[str] | None = None) -> int:
         if reference is None:
             print("torch/transformers not installed: logits not compared")
         else:
-            diff = float(np.max(np.abs(logits - reference)))
-            ok = diff <= 1e-4
-            print(f"flax vs transformers logits: max abs difference {diff:.2e} ({'match' if ok else 'MISMATCH'})")
+            # Two float32 forwards round differently (kernels, CPU); a wrong layout moves logits by
+            # about their own size. The tolerance is on the logits' scale, not per element.
+            diff, scale = float(np.max(np.abs(logits - reference))), float(np.max(np.abs(reference)))
+            ok = diff <= 1e-4 * scale
+            print(f"flax vs transformers logits: max abs difference {diff:.2e} of logits up to {scale:.2f} "
+                  f"({'match' if ok else 'MISMATCH'})")
         saved = os.path.join(scratch, "saved")
         ost.save(saved, params, mapping=ost.mappings.llama())
         again = ost.load(saved, abstract_params(model.config), mapping=ost.mappings.llama())

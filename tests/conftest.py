@@ -1,7 +1,10 @@
 """Shared pytest fixtures.
 
 The test process gets 8 CPU devices (set here, before anything imports jax),
-so single-process tests exercise real multi-device shardings.
+so single-process tests exercise real multi-device shardings. ``OST_TEST_DEVICE_COUNT``
+picks another count, to move XLA's reduction orders the way another CPU does when checking
+that a computed value's tolerance holds (``tests/tolerances.py``); tests that build an
+8-device mesh need the default.
 """
 
 import functools
@@ -10,7 +13,7 @@ import re
 
 os.environ["XLA_FLAGS"] = " ".join(
     [re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", "")),
-     "--xla_force_host_platform_device_count=8"]).strip()
+     f"--xla_force_host_platform_device_count={os.environ.get('OST_TEST_DEVICE_COUNT', '8')}"]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest

@@ -5,8 +5,9 @@ Flax-style params tree. `tiny_model` writes a small random transformers
 checkpoint of one family, `reference_logits` runs transformers (eager attention,
 float32) on it, and `forward` recomputes the same logits in JAX from a nested-dict
 tree, so a test can check ``forward(family, config, loaded_tree, TOKENS)``
-against ``reference_logits(directory, TOKENS)``. With a correctly converted tree
-they agree to about 1e-5 in float32. The random weights are large enough that a
+against ``reference_logits(directory, TOKENS)`` within the atol it returns (derived
+from the magnitudes the head sums: ``tests/tolerances.py``). With a correctly converted
+tree they agree to about 1e-5 in float32. The random weights are large enough that a
 swapped, transposed or mis-reshaped leaf visibly changes the logits.
 
 Tree layout (names are dot-joined dict keys; D hidden, H heads, K kv heads,
@@ -181,18 +182,19 @@ def tiny_model(family: str, directory: str, *, seed: int = 0, dtype: str = "floa
     model.to(getattr(torch, dtype)).save_pretrained(directory, safe_serialization=True)
 
 
-def reference_logits(directory: str, tokens: np.ndarray) -> np.ndarray:
-    """transformers' float32 logits (B, T, V) of the model saved in `directory`."""
+def reference_logits(directory: str, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """transformers' float32 logits (B, T, V) of the model saved in `directory`, and each
+    logit's atol against another float32 forward (``tests/tolerances.py``)."""
     import torch
     import transformers
+
+    from tests.tolerances import causal_lm_reference
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
         directory, dtype=torch.float32, attn_implementation="eager"
     )
     model.eval()
-    with torch.no_grad():
-        out = model(input_ids=torch.as_tensor(np.asarray(tokens, dtype=np.int64)), use_cache=False)
-    return out.logits.float().numpy()
+    return causal_lm_reference(model, tokens, use_cache=False)
 
 
 # ----------------------------------------------------------------------------- JAX side

@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import orbax_safetensors as ost
+from tests.tolerances import assert_within, causal_lm_reference
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -42,10 +43,19 @@ def _example():
 flax_llama = _example()
 
 
-def _torch_logits(directory) -> np.ndarray:
+def _torch_logits(directory) -> tuple[np.ndarray, np.ndarray]:
+    """transformers' logits and each one's atol against another float32 forward."""
     model = transformers.LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(torch.from_numpy(_TOKENS).long()).logits.numpy()
+    return causal_lm_reference(model, _TOKENS)
+
+
+def _assert_same_tensors(directory, expected_directory) -> None:
+    """The same names, dtypes and bytes in both directories' ``model.safetensors``."""
+    ours, theirs = (safetensors_numpy.load_file(os.path.join(d, "model.safetensors"))
+                    for d in (directory, expected_directory))
+    assert sorted(ours) == sorted(theirs)
+    for name in theirs:
+        assert ours[name].dtype == theirs[name].dtype and ours[name].tobytes() == theirs[name].tobytes(), name
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +80,7 @@ def reference(hf_dir):
 
 
 def test_flax_llama_gives_transformers_logits(hf_dir, reference):
+    reference, atol = reference
     model, params = flax_llama.load(hf_dir)
     assert model.config.rope_theta == 500.0 and model.config.rms_norm_eps == 1e-5
     assert params["model"]["layers_1"]["self_attn"]["k_proj"]["kernel"].shape == (64, 2, 16)
@@ -77,7 +88,7 @@ def test_flax_llama_gives_transformers_logits(hf_dir, reference):
     logits = np.asarray(model.apply({"params": params}, _TOKENS))
     assert np.abs(reference).max() > 1.0  # logits large enough for a wrong layout to show
     print(f"flax vs transformers: max abs diff {np.abs(logits - reference).max():.3g}")
-    np.testing.assert_allclose(logits, reference, atol=1e-4, rtol=1e-4)
+    assert_within(logits, reference, atol, "flax logits")
 
 
 def _tensor_parallel(abstract, mesh):
@@ -114,7 +125,7 @@ def test_tensor_parallel_load_reads_only_the_needed_bytes(sharded, reference):
     print(f"tensor-parallel mapped load: bytes_read {stats.bytes_read}, bytes_needed {stats.bytes_needed}")
     assert stats.bytes_read == stats.bytes_needed
     logits = np.asarray(jax.jit(model.apply)({"params": params}, _TOKENS))
-    np.testing.assert_allclose(logits, reference, atol=1e-4, rtol=1e-4)
+    assert_within(logits, *reference, "flax logits")
 
 
 def test_save_through_the_mapping_round_trips_to_transformers(sharded, hf_dir, reference, tmp_path):
@@ -122,20 +133,15 @@ def test_save_through_the_mapping_round_trips_to_transformers(sharded, hf_dir, r
     out = str(tmp_path / "saved")
     # From sharded arrays; without checksums, the very bytes transformers wrote.
     ost.save(out, params, mapping=ost.mappings.llama(), checksums=False)
-    ours = safetensors_numpy.load_file(os.path.join(out, "model.safetensors"))
-    theirs = safetensors_numpy.load_file(os.path.join(hf_dir, "model.safetensors"))
-    assert sorted(ours) == sorted(theirs)
-    for name in theirs:
-        assert ours[name].dtype == theirs[name].dtype and ours[name].tobytes() == theirs[name].tobytes(), name
+    _assert_same_tensors(out, hf_dir)
     with open(os.path.join(out, "model.safetensors"), "rb") as a, \
             open(os.path.join(hf_dir, "model.safetensors"), "rb") as b:
         assert a.read() == b.read()  # header, order and offsets too: the very file save_pretrained wrote
     shutil.copy(os.path.join(hf_dir, "config.json"), out)
-    round_trip = _torch_logits(out)
+    round_trip, atol = _torch_logits(out)
     flax_logits = np.asarray(model.apply({"params": jax.device_get(params)}, _TOKENS))
     print(f"transformers after the round trip vs flax: max abs diff {np.abs(round_trip - flax_logits).max():.3g}")
-    np.testing.assert_allclose(round_trip, flax_logits, atol=1e-4, rtol=1e-4)
-    np.testing.assert_array_equal(round_trip, reference)  # the very same tensors
+    assert_within(round_trip, flax_logits, atol, "transformers after the round trip vs flax")
 
 
 def test_checkpoint_manager_saves_flax_params_as_a_transformers_checkpoint(sharded, hf_dir, reference,
@@ -152,10 +158,12 @@ def test_checkpoint_manager_saves_flax_params_as_a_transformers_checkpoint(shard
             params=ost.SafetensorsRestore(target, mapping=llama)))["params"]
     item = tmp_path / "run" / "1" / "params"
     shutil.copy(os.path.join(hf_dir, "config.json"), item)
-    np.testing.assert_array_equal(_torch_logits(str(item)), reference)
+    _assert_same_tensors(str(item), hf_dir)
+    assert_within(_torch_logits(str(item))[0], *reference, "transformers on the saved step")
     assert jax.tree.all(jax.tree.map(lambda a, t: a.sharding == t.sharding, restored, target))
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), restored, params)
     logits = np.asarray(jax.jit(model.apply)({"params": restored}, _TOKENS))
-    np.testing.assert_allclose(logits, reference, atol=1e-4, rtol=1e-4)
+    assert_within(logits, *reference, "flax logits of the restored step")
     with pytest.raises(ost.MappingError):
         ost.SafetensorsSave({"not.a.llama.name": np.zeros(2)}, mapping=llama)
 

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import orbax_safetensors as ost
 from tests import hf_families
+from tests.tolerances import assert_within
 from tests.trees import flat, nest
 
 torch = pytest.importorskip("torch")
@@ -60,7 +61,7 @@ def test_checkpoint_manager_saves_hf_steps_and_restores_hf_into_the_scanned_stat
     target = nest(_state_target(shapes))
     params = ost.load(hf_dir, target, mapping=mapping)  # the step-0 state, from the HF files
     state = {"params": params, "step": np.int64(0)}
-    reference = hf_families.reference_logits(hf_dir, hf_families.TOKENS)
+    reference, atol = hf_families.reference_logits(hf_dir, hf_families.TOKENS)
 
     with ocp.CheckpointManager(tmp_path / "run", item_names=("params", "extra")) as manager:
         for step in (1, 2):
@@ -78,7 +79,8 @@ def test_checkpoint_manager_saves_hf_steps_and_restores_hf_into_the_scanned_stat
             open(os.path.join(item, "model.safetensors"), "rb") as b:
         assert a.read() == b.read()  # 1/sqrt(16) is a power of two: exact both ways
     shutil.copy(os.path.join(hf_dir, "config.json"), item)
-    np.testing.assert_array_equal(hf_families.reference_logits(item, hf_families.TOKENS), reference)
+    # The same bytes through transformers' kernels, whose rounding may follow the buffers' alignment.
+    assert_within(hf_families.reference_logits(item, hf_families.TOKENS)[0], reference, atol, "logits")
     for name, leaf in flat(restored["params"]).items():
         expected = flat(params)[name]
         assert leaf.sharding == expected.sharding
