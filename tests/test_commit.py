@@ -256,3 +256,31 @@ def test_saves_of_two_files_in_one_directory_do_not_touch_each_other(tmp_path):
     for name, tree in trees.items():
         assert _same(ost.load(tmp_path / name), tree)
     assert sorted(os.listdir(tmp_path)) == sorted(trees)
+
+
+@pytest.mark.parametrize("files", [
+    ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"],  # hf download --include
+    ["model-00001-of-00003.safetensors"],  # a stale shard, beside what a 2-shard save would write
+], ids=["shards-without-index", "stale-shard"])
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_a_save_without_overwrite_never_removes_files_it_did_not_write(tmp_path, files, where):
+    """Shard files with no index are not debris of ours (those are temporaries, or files a
+    marker lists): a save without overwrite refuses them by name and leaves every byte."""
+    import fsspec
+
+    url = str(tmp_path / "ckpt") if where == "local" else f"memory://{tmp_path.name}/ckpt"
+    fs, root = fsspec.core.url_to_fs(url)
+    fs.makedirs(root, exist_ok=True)
+    for name in files:
+        fs.pipe_file(f"{root}/{name}", b"important " + name.encode())
+    with pytest.raises(FileExistsError, match="overwrite=True") as raised:
+        ost.save(url, _tree(1.0), max_shard_size=20_000)
+    assert raised.value.errno == errno.EEXIST
+    assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(root, detail=False)) == sorted(files)
+    assert all(fs.cat_file(f"{root}/{name}") == b"important " + name.encode() for name in files)
+    ost.save(url, _tree(1.0), max_shard_size=20_000, overwrite=True)  # asked: they are replaced
+    assert _same(ost.load(url), _tree(1.0))
+    written = {f for names in ost.metadata(url).files.values() for f in names} | {"model.safetensors.index.json"}
+    assert {p.rsplit("/", 1)[1] for p in fs.ls(root, detail=False)} == written  # no old shard beside
+    if where == "memory":
+        fs.rm(root, recursive=True)

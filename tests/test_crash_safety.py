@@ -283,16 +283,33 @@ def test_sigkill_anywhere_leaves_old_new_or_nothing_and_a_rerun_succeeds(
           + ", ".join(f"{state}: {n}" for state, n in sorted(states.items())))
 
 
-def test_a_directory_of_shard_files_with_a_temporary_distributed_index_is_an_interrupted_save(
-        tmp_path):
+@pytest.mark.parametrize("marker", ["writing", "legacy"])
+def test_a_directory_of_shard_files_with_the_marker_of_a_save_in_progress_is_an_interrupted_save(
+        tmp_path, marker):
+    """What a ``DirectCommit`` (object stores) leaves when it dies: files at their final names
+    and its marker. The marker lists them, so the next save removes them as its own; an
+    earlier save's marker (an empty temporary distributed index) lists nothing, and files
+    nobody can show are ours are never removed: the save refuses them without overwrite (with
+    it, they are replaced)."""
     path = tmp_path / "ckpt"
     ost.save(path, tree(OLD), layout="distributed", max_shard_size=SMALL)
-    index = path / "orbax_safetensors.distributed.json"
-    os.rename(index, path / ".orbax_safetensors.distributed.json.tmp-0123456789ab")
+    os.remove(path / "orbax_safetensors.distributed.json")
+    shards = sorted(os.listdir(path))
+    if marker == "writing":
+        (path / ".orbax_safetensors.writing-0123456789ab.json").write_text(json.dumps({"files": shards}))
+    else:
+        (path / ".orbax_safetensors.distributed.json.tmp-0123456789ab").write_text("{}")
     with pytest.raises(ost.SafetensorsError, match="interrupted save"):
         ost.load(path)
     assert "interrupted save" in str(ost.verify(path).problems)
-    ost.save(path, tree(NEW), layout="distributed", max_shard_size=MEDIUM)  # not committed: no refusal
+    if marker == "legacy":
+        with pytest.raises(FileExistsError, match="no save of ours wrote"):
+            ost.save(path, tree(NEW), layout="distributed", max_shard_size=MEDIUM)
+        assert sorted(n for n in os.listdir(path) if not n.startswith(".")) == shards
+        ost.save(path, tree(NEW), layout="distributed", max_shard_size=MEDIUM, overwrite=True)
+        assert not set(shards) & set(os.listdir(path))
+    else:
+        ost.save(path, tree(NEW), layout="distributed", max_shard_size=MEDIUM)  # ours: no refusal
     assert _same(ost.load(path), tree(NEW))
     assert not [n for n in os.listdir(path) if n.startswith(".")]
 

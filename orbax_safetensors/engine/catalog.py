@@ -52,10 +52,11 @@ from orbax_safetensors.planning import StoredSlice, TensorSource
 from orbax_safetensors.storage import Location, Storage
 from orbax_safetensors.storage.commit import (
     DirectoryView,
-    is_interrupted_direct_save,
+    files_of_marker,
     is_transient,
     lock_name,
     read_view,
+    writing_markers,
 )
 
 SINGLE_FILE = "single file"  # a location named *.safetensors
@@ -112,9 +113,11 @@ class Survey:
     """What is at a location, from its listing and its index (no headers read).
 
     ``committed`` are the names of the committed checkpoint's files (its index
-    included); ``present`` every checkpoint-named file, committed or left over
-    (what an overwrite replaces); ``transient`` our temporaries, backups and
-    journals (not the lock of a live writer). ``index`` is the parsed index of
+    included); ``present`` every checkpoint-named file, committed or left over;
+    ``ours`` the files a save that has not committed listed as its own (a
+    ``DirectCommit`` marker: the next save may remove them, and no other file it
+    did not write); ``transient`` our temporaries, backups and journals (not the
+    lock of a live writer). ``index`` is the parsed index of
     an ``HF_SHARDED`` (an ``HFIndex``) or ``DISTRIBUTED`` (tensors, metadata)
     checkpoint, ``None`` if it has none or it did not parse.
     """
@@ -126,6 +129,7 @@ class Survey:
     present: frozenset[str] = frozenset()
     transient: tuple[str, ...] = ()
     index: Any = None
+    ours: frozenset[str] = frozenset()
 
     def path(self, name: str) -> str:
         """Where the checkpoint's file ``name`` is read from (a backup while a commit is open)."""
@@ -158,7 +162,9 @@ def survey(location: Location, findings: Findings, storage: Storage | None = Non
     names = view.names
     shards = {n for n in names if is_shard_file_name(n) or is_distributed_file_name(n)}
     transient = tuple(sorted(n for n in view.entries if is_transient(n) and n != lock_name(None)))
-    found = Survey(location, UNKNOWN, view, present=frozenset(shards), transient=transient)
+    markers = writing_markers(view.entries)
+    ours = frozenset().union(*(files_of_marker(location.storage, location.join(m)) for m in markers))
+    found = Survey(location, UNKNOWN, view, present=frozenset(shards), transient=transient, ours=ours)
     committed: set[str] = set()
     index: Any = None
     if DISTRIBUTED_INDEX_NAME in names:
@@ -174,15 +180,15 @@ def survey(location: Location, findings: Findings, storage: Storage | None = Non
         committed = {INDEX_NAME} | (shards if index is None else set(index.files))
     elif SINGLE_FILE_NAME in names:
         layout = HF_SINGLE
+    elif shards and markers:
+        layout = DISTRIBUTED if any(is_distributed_file_name(n) for n in shards) else HF_SHARDED
+        findings.problem(f"holds shard files and the marker of a save in progress ({markers[0]}) "
+                         "but no index: an interrupted save, or one still writing (the index is "
+                         "put in place last, so this checkpoint was never committed)", location.url)
     elif any(is_shard_file_name(n) for n in names):
         layout = HF_SHARDED
         findings.problem(f"holds shard files but no {INDEX_NAME}: an interrupted save? (the index "
                          "is written last, so this checkpoint was never committed)", location.url)
-    elif shards and is_interrupted_direct_save(view.entries, DISTRIBUTED_INDEX_NAME):
-        layout = DISTRIBUTED
-        findings.problem(f"holds shard files and a temporary {DISTRIBUTED_INDEX_NAME} but not the "
-                         "index: an interrupted save (the index is put in place last, so this "
-                         "checkpoint was never committed)", location.url)
     elif shards:
         layout, committed = TORCH_DCP, set(shards)
     else:

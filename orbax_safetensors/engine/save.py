@@ -309,7 +309,13 @@ def take_location(location: Location, key: str, *, overwrite: bool, fresh: bool 
     the same ``Commit`` (token, the files it replaces), or every process raises.
 
     Refuses to replace a committed checkpoint unless ``overwrite``; debris of a
-    save that never committed is no reason to refuse.
+    save of ours that never committed (its temporaries, the files its marker
+    lists) is no reason to refuse, and is removed. Without ``overwrite``, no
+    other file is removed: checkpoint-named files that are neither committed
+    nor ours (shards without an index, of the user's or of another tool) make
+    the save refuse, naming them. ``overwrite`` replaces every checkpoint-named
+    file there (a reader that globs shard files must not find old ones beside
+    the new), never other files (config.json, a tokenizer, a README).
     """
     token = uuid.uuid4().hex[:12]
     commit = Commit.for_location(location, token, ())
@@ -321,7 +327,13 @@ def take_location(location: Location, key: str, *, overwrite: bool, fresh: bool 
             if found.committed and not overwrite:
                 raise FileExistsError(errno.EEXIST, "already holds a checkpoint; pass "
                                       "overwrite=True to replace it", location.url)
-            old = found.present
+            foreign = sorted(found.present - found.committed - found.ours)
+            if foreign and not overwrite:
+                shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+                raise FileExistsError(errno.EEXIST, f"holds safetensors files that no save of ours "
+                                      f"wrote and no index names ({shown}); pass overwrite=True to "
+                                      "replace them, or remove them", location.url)
+            old = (found.present if overwrite else frozenset()) | found.ours
             commit.clear_leftovers()
         except BaseException as e:
             commit.release()
@@ -545,10 +557,7 @@ def _distributed(shards: list[HostShard], specs: Mapping[str, TensorSpec],
         return (sorted({file for _, file, _, _ in entries}),
                 (DISTRIBUTED_INDEX_NAME, serialize_distributed_index(tensors, metadata, crcs)))
 
-    # Without their index these files read as torch DCP output: where they go straight to
-    # their final names, a marker says they are a save in progress until it commits.
-    return write.Streamed([f for f, _ in files], chunks, to_commit,
-                          marks_files=DISTRIBUTED_INDEX_NAME)
+    return write.Streamed([f for f, _ in files], chunks, to_commit)
 
 
 def _merge_shards(shards: list[HostShard], specs: Mapping[str, TensorSpec]) -> list[HostShard]:

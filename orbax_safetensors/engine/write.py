@@ -179,11 +179,12 @@ def for_storage(storage: Storage, plan: WritePlan,
     return Streamed(plan.files, streamed, lambda op, crcs: ([f.name for f in plan.files], plan.index(crcs)))
 
 
-def _begin(op: Operation, commit: Commit, **kwargs) -> None:
-    """Process 0 makes the directory and marks the location before any file changes."""
+def _begin(op: Operation, commit: Commit, files: Sequence[str]) -> None:
+    """Process 0 makes the directory and marks the location before any file changes;
+    ``files``: every process's (``Commit.begin``)."""
     def begin() -> None:
         commit.storage.makedirs(commit.directory)
-        commit.begin(**kwargs)
+        commit.begin(files)
     op.on_primary("begun", begin)
 
 
@@ -219,7 +220,7 @@ class InPlace(Strategy):
 
         def create() -> None:
             storage.makedirs(commit.directory)
-            commit.begin()
+            commit.begin(names)
             for file in self.plan.files:
                 op.check_cancelled()
                 storage.create_sized(commit.temporary(file.name), file.size, file.header)
@@ -288,7 +289,7 @@ class InParts(Strategy):
         headers = {f.name: f.header for f in self.plan.files}
         payloads = self.payloads()
         checksums = Checksums(self.plan.files)
-        _begin(op, commit)
+        _begin(op, commit, names)
         last = [u for u in self.uploads if u.file in checksums.files
                 and any((r.targets == HEADER).any() for r in u.ranges)]
         now = [u for u in self.uploads if not any(u is v for v in last)]
@@ -385,20 +386,15 @@ class Streamed(Strategy):
     """This process's ``files`` written whole, front to back, from ``chunks`` (each file's
     data); ``to_commit`` (after every process has written; given the whole crc32c of each
     file this process wrote) says what the commit puts in place.
-
-    ``marks_files``: the index name of a layout whose files read as another kind of
-    checkpoint without it (the distributed layout's read as torch DCP output), so that a
-    backend writing final names marks the save as in progress first.
     """
 
     def __init__(self, files: Sequence[FilePlan], chunks: Chunks,
-                 to_commit: Callable[[Operation, FileCrcs], tuple[list[str], tuple[str, bytes] | None]],
-                 *, marks_files: str | None = None):
+                 to_commit: Callable[[Operation, FileCrcs], tuple[list[str], tuple[str, bytes] | None]]):
         self.files, self.chunks, self.to_commit = list(files), chunks, to_commit
-        self.marks_files = marks_files
 
     def write(self, op: Operation, commit: Commit) -> Written:
-        _begin(op, commit, marks_files=self.marks_files)
+        every = gather_to_primary(f"{op.key}/files", json.dumps([f.name for f in self.files]))
+        _begin(op, commit, sorted({name for raw in every or () for name in json.loads(raw)}))
         written = [0]
         checksums = Checksums(self.files)
         file_crcs: FileCrcs = {}

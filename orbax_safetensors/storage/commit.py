@@ -19,10 +19,12 @@ chosen once from what the backend declares (``Capabilities.cheap_rename``):
   journal (transformers) see the old index, then no index, then the new one:
   never old and new files mixed under one index.
 * ``DirectCommit`` -- a rename is a copy of the bytes (object stores). Files
-  are written under their final names: the old index is removed before the
-  first of them changes, and the new index, written last, is the commit marker.
-  A crash or failure in between leaves no checkpoint (reported as an
-  interrupted save), never a mix. No lock: object stores have none here yet.
+  are written under their final names: a marker naming every file the save
+  writes is put down first, then the old index is removed before the first
+  file changes, and the new index, written last, is the commit marker. A
+  crash or failure in between leaves no checkpoint (the marker makes it read
+  as an interrupted save), never a mix; the marker is also how the next save
+  knows which files were ours to remove.
 
 Only the writer holding the lock (``lock_name``) removes temporaries, so it
 never removes a live writer's; a dead writer's lock is free again (the kernel
@@ -48,6 +50,10 @@ _LOG = logging.getLogger("orbax_safetensors")
 
 LOCK_NAME = ".orbax_safetensors.lock"
 _JOURNAL = re.compile(r"^\.orbax_safetensors\.commit-([0-9a-f]{12})\.json$")
+# What a ``DirectCommit`` puts down before its files go to their final names: the names it
+# writes. Earlier saves marked only distributed saves, with an empty temporary of their index.
+_WRITING = re.compile(r"^\.orbax_safetensors\.writing-([0-9a-f]{12})\.json$")
+_LEGACY_WRITING = re.compile(r"^\.orbax_safetensors\.distributed\.json\.tmp-[0-9a-f]{12}$")
 # .NAME.tmp-TOKEN (a file before its commit), .NAME.part-TOKEN-OFFSET (a part of one, object
 # stores), .NAME.old-TOKEN (an old file replaced by a commit in progress)
 _TRANSIENT = re.compile(r"^\.(?P<name>.+)\.(?:tmp|part|old)-(?P<token>[0-9a-f]{12})(?:-\d{20})?$")
@@ -72,6 +78,10 @@ def journal_name(token: str) -> str:
     return f".orbax_safetensors.commit-{token}.json"
 
 
+def writing_marker_name(token: str) -> str:
+    return f".orbax_safetensors.writing-{token}.json"
+
+
 def lock_name(single_file: str | None) -> str:
     return LOCK_NAME if single_file is None else f".{single_file}.lock"
 
@@ -82,14 +92,29 @@ def is_transient(name: str, single_file: str | None = None) -> bool:
     if single_file is not None:
         match = _TRANSIENT.match(name)
         return name == lock_name(single_file) or bool(match and match["name"] == single_file)
-    return name == LOCK_NAME or bool(_TRANSIENT.match(name) or _JOURNAL.match(name))
+    return name == LOCK_NAME or bool(_TRANSIENT.match(name) or _JOURNAL.match(name)
+                                     or _WRITING.match(name))
 
 
-def is_interrupted_direct_save(names: Iterable[str], index_name: str) -> bool:
-    """Whether a directory's names include the marker a ``DirectCommit`` of a distributed save
-    leaves while its files go to their final names (without their index they would read as
-    torch DCP output: some tensors, or old and new files mixed)."""
-    return any(n.startswith(f".{index_name}.tmp-") for n in names)
+def writing_markers(names: Iterable[str]) -> list[str]:
+    """The markers among a directory's ``names`` that a ``DirectCommit`` puts down while its
+    files go to their final names: a save in progress, or one that died (without their index
+    those files would read as a checkpoint of their own: some tensors, or old and new mixed)."""
+    return sorted(n for n in names if _WRITING.match(n) or _LEGACY_WRITING.match(n))
+
+
+def files_of_marker(storage: Storage, path: str) -> frozenset[str]:
+    """The files the save that put down the marker at ``path`` writes: its own, which the next
+    save may remove. Empty for a marker that lists none (an earlier save's) or that is gone."""
+    try:
+        size = storage.size(path)
+        raw = json.loads(storage.read(path, 0, min(size, _MAX_JOURNAL_BYTES))) if size else {}
+    except (OSError, ValueError):
+        return frozenset()
+    files = raw.get("files") if isinstance(raw, dict) else None
+    if not isinstance(files, list) or not all(isinstance(f, str) and "/" not in f for f in files):
+        return frozenset()
+    return frozenset(files)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,12 +279,9 @@ class Commit:
     def clear_leftovers(self) -> None:
         """Removes what dead writers left (once the caller has looked at what is there)."""
 
-    def begin(self, *, marks_files: str | None = None) -> None:
-        """Before any process writes: what must happen before files change.
-
-        ``marks_files``: the index name of a layout whose files read as another
-        checkpoint kind without it (the distributed layout: torch DCP output).
-        """
+    def begin(self, files: Sequence[str]) -> None:
+        """Before any process writes: what must happen before files change. ``files``: the
+        name of every file the save writes, on every process (the index excluded)."""
 
     def commit(self, new: Sequence[str], index: tuple[str, bytes] | None,
                at_commit_point: Callable[[], None] = lambda: None) -> None:
@@ -392,9 +414,11 @@ class DirectCommit(Commit):
     def temporary(self, name: str) -> str:
         return self.path(name)
 
-    def begin(self, *, marks_files: str | None = None) -> None:
-        if marks_files is not None:
-            self.storage.write(self.path(temporary_name(marks_files, self.token)), [b"{}"])
+    def begin(self, files: Sequence[str]) -> None:
+        # One object replacing itself (or appearing) is atomic; anything else has a window.
+        if self.single_file is None and not (len(files) == 1 and self.old <= set(files)):
+            self.storage.write(self.path(writing_marker_name(self.token)),
+                               [json.dumps({"files": sorted(files)}).encode()])
         for name in sorted(self.old & _INDEX_NAMES):
             self.storage.remove(self.path(name))
 
