@@ -100,3 +100,8 @@ class DistributedError(OSError):
 def _filename(error: BaseException) -> str | None:
     name = getattr(error, "filename", None) or getattr(error, "file", None)
     return None if name is None else str(name)
+
+
+class PeerFailedError(DistributedError):
+    """Another process of a collective load or save failed (``failures`` names each, with its
+    error): this process stopped too, at once, rather than wait for it."""

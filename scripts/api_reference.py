@@ -28,7 +28,7 @@ GROUPS = {
     "Orbax": ["SafetensorsSave", "SafetensorsRestore", "SafetensorsCheckpointHandler",
               "SafetensorsHandler", "SafetensorsLayout"],
     "Errors": ["SafetensorsError", "ChecksumError", "StorageError", "CheckpointBusyError", "SkippedLeavesWarning",
-               "DistributedError", "ProcessFailure", "UnsupportedOrbaxError"],
+               "DistributedError", "PeerFailedError", "ProcessFailure", "UnsupportedOrbaxError"],
 }
 
 

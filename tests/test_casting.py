@@ -277,6 +277,54 @@ def test_float_to_float_is_same_kind(tmp_path, kind, stored, target):
     np.testing.assert_array_equal(loaded, value.astype(loaded.dtype))
 
 
+@pytest.mark.parametrize("kind", TARGETS)
+@pytest.mark.parametrize("stored, target, bad", [
+    (np.float32, np.float16, 1e6),  # would be inf
+    (np.float32, ml_dtypes.float8_e4m3fn, 1000.0),  # would be NaN (no inf)
+    (np.int32, np.float16, 100_000),  # would be inf
+    (np.float64, np.float32, 1e300),  # would be inf
+    (np.float32, ml_dtypes.float4_e2m1fn, 100.0),  # would be 6.0 (saturates)
+    (np.float32, ml_dtypes.bfloat16, 3.4e38),  # beyond bfloat16's largest, under float32's
+    (np.float32, ml_dtypes.float8_e4m3fn, np.inf),  # no inf there: NaN
+    (np.float32, ml_dtypes.float4_e2m1fn, np.nan),  # no NaN there
+    (np.float32, ml_dtypes.float8_e8m0fnu, -2.0),  # a scale type: no sign
+])
+def test_a_float_narrowing_that_overflows_is_refused_naming_the_value(tmp_path, kind, stored, target, bad):
+    """A float or int cast to a float type of a smaller range is checked per shard as the
+    narrowing int casts are: values that would become inf, NaN or the largest value (rather
+    than be rounded) fail the load, naming the tensor and the value."""
+    value = np.linspace(-1, 1, 16).astype(stored).reshape(8, 2)
+    if target == ml_dtypes.float8_e8m0fnu:
+        value = np.abs(value) + np.asarray(1, stored)
+    value[5, 1] = bad
+    path = _save(tmp_path, {"w": value})
+    with pytest.raises(ost.SafetensorsError, match="tensor 'w'") as raised:
+        ost.load(path, {"w": TARGETS[kind](value, target)})
+    assert f"value {value[5, 1].item()} (stored {np.dtype(stored)})" in str(raised.value)
+    unsafe = np.asarray(ost.load(path, {"w": TARGETS[kind](value, target)}, options=UNSAFE)["w"])
+    _assert_same_floats(unsafe, _astype(value, unsafe.dtype))
+
+
+def _assert_same_floats(actual: np.ndarray, expected: np.ndarray) -> None:
+    """Equal, NaN equal to NaN (ml_dtypes' fp8 and fp4 compare through float32)."""
+    assert actual.dtype == expected.dtype
+    np.testing.assert_array_equal(actual.astype(np.float32), expected.astype(np.float32))
+
+
+@pytest.mark.parametrize("stored, target, special", [
+    (np.float32, np.float16, np.inf), (np.float32, np.float16, -np.inf), (np.float32, np.float16, np.nan),
+    (np.float32, ml_dtypes.float8_e4m3fn, np.nan), (np.float32, np.float16, 65504.0),
+])
+def test_values_a_narrower_float_holds_load_rounded(tmp_path, stored, target, special):
+    """inf into a type with inf, NaN into one with NaN, the largest value itself: kept."""
+    value = np.linspace(-1, 1, 16).astype(stored).reshape(8, 2)
+    value[3, 0] = special
+    path = _save(tmp_path, {"w": value})
+    for kind in TARGETS:
+        loaded = np.asarray(ost.load(path, {"w": TARGETS[kind](value, target)})["w"])
+        _assert_same_floats(loaded, value.astype(loaded.dtype))
+
+
 def test_no_target_loads_the_stored_dtypes(tmp_path):
     tensors = {"f": _values([-300.0], np.float32), "i": _values([-300], np.int32)}
     loaded = ost.load(_save(tmp_path, tensors))

@@ -9,6 +9,7 @@ byte against a single-process save in ``test_parallel_save_multiprocess``
 """
 
 import os
+import shutil
 
 import fsspec
 import jax
@@ -130,7 +131,25 @@ def test_verify_compares_each_file_with_the_crc32c_its_index_lists(tmp_path):
     assert data[8 + length - 1:8 + length] == b" ", "the header ends in padding"
     data[8 + length - 1] = ord("\t")
     victim.write_bytes(bytes(data))
-    ost.load(tmp_path / "c")  # the tensors are intact
+    with pytest.raises(ost.SafetensorsError, match="index lists crc32c"):
+        ost.load(tmp_path / "c")  # the tensors are intact, but a load cannot tell this from a swap
     report = ost.verify(tmp_path / "c")
     assert [(p.file.rsplit("/", 1)[1], "index lists crc32c" in p.message) for p in report.problems] == [
         ("model-00001-of-00002.safetensors", True)]
+
+
+def test_a_shard_copied_in_from_another_save_is_refused_by_load_and_verify(tmp_path):
+    """Two saves of the same shapes; shard 1 of the second copied over the first's. Every
+    header and block checksum in it is valid: only the index's whole-file crc32c (checked
+    from the headers, no tensor read) shows that it belongs to another checkpoint."""
+    first, second = _tree(), {k: v + 1 for k, v in _tree().items()}
+    ost.save(tmp_path / "a", first, max_shard_size=700_000)
+    ost.save(tmp_path / "b", second, max_shard_size=700_000)
+    shutil.copy(tmp_path / "b" / "model-00001-of-00002.safetensors", tmp_path / "a")
+    for load in (lambda: ost.load(tmp_path / "a"), lambda: ost.metadata(tmp_path / "a"),
+                 lambda: ost.async_load(tmp_path / "a")):
+        with pytest.raises(ost.SafetensorsError, match="copied in from another save") as raised:
+            load()
+        assert raised.value.file.endswith("model-00001-of-00002.safetensors")
+    assert [p.file.rsplit("/", 1)[1] for p in ost.verify(tmp_path / "a").problems] == [
+        "model-00001-of-00002.safetensors"]

@@ -179,7 +179,8 @@ def _child_save_with_a_full_disk_on_process_1(args):
     try:
         ost.save(args["path"], arrays, max_shard_size=_MAX_SHARD, overwrite=True)
     except OSError as e:
-        return {"type": type(e).__name__, "errno": e.errno, "filename": e.filename,
+        return {"type": type(e).__name__, "distributed": isinstance(e, ost.DistributedError),
+                "errno": e.errno, "filename": e.filename,
                 "failures": {str(p): dataclasses.asdict(f)
                              for p, f in getattr(e, "failures", {}).items()}}
     return {"type": None}
@@ -196,7 +197,7 @@ def test_a_failure_on_one_process_reaches_every_process_with_its_errno_and_file(
     # Process 1 raises its own error, unchanged; process 0 one that keeps it.
     assert results[1]["type"] == "OSError" and results[1]["errno"] == 28
     assert results[1]["filename"].startswith(str(path))
-    assert results[0]["type"] == "DistributedError" and results[0]["errno"] == 28
+    assert results[0]["type"] == "PeerFailedError" and results[0]["distributed"] and results[0]["errno"] == 28
     failure = results[0]["failures"]["1"]
     assert failure["type"] == "OSError" and failure["errno"] == 28
     assert failure["filename"] == results[1]["filename"]

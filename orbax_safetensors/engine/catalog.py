@@ -35,6 +35,7 @@ from orbax_safetensors.errors import SafetensorsError
 from orbax_safetensors.format import PREFIX_SIZE, Header, checksums, header_size, parse_header
 from orbax_safetensors.index import (
     DISTRIBUTED_INDEX_NAME,
+    FILE_CRCS_KEY,
     INDEX_NAME,
     SINGLE_FILE_NAME,
     DistributedTensor,
@@ -42,6 +43,8 @@ from orbax_safetensors.index import (
     SliceEntry,
     check_slices,
     dcp_offsets,
+    decode_crc,
+    encode_crc,
     is_distributed_file_name,
     is_shard_file_name,
     parse_distributed_index,
@@ -240,8 +243,9 @@ def read_index(storage: Storage, path: str) -> bytes:
         raise _Missing("file does not exist", file=path) from None
 
 
-def read_header(storage: Storage, path: str) -> Header:
-    """Reads and validates one file's header, in one request when it is small."""
+def read_header(storage: Storage, path: str) -> tuple[Header, bytes]:
+    """Reads and validates one file's header, in one request when it is small; also its
+    bytes from the file's first (what its whole crc32c starts with)."""
     try:
         size = storage.size(path)
         first = storage.read(path, 0, min(size, _FIRST_READ))
@@ -250,10 +254,10 @@ def read_header(storage: Storage, path: str) -> Header:
     except IsADirectoryError:
         raise SafetensorsError("is a directory, not a safetensors file", file=path) from None
     n = header_size(first, size, file=path)
-    raw = first[PREFIX_SIZE:PREFIX_SIZE + n]
-    if len(raw) < n:
+    raw = first[:PREFIX_SIZE + n]
+    if len(raw) < PREFIX_SIZE + n:
         raw += storage.read(path, len(first), PREFIX_SIZE + n - len(first))
-    return parse_header(raw, size, file=path)
+    return parse_header(raw[PREFIX_SIZE:], size, file=path), raw
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,11 +328,12 @@ class _Reader:
     def __init__(self, found: Survey, storage: Storage, findings: Findings):
         self.found, self.storage, self.findings = found, storage, findings
         self.files: list[str] = []
+        self.raw: dict[str, bytes] = {}  # file → its header's bytes, from its first
 
     def headers(self, files: list[str]) -> dict[str, Header]:
         """The valid headers among ``files``, in order; each invalid or missing file is a problem."""
         self.files = files
-        def attempt(file: str) -> Header | SafetensorsError:
+        def attempt(file: str) -> tuple[Header, bytes] | SafetensorsError:
             try:
                 return read_header(self.storage, file)
             except SafetensorsError as e:
@@ -342,7 +347,7 @@ class _Reader:
                     raise result
                 self.findings.problem(result.reason, result.file, result.tensor)
             else:
-                valid[file] = result
+                valid[file], self.raw[file] = result
         return valid
 
     def checkpoint(self, tensors: dict[str, TensorSource], headers: dict[str, Header],
@@ -389,6 +394,7 @@ class _Reader:
                     self.findings.tolerated(
                         "holds a second copy of a tensor the index places in "
                         f"{self.storage.split(listed[tensor])[1]!r}", file, tensor)
+        self.listed_crcs(checkpoint, index.metadata.get(FILE_CRCS_KEY), files)
         total = index.metadata.get("total_size")
         stored = sum(t.nbytes for t in checkpoint.tensors.values())
         if total is not None and len(checkpoint.tensors) == len(listed) \
@@ -396,6 +402,23 @@ class _Reader:
             self.findings.tolerated(f"metadata.total_size is {total!r}, but the tensors hold "
                                     f"{stored} bytes", self.found.path(INDEX_NAME))
         return checkpoint
+
+    def listed_crcs(self, checkpoint: Checkpoint, listed: Any, files: dict[str, str]) -> None:
+        """Each file's whole crc32c (its header's bytes combined with its block checksums: no
+        data read) against the one its index lists: a file copied in from another save of
+        the same shapes would otherwise load, mixing two checkpoints."""
+        if not isinstance(listed, dict):
+            return
+        for name, file in files.items():
+            stored = checkpoint.checksums.get(file)
+            if stored is None or name not in listed or file not in self.raw:
+                continue
+            ours = stored.file_crc(self.raw[file])
+            if decode_crc(listed[name]) != ours:
+                self.findings.problem(
+                    f"the index lists crc32c {listed[name]!r} for this file, but its header and block "
+                    f"checksums give {encode_crc(ours)!r}: it is not the file the index was committed "
+                    "with (copied in from another save?)", file)
 
     def distributed(self, entries: dict[str, DistributedTensor], metadata: dict[str, str]) -> Checkpoint:
         """Our distributed layout: the index says where every slice is; each file's own

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from orbax_safetensors.engine import catalog, write
-from orbax_safetensors.engine.coordination import gather_to_all, next_operation_key
+from orbax_safetensors.engine.coordination import Peers
 from orbax_safetensors.engine.executor import Executor
 from orbax_safetensors.engine.integrity import Verifier
 from orbax_safetensors.engine.operation import Operation
@@ -168,12 +168,12 @@ def write_blocks(location: Location, source: BlockSource, options: StreamOptions
     plan = plan_hf_checkpoint(source.specs, max_shard_size=options.max_shard_size,
                               metadata=metadata, checksums=options.checksums)
     blocks = parse_size(options.block_bytes)
-    key = next_operation_key("consolidate")
-    commit = take_location(location, key, overwrite=options.overwrite)
+    peers = Peers.collective("consolidate", location.url)  # every process writes files of it
+    commit = take_location(location, peers, overwrite=options.overwrite)
     mine = [f for i, f in enumerate(plan.files) if i % jax.process_count() == jax.process_index()]
     report = Progress(label, sum(t.nbytes for f in mine for t in f.tensors),
                       enabled=options.progress).start()
-    operation = Operation(key, location.url)
+    operation = Operation(peers)
     try:
         with Executor(_PREFETCH, name="orbax_safetensors-prefetch") as pool:
             strategy = write.Streamed(
@@ -205,7 +205,7 @@ def _file_chunks(source: BlockSource, file: FilePlan, block_bytes: int, pool: Ex
 
 def _gathered(op: Operation, file_crcs: dict[str, int]) -> dict[str, int]:
     """Every process's files' whole crc32c, for the index process 0 commits."""
-    return {name: crc for raw in gather_to_all(f"{op.key}/crc32c", json.dumps(file_crcs))
+    return {name: crc for raw in op.exchange("crc32c", json.dumps(file_crcs))
             for name, crc in json.loads(raw).items()}
 
 

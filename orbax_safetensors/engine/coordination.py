@@ -3,19 +3,46 @@
 A save may run on a background thread while the training loop issues its own
 collectives; two threads issuing device collectives in different orders
 deadlock. The ``jax.distributed`` coordination service (the key-value store
-and barriers Orbax uses too) is safe from any thread, so every cross-process
-step of a save goes through it. With one process everything here is free.
+Orbax uses too) is safe from any thread, so every cross-process step of a
+load or save goes through it. With one process everything here is free.
+
+Two rules keep processes from waiting on each other in vain:
+
+* **Keys cannot drift.** An operation's keys are named by its kind, its
+  location and how many operations of that kind on that location this
+  process has run *together with the others*. What a process does alone (a
+  load into host arrays, ``metadata``, a save of host data only) is
+  ``Peers.local`` and takes no number, so it cannot shift the next collective
+  operation's keys on one process only.
+* **A failure is heard at once.** A process that fails anywhere in a collective
+  operation (``Peers.fail``) leaves its failure under the operation's key; every
+  wait of the others looks there while it waits, and raises a
+  ``PeerFailedError`` naming the process and its error within ``POLL_MS``, instead
+  of waiting for a key the failed process will never set. A peer that is
+  merely slow is waited for (up to ``TIMEOUT_S``), with a log line once the
+  wait is long, naming who is awaited and where.
 """
 
 from __future__ import annotations
 
-import itertools
+import collections
+import functools
+import hashlib
+import json
+import logging
 import threading
+import time
+from collections.abc import Sequence
 
 import jax
 
-_TIMEOUT_MS = 30 * 60 * 1000
-_sequence = itertools.count()
+from orbax_safetensors.errors import PeerFailedError, ProcessFailure
+
+_LOG = logging.getLogger("orbax_safetensors")
+TIMEOUT_S = 30 * 60
+POLL_MS = 250  # how often a wait looks for a peer's failure
+_WARN_S = 60  # a wait this long is logged: a peer is slow, or never called the operation
+_sequence: collections.Counter[tuple[str, str]] = collections.Counter()
 _sequence_lock = threading.Lock()
 
 
@@ -30,51 +57,153 @@ def _client():
     return client
 
 
-def next_operation_key(kind: str) -> str:
-    """A key that every process derives identically for its n-th operation.
+class Peers:
+    """The processes taking part in one load or save, and where they meet.
 
-    Processes must start their saves in the same order (as they must start any
-    collective), so a per-process counter names each one the same everywhere.
+    ``collective`` operations involve every process (each must call them, in
+    the same order as its other collective operations); local ones only this
+    one, and every meeting is then immediate.
     """
-    with _sequence_lock:
-        return f"orbax_safetensors/{kind}/{next(_sequence)}"
+
+    def __init__(self, key: str | None, where: str):
+        self.key, self.where = key, where
+        self._failed = False
+
+    @classmethod
+    def local(cls, where: str) -> Peers:
+        return cls(None, where)
+
+    @classmethod
+    def collective(cls, kind: str, where: str) -> Peers:
+        """The next collective operation of ``kind`` at ``where`` (a URL): the same key on every
+        process, whatever each did alone before. One process alone is local."""
+        if jax.process_count() == 1:
+            return cls.local(where)
+        with _sequence_lock:
+            n = _sequence[kind, where]
+            _sequence[kind, where] += 1
+        return cls(f"orbax_safetensors/{kind}/{where}/{n}", where)
+
+    @property
+    def is_collective(self) -> bool:
+        return self.key is not None
+
+    @property
+    def is_primary(self) -> bool:
+        return not self.is_collective or jax.process_index() == 0
+
+    def gather(self, step: str, value: str) -> list[str]:
+        """Every process's ``value`` for ``step``, in process order, on every process."""
+        if not self.is_collective:
+            return [value]
+        client = _client()
+        client.key_value_set(f"{self.key}/{step}/{jax.process_index()}", value)
+        return [self._wait(f"{self.key}/{step}/{p}", step, p) for p in range(jax.process_count())]
+
+    def gather_to_primary(self, step: str, value: str) -> list[str] | None:
+        """Every process's ``value``, in process order, on process 0 (``None`` elsewhere): what
+        only process 0 needs is not sent to everyone."""
+        if not self.is_collective:
+            return [value]
+        _client().key_value_set(f"{self.key}/{step}/{jax.process_index()}", value)
+        if jax.process_index() != 0:
+            return None
+        return [self._wait(f"{self.key}/{step}/{p}", step, p) for p in range(jax.process_count())]
+
+    def share(self, step: str, value: str) -> str:
+        """Process 0's ``value`` for ``step``, on every process."""
+        if not self.is_collective:
+            return value
+        if jax.process_index() == 0:
+            _client().key_value_set(f"{self.key}/{step}", value)
+            return value
+        return self._wait(f"{self.key}/{step}", step, 0)
+
+    def meet(self, step: str) -> None:
+        """Returns once every process has reached ``step``; raises if one failed instead."""
+        self.gather(step, "")
+
+    def check_same(self, step: str, description: Sequence[str], what: str) -> None:
+        """Raises on every process unless every process gave the same ``description`` (of
+        the target, the tree, the options): only a digest travels, and the full lines only
+        when they differ, to name the first that does."""
+        if not self.is_collective:
+            return
+        digest = hashlib.sha256("\n".join(description).encode("utf-8", "surrogatepass")).hexdigest()
+        if len(set(self.gather(step, digest))) == 1:
+            return
+        every = [json.loads(raw) for raw in self.gather(f"{step}/lines", json.dumps(list(description)))]
+        for i in range(max(map(len, every))):
+            seen = collections.defaultdict(list)
+            for process, lines in enumerate(every):
+                seen[lines[i] if i < len(lines) else "(nothing)"].append(process)
+            if len(seen) > 1:
+                break
+        detail = "; ".join(f"process{'es' if len(p) > 1 else ''} {', '.join(map(str, p))}: {line}"
+                           for line, p in seen.items())
+        raise ValueError(f"{self.where}: the processes passed different {what} "
+                         f"(every process must pass the same): {detail}")
+
+    def fail(self, error: BaseException) -> None:
+        """Tells the others this process failed (once; best effort: a dead coordination
+        service must not hide the error being raised)."""
+        if not self.is_collective or self._failed or isinstance(error, PeerFailedError):
+            return  # another's failure is theirs to tell
+        self._failed = True
+        me = jax.process_index()
+        try:
+            _client().key_value_set(f"{self.key}/failed/{me}", ProcessFailure.of(me, error).to_json(),
+                                    allow_overwrite=True)
+        except Exception as e:  # the original error matters more
+            _LOG.warning("%s: could not tell the other processes of this failure: %s", self.where, e)
+
+    def failures(self) -> dict[int, ProcessFailure]:
+        """The failures other processes reported so far."""
+        if not self.is_collective:
+            return {}
+        found = (ProcessFailure.from_json(raw) for _, raw in _client().key_value_dir_get(f"{self.key}/failed/"))
+        return {f.process: f for f in found if f.process != jax.process_index()}
+
+    def _wait(self, key: str, step: str, process: int) -> str:
+        client, started = _client(), time.monotonic()
+        warned = False
+        while True:
+            try:
+                return client.blocking_key_value_get(key, POLL_MS)
+            except jax.errors.JaxRuntimeError as e:
+                if "DEADLINE_EXCEEDED" not in str(e):
+                    raise
+            failures = self.failures()
+            if failures:
+                raise PeerFailedError(f"{self.where}: another process failed", failures)
+            waited = time.monotonic() - started
+            if waited > TIMEOUT_S:
+                raise TimeoutError(f"{self.where}: process {process} did not reach {step!r} in "
+                                   f"{TIMEOUT_S} s (did every process call this operation?)")
+            if waited > _WARN_S and not warned:
+                warned = True
+                _LOG.warning("%s: waiting %.0f s for process %d at %r (every process must call "
+                             "this operation, in the same order)", self.where, waited, process, step)
 
 
-def barrier(key: str) -> None:
-    """Returns once every process has reached ``key``."""
-    if jax.process_count() > 1:
-        _client().wait_at_barrier(key, _TIMEOUT_MS)
+def describe_sharding(sharding: jax.sharding.Sharding | None) -> str:
+    """A sharding as processes compare it: its kind, spec and devices in order (two processes
+    that lay a tensor out differently would read or write each other's bytes)."""
+    if sharding is None:
+        return "host"
+    mesh = getattr(sharding, "mesh", None)
+    if isinstance(mesh, jax.sharding.Mesh):
+        return (f"{type(sharding).__name__}({dict(mesh.shape)}, {getattr(sharding, 'spec', None)}, "
+                f"devices {_devices_digest(tuple(d.id for d in mesh.devices.flat))})")
+    try:
+        devices = _devices_digest(tuple(sorted(d.id for d in sharding.device_set)))
+    except Exception:  # over an abstract mesh: no devices yet
+        devices = "(abstract)"
+    return f"{sharding!r} on devices {devices}"
 
 
-def share_from_primary(key: str, value: str) -> str:
-    """Process 0's ``value`` for ``key``, on every process."""
-    if jax.process_count() == 1:
-        return value
-    client = _client()
-    if jax.process_index() == 0:
-        client.key_value_set(key, value)
-        return value
-    return client.blocking_key_value_get(key, _TIMEOUT_MS)
-
-
-def gather_to_all(key: str, value: str) -> list[str]:
-    """Every process's ``value``, in process order, on every process."""
-    if jax.process_count() == 1:
-        return [value]
-    client = _client()
-    client.key_value_set(f"{key}/{jax.process_index()}", value)
-    return [client.blocking_key_value_get(f"{key}/{p}", _TIMEOUT_MS)
-            for p in range(jax.process_count())]
-
-
-def gather_to_primary(key: str, value: str) -> list[str] | None:
-    """Every process's ``value``, in process order, on process 0 (``None`` elsewhere): what
-    only process 0 needs is not sent to everyone."""
-    if jax.process_count() == 1:
-        return [value]
-    client = _client()
-    client.key_value_set(f"{key}/{jax.process_index()}", value)
-    if jax.process_index() != 0:
-        return None
-    return [client.blocking_key_value_get(f"{key}/{p}", _TIMEOUT_MS)
-            for p in range(jax.process_count())]
+@functools.lru_cache(maxsize=64)
+def _devices_digest(ids: tuple[int, ...]) -> str:
+    """Device ids in order, short: a mesh of thousands of devices is one line per leaf."""
+    shown = ",".join(map(str, ids[:4])) + (",..." if len(ids) > 4 else "")
+    return f"[{shown}]#{hashlib.sha256(repr(ids).encode()).hexdigest()[:12]}"

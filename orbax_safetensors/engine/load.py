@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from orbax_safetensors.engine.catalog import Checkpoint, open_checkpoint
-from orbax_safetensors.engine.coordination import gather_to_all, next_operation_key
+from orbax_safetensors.engine.coordination import Peers, describe_sharding
 from orbax_safetensors.engine.progress import Progress
 from orbax_safetensors.engine.read import (
     AssembledLeaf, Job, LoadStats, execute, host_job, refuse_casts, sharded_job)
@@ -137,11 +137,14 @@ class ReadOptions:
         float (bfloat16, float16, fp8: rounded), bool → anything, int → float,
         int → an int type holding all of the stored type's values. It refuses
         float → int or bool (and complex → real) before reading a byte, with an
-        ``ost.SafetensorsError`` listing every such tensor; and it checks a
-        narrowing or sign-changing int cast (int32 → int8, int8 → uint8,
-        uint64 → int64, int → bool) on the values read, per shard (a min and a
-        max), raising an ``ost.SafetensorsError`` naming the tensor and the first
-        value that does not fit. With a mapping that scales, the rule applies to
+        ``ost.SafetensorsError`` listing every such tensor; and it checks, on the
+        values read, per shard (a min and a max), every cast that only some values
+        survive: a narrowing or sign-changing int cast (int32 → int8, int8 → uint8,
+        uint64 → int64, int → bool), and a cast to a float type of smaller range
+        (float32 → float16 or fp8, float64 → float32, int32 → float16), where a value
+        beyond the target's largest would become inf, NaN or that largest value, and
+        inf or NaN where the target has none; raising an ``ost.SafetensorsError``
+        naming the tensor and the first value that does not fit. With a mapping that scales, the rule applies to
         the final cast (float32 once scaled). ``"unsafe"`` casts as ``astype``
         does, whatever the values.
     """
@@ -295,17 +298,30 @@ class _Loading:
     progress: bool = False
     nest: bool = False
     started: float = dataclasses.field(default_factory=time.perf_counter)
-    key: str = dataclasses.field(default_factory=lambda: next_operation_key("load"))
+    peers: Peers = dataclasses.field(init=False)
 
-    def plan(self, first: int = 0) -> _Planned:
-        """Opens the checkpoint (the version every process opened) and plans its reads."""
+    def __post_init__(self) -> None:
+        self.peers = _peers(self.target, self.location)
+
+    def plan(self) -> _Planned:
+        """Opens the checkpoint (the version every process opened) and plans its reads; a
+        failure here is told to the other processes (``Peers.fail``), who raise too."""
+        try:
+            return self._plan(0)
+        except BaseException as e:
+            self.peers.fail(e)
+            raise
+
+    def _plan(self, first: int) -> _Planned:
         for attempt in range(first, _READ_ATTEMPTS):
             if attempt > first:
                 time.sleep(min(0.01 * 2 ** attempt, 0.2))
             checkpoint, planned = open_checkpoint(self.location), None
             try:
-                if _same_everywhere(f"{self.key}/{attempt}", checkpoint):
-                    planned = _Planned(checkpoint, attempt, _plan(checkpoint, self))
+                if attempt == 0 and self.peers.is_collective:  # after what may fail alone: the lookup
+                    self.peers.check_same("target", _describe_target(self), "targets or load options")
+                if self._same_everywhere(attempt, checkpoint):
+                    planned = _Planned(checkpoint, attempt, _plan(checkpoint, self, attempt))
             except Exception:
                 if not self._changed(checkpoint):
                     raise
@@ -318,7 +334,15 @@ class _Loading:
                                "attempts)", file=self.location.url)
 
     def run(self, planned: _Planned) -> Any:
-        """Reads what ``planned`` planned; reads again if it changed meanwhile."""
+        """Reads what ``planned`` planned; reads again if it changed meanwhile. A failure on
+        any process (a damaged block, a read error) fails every process at once."""
+        try:
+            return self._run(planned)
+        except BaseException as e:
+            self.peers.fail(e)
+            raise
+
+    def _run(self, planned: _Planned) -> Any:
         while True:
             with planned.checkpoint as checkpoint:
                 try:
@@ -329,11 +353,21 @@ class _Loading:
                     if not self._changed(checkpoint):
                         raise
                     whole = False
-                if _all_processes(f"{self.key}/{planned.attempt}/read", whole):
+                if all(v == "1" for v in self.peers.gather(f"{planned.attempt}/read", "1" if whole else "0")):
                     return result
             _LOG.info("%s changed while it was read (an overwrite committed); reading it again",
                       self.location.url)
-            planned = self.plan(planned.attempt + 1)
+            planned = self._plan(planned.attempt + 1)
+
+    def _same_everywhere(self, attempt: int, checkpoint: Checkpoint) -> bool:
+        """Whether every process opened the same version of the checkpoint.
+
+        Each process opens its files on its own; an overwrite committing in
+        between would give processes different checkpoints, and the global arrays
+        would mix them. Every process learns every other's version and all open
+        again together unless they agree.
+        """
+        return len(set(self.peers.gather(f"{attempt}/version", checkpoint.storage.version()))) == 1
 
     @staticmethod
     def _changed(checkpoint: Checkpoint) -> bool:
@@ -343,22 +377,35 @@ class _Loading:
                     or checkpoint.unchanged())
 
 
-def _same_everywhere(key: str, checkpoint: Checkpoint) -> bool:
-    """Whether every process opened the same version of the checkpoint.
+def _peers(target: Any, location: Location) -> Peers:
+    """Who takes part in a load: every process when a target leaf is sharded over devices of
+    another process (they read their own shards of one global array, and must agree on the
+    version they read); otherwise this process alone (no target, host arrays, arrays on its
+    own devices), which then needs nobody else to call ``load``."""
+    me = jax.process_index()
 
-    Each process opens its files on its own; an overwrite committing in
-    between would give processes different checkpoints, and the global arrays
-    would mix them. Every process learns every other's version and all open
-    again together unless they agree.
-    """
-    if jax.process_count() == 1:
-        return True
-    versions = gather_to_all(key, checkpoint.storage.version())
-    return len(set(versions)) == 1
+    def spans(leaf: Any) -> bool:
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is None or not isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
+            return False
+        try:
+            devices = _concrete("", sharding).device_set
+        except Exception:  # an abstract mesh with none set: reported when planned, everywhere
+            return jax.process_count() > 1
+        return any(d.process_index != me for d in devices)
+
+    leaves = jax.tree_util.tree_leaves(target) if target is not None else []
+    return Peers.collective("load", location.url) if any(map(spans, leaves)) else Peers.local(location.url)
 
 
-def _all_processes(key: str, value: bool) -> bool:
-    return all(v == "1" for v in gather_to_all(key, "1" if value else "0"))
+def _describe_target(loading: _Loading) -> list[str]:
+    """What the processes of a collective load must agree on: the target leaf by leaf
+    (name, dtype, shape, sharding), the mapping and the options that decide the reads."""
+    names, leaves, _ = flatten_with_names(loading.target)
+    lines = [f"{name}: {getattr(leaf, 'dtype', None)}{list(getattr(leaf, 'shape', ()))} "
+             f"{describe_sharding(getattr(leaf, 'sharding', None))}" for name, leaf in zip(names, leaves)]
+    return lines + [f"strict {loading.strict!r}, mapping {loading.mapping!r}",
+                    f"options {loading.options!r}"]
 
 
 _EXITING = threading.Event()
@@ -375,7 +422,7 @@ class _Abandoned(threading.Event):
         return super().is_set() or _EXITING.is_set()
 
 
-def _plan(checkpoint: Checkpoint, loading: _Loading) -> Callable[[], Any]:
+def _plan(checkpoint: Checkpoint, loading: _Loading, attempt: int) -> Callable[[], Any]:
     """Checks the target against the checkpoint and plans every read; the result reads them."""
     target, strict, options, mapping = loading.target, loading.strict, loading.options, loading.mapping
     if loading.nest and target is not None:
@@ -398,13 +445,7 @@ def _plan(checkpoint: Checkpoint, loading: _Loading) -> Callable[[], Any]:
         _report_skipped(names, wanted, stats)
     elif loading.nest:
         nest_names(dict.fromkeys(names[i] for i in wanted))  # names that cannot nest fail here, unread
-    if jax.process_count() > 1:
-        hosted = [names[i] for i in wanted if requests[i].sharding is None]
-        if hosted:
-            raise ValueError(
-                "with several processes every target leaf needs a sharding (a jax.Array or a "
-                "jax.ShapeDtypeStruct with .sharding); host-array leaves: " + ", ".join(hosted[:10]))
-    several = jax.process_count() > 1
+    several = loading.peers.is_collective
     read_once = options.replicated_read_once if options.replicated_read_once is not None else several
     reshard = options.reshard_thin_shards if options.reshard_thin_shards is not None else several
     capabilities = checkpoint.storage.capabilities
@@ -454,7 +495,8 @@ def _plan(checkpoint: Checkpoint, loading: _Loading) -> Callable[[], Any]:
             report = Progress(f"load {checkpoint.survey.location.url}", plan.nbytes, enabled=True).start()
         values = execute(checkpoint.storage, plan, jobs, memory_budget=profile.memory_budget,
                          threads=options.threads, stats=stats, cancelled=loading.abandoned,
-                         checksums=checksums, progress=report)
+                         checksums=checksums, progress=report,
+                         meet=lambda step: loading.peers.meet(f"{attempt}/{step}"))
         if report is not None:
             report.close()
         stats.seconds += time.perf_counter() - loading.started

@@ -18,21 +18,22 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import NoReturn
 
 import jax
 
-from orbax_safetensors.engine.coordination import gather_to_all
+from orbax_safetensors.engine.coordination import Peers
 from orbax_safetensors.engine.executor import Executor
 from orbax_safetensors.engine.progress import Progress
-from orbax_safetensors.errors import DistributedError, ProcessFailure
+from orbax_safetensors.errors import DistributedError, PeerFailedError, ProcessFailure
 
 
 class Operation:
-    """The steps of one multi-process write at ``where`` (for messages), keyed by ``key``."""
+    """The steps of one write among ``peers`` (``peers.where`` names it in messages)."""
 
-    def __init__(self, key: str, where: str, progress: Progress | None = None):
-        self.key = key
-        self.where = where
+    def __init__(self, peers: Peers, progress: Progress | None = None):
+        self.peers = peers
+        self.where = peers.where
         self.progress = progress
         self.cancelled = threading.Event()
         self.committing = False
@@ -40,7 +41,7 @@ class Operation:
 
     @property
     def is_primary(self) -> bool:
-        return jax.process_index() == 0
+        return self.peers.is_primary
 
     def executor(self, threads: int, name: str) -> Executor:
         """A pool whose waits end in ``KeyboardInterrupt`` once this operation is cancelled."""
@@ -73,15 +74,34 @@ class Operation:
               clean_up: Callable[[], None] = lambda: None) -> None:
         """Every process learns whether any failed at ``step``; then, if one did, all clean up
         and raise: the original exception where there is one (alone in one process), else a
-        ``DistributedError`` keeping every process's failure."""
-        me = jax.process_index()
-        raw = gather_to_all(f"{self.key}/{step}",
-                            "" if error is None else ProcessFailure.of(me, error).to_json())
-        failures = {f.process: f for f in map(ProcessFailure.from_json, filter(None, raw))}
-        if not failures:
-            return
+        ``DistributedError`` keeping every process's failure.
+
+        A process that failed does not wait for the others: it leaves its failure where
+        their waits look (``Peers.fail``), cleans up and raises at once. A ``PeerFailedError``
+        as ``error`` is another process's failure, heard while this one waited.
+        """
+        if isinstance(error, PeerFailedError):
+            self._stop(dict(error.failures), None, clean_up)
+        if error is not None:
+            self.peers.fail(error)
+            me = jax.process_index()
+            self._stop({**self.peers.failures(), me: ProcessFailure.of(me, error)}, error, clean_up)
+        self.exchange(step, "", clean_up)
+
+    def exchange(self, step: str, value: str, clean_up: Callable[[], None] = lambda: None) -> list[str]:
+        """Every process's ``value`` for ``step``; if another process failed meanwhile, clean
+        up and raise as ``agree`` does."""
+        try:
+            return self.peers.gather(step, value)
+        except PeerFailedError as e:
+            self._stop(dict(e.failures), None, clean_up)
+
+    def _stop(self, failures: dict[int, ProcessFailure], error: BaseException | None,
+              clean_up: Callable[[], None]) -> NoReturn:
         clean_up()
-        if error is not None and (len(failures) == 1 or isinstance(error, KeyboardInterrupt)):
+        if error is None:
+            raise PeerFailedError(f"{self.where}: save failed, nothing was committed", failures)
+        if len(failures) == 1 or isinstance(error, KeyboardInterrupt):
             raise error
         raise DistributedError(f"{self.where}: save failed, nothing was committed",
                                failures) from error

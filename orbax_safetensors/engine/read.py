@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from orbax_safetensors.engine.executor import Executor
@@ -105,12 +106,15 @@ class Job:
     fresh pages (which cost most of a load here; see ``host_memory``).
     ``refused``: the cast to the result's dtype ``ReadOptions.casting`` refuses (float →
     int), described; ``refuse_casts`` raises them all before anything is read.
+    ``collective``: ``finish`` runs a device collective (an all-gather of a tensor read
+    once, an all-to-all of row blocks) that every process must enter.
     """
 
     reads: TensorReads
     finish: Callable[[list[np.ndarray]], Any]
     scratch: bool = False
     refused: str | None = None
+    collective: bool = False
 
 
 _UNSAFE_HINT = ('pass options=ost.ReadOptions(casting="unsafe") to cast as numpy astype does '
@@ -250,7 +254,7 @@ def _sharded_job(
                                  check=check)
             move = resharding(rows, sharding)
             return Job(dataclasses.replace(inner.reads, needed=needed, resharded=True),
-                       lambda buffers: move(inner.finish(buffers)))
+                       lambda buffers: move(inner.finish(buffers)), collective=True)
 
     if source.dtype.is_packed:  # read the bytes, unpack, then cut the shards in memory
         stored = _whole_slice(name, source, f"a {source.dtype.code} tensor")
@@ -471,12 +475,13 @@ def _read_once_job(
                                   bounds=check is not None)
         if check is None:
             return convert(flat)
-        result, lo, hi = convert(flat)  # every process sees the same bounds, and fails alike
-        check(np.array([np.asarray(lo.addressable_data(0)), np.asarray(hi.addressable_data(0))]))
+        result, *bounds = convert(flat)  # every process sees the same bounds, and fails alike
+        lo, hi, nan, only_nan = (np.asarray(b.addressable_data(0)) for b in bounds)
+        check(np.array(([] if only_nan else [lo, hi]) + ([np.nan] if nan else []), info.dtype.numpy))
         return result
 
     return Job(plan_byte_reads(stored, [byte_boxes[k] for k in mine], needed, read_once=True),
-               finish)
+               finish, collective=True)
 
 
 def _bitcastable(dtype: np.dtype) -> bool:
@@ -489,7 +494,8 @@ def _bitcastable(dtype: np.dtype) -> bool:
 def _bytes_to_array(nbytes, shape, stored: np.dtype, target: np.dtype, sharding,
                     bounds: bool = False) -> Callable:
     """A compiled bytes → typed, reshaped, resharded array (the all-gather happens here);
-    with ``bounds``, also the smallest and largest stored value, replicated."""
+    with ``bounds``, also what a range check needs, replicated: the smallest and largest
+    stored value (infinities included, NaN not), whether any is NaN, and whether all are."""
 
     def convert(flat: jax.Array) -> jax.Array:
         raw = flat[:nbytes]
@@ -500,14 +506,21 @@ def _bytes_to_array(nbytes, shape, stored: np.dtype, target: np.dtype, sharding,
         else:
             typed = jax.lax.bitcast_convert_type(raw.reshape(-1, stored.itemsize), stored)
         result = typed.reshape(shape).astype(target)
-        return (result, typed.min(), typed.max()) if bounds else result
+        if not bounds:
+            return result
+        if not jnp.issubdtype(stored, jnp.inexact):
+            return result, typed.min(), typed.max(), jnp.bool_(False), jnp.bool_(False)
+        wide = typed.astype(jnp.float32)  # every stored float type's values, and ±inf to fill NaN
+        nan = jnp.isnan(wide)
+        return (result, jnp.where(nan, jnp.inf, wide).min(), jnp.where(nan, -jnp.inf, wide).max(),
+                nan.any(), nan.all())
 
     if not bounds:
         return jax.jit(convert, out_shardings=sharding)
     devices = np.array(sorted(sharding.device_set, key=lambda d: d.id))
     replicated = jax.sharding.NamedSharding(jax.sharding.Mesh(devices, ("all",)),
                                             jax.sharding.PartitionSpec())
-    return jax.jit(convert, out_shardings=(sharding, replicated, replicated))
+    return jax.jit(convert, out_shardings=(sharding, replicated, replicated, replicated, replicated))
 
 
 def _view(buffer: np.ndarray, stored: StoredSlice, name: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -596,11 +609,13 @@ def transfer(storage: Storage, file: str, request: Transfer, buffers: Sequence[n
 def execute(storage: Storage, plan: ReadPlan, jobs: Sequence[Job], *, memory_budget: int,
             threads: int, stats: LoadStats, cancelled: threading.Event | None = None,
             checksums: Mapping[str, FileChecksums] | None = None,
-            progress: Progress | None = None) -> list[Any]:
+            progress: Progress | None = None,
+            meet: Callable[[str], None] = lambda step: None) -> list[Any]:
     """Runs ``plan`` (of ``jobs``' reads): every job's result, in job order; stops with
     ``KeyboardInterrupt`` once ``cancelled`` is set. Reads of the files ``checksums`` holds
     are checked against them (``plan`` must read their blocks whole: ``plan_reads`` with
-    their layouts)."""
+    their layouts). Before a ``collective`` job's device collective the processes ``meet``:
+    one whose reads failed never leaves the others inside a collective it will not enter."""
     budget = _Budget(memory_budget)
     scratch = _Scratch()
     verifier = Verifier(checksums or {})
@@ -643,6 +658,8 @@ def execute(storage: Storage, plan: ReadPlan, jobs: Sequence[Job], *, memory_bud
             for future in reads:
                 future.result()
             for i, job_buffers in zip(batch.tensors, buffers):
+                if jobs[i].collective:
+                    meet(f"job/{i}")
                 results[i] = jobs[i].finish(job_buffers)
                 if isinstance(results[i], jax.Array):
                     results[i].block_until_ready()  # host buffers may go only once copied

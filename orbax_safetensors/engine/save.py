@@ -32,12 +32,9 @@ import jax
 import numpy as np
 
 from orbax_safetensors.engine import catalog, write
-from orbax_safetensors.engine.coordination import (
-    gather_to_all,
-    next_operation_key,
-    share_from_primary,
-)
+from orbax_safetensors.engine.coordination import Peers, describe_sharding
 from orbax_safetensors.engine.operation import Operation
+from orbax_safetensors.engine.pending import SaveFuture
 from orbax_safetensors.engine.progress import Progress
 from orbax_safetensors.engine.resharding import resharding, row_sharding
 from orbax_safetensors.engine.tree_names import flatten_with_names
@@ -202,7 +199,7 @@ def save(
     return wait_interruptibly(job, job.start())
 
 
-def wait_interruptibly(job: SaveJob, future: concurrent.futures.Future[SaveStats]) -> SaveStats:
+def wait_interruptibly(job: SaveJob, future: SaveFuture) -> SaveStats:
     """The job's result; Ctrl-C cancels it and raises ``KeyboardInterrupt`` promptly.
 
     A caller that sees ``KeyboardInterrupt`` knows nothing new was committed:
@@ -240,14 +237,17 @@ def async_save(
     mapping: mapping_rules.Mapping | None = None,
     checksums: bool = True,
     progress: bool = False,
-) -> concurrent.futures.Future[SaveStats]:
+) -> SaveFuture:
     """Like ``save``, but returns once this process's shards are copied to host memory.
 
     The caller may then mutate or donate its arrays: the files are written by
     a background thread from the host copies. The returned future resolves
     to ``SaveStats`` once the checkpoint is committed on every process, or
     raises what went wrong (on every process). The interpreter waits for a
-    pending save at exit, so nothing is lost by returning early.
+    pending save at exit, so a final ``async_save`` of a script commits; one
+    that fails with nothing waiting for it is printed on stderr at exit, and
+    the exit status is 1. ``future.cancel()`` stops a save still writing and
+    returns once it has rolled back (``engine.pending.SaveFuture``).
     """
     return prepare_save(Location.resolve(path, storage_options, filesystem), tree,
                         SaveOptions(layout, max_shard_size, metadata, overwrite, mapping, checksums, progress),
@@ -271,24 +271,33 @@ def prepare_save(location: Location, tree: Any, options: SaveOptions, *, copy: b
     removed.
     """
     started = time.perf_counter()
-    arrays, tree_specs = check_tree(tree, options.layout)
-    specs, assemblies = tree_specs, None
-    if options.mapping is not None:  # plan in stored names and shapes; shards are mapped below
-        specs, assemblies = options.mapping.map_specs(tree_specs)
-    if location.is_single_file and options.layout == "distributed":
-        raise ValueError(f"{location.url!r}: the distributed layout is a directory of files")
-    check_max_shard_size(location, options.max_shard_size)
-    options = dataclasses.replace(options, max_shard_size=options.max_shard_size or DEFAULT_MAX_SHARD_SIZE)
-    check_metadata(options.metadata, checksums=options.checksums)
-    key = next_operation_key("save")
-    commit = take_location(location, key, overwrite=options.overwrite, fresh=new_directory)
+    peers = _peers(tree, location)
+    try:
+        arrays, tree_specs = check_tree(tree, options.layout)
+        specs, assemblies = tree_specs, None
+        if options.mapping is not None:  # plan in stored names and shapes; shards are mapped below
+            specs, assemblies = options.mapping.map_specs(tree_specs)
+        if location.is_single_file and options.layout == "distributed":
+            raise ValueError(f"{location.url!r}: the distributed layout is a directory of files")
+        check_max_shard_size(location, options.max_shard_size)
+        options = dataclasses.replace(options, max_shard_size=options.max_shard_size or DEFAULT_MAX_SHARD_SIZE)
+        check_metadata(options.metadata, checksums=options.checksums)
+    except BaseException as e:
+        peers.fail(e)
+        raise
+    # Every process saves the same tree the same way, or none starts: plans made from
+    # different trees or options would write different files over each other.
+    peers.check_same("tree", [_describe(spec, arrays[spec.name]) for spec in tree_specs]
+                     + [f"options {dataclasses.replace(options, progress=False)!r}"], "the tree or options")
+    commit = take_location(location, peers, overwrite=options.overwrite, fresh=new_directory)
     # Several processes writing one hf file: thin strips are written as row blocks instead.
-    several_writers = jax.process_count() > 1 and options.layout == "hf" and assemblies is None
+    several_writers = peers.is_collective and options.layout == "hf" and assemblies is None
     reshard_below = location.storage.capabilities.max_gap if several_writers else 0
     try:
         shards, resharded = _host_shards(arrays, {s.name: s for s in tree_specs}, copy=copy,
-                                         assemblies=assemblies, reshard_below=reshard_below)
-    except BaseException:
+                                         assemblies=assemblies, reshard_below=reshard_below, peers=peers)
+    except BaseException as e:
+        peers.fail(e)
         commit.release()
         raise
     stats = SaveStats(tensors_resharded=resharded, blocking_seconds=time.perf_counter() - started)
@@ -301,10 +310,26 @@ def prepare_save(location: Location, tree: Any, options: SaveOptions, *, copy: b
         strategy = lambda: _distributed(shards, {s.name: s for s in specs}, options)  # noqa: E731
     else:
         strategy = lambda: _hf(location, shards, specs, options)  # noqa: E731
-    return SaveJob(Operation(key, location.url, report), commit, strategy, stats, started)
+    return SaveJob(Operation(peers, report), commit, strategy, stats, started)
 
 
-def take_location(location: Location, key: str, *, overwrite: bool, fresh: bool = False) -> Commit:
+def _peers(tree: Any, location: Location) -> Peers:
+    """Who takes part in saving ``tree``: every process when any of its arrays spans devices
+    of another process (each process writes its own shards); otherwise this process alone
+    (host data, arrays on its own devices), which then needs nobody else to call ``save``."""
+    spans = any(isinstance(leaf, jax.Array) and not leaf.is_fully_addressable
+                for leaf in jax.tree_util.tree_leaves(tree))
+    return Peers.collective("save", location.url) if spans else Peers.local(location.url)
+
+
+def _describe(spec: TensorSpec, array: Any) -> str:
+    """A leaf as the processes compare it before a save: name, dtype, shape, and the sharding
+    of a global array (data of one process alone is process 0's to write, whatever others hold)."""
+    sharding = None if not isinstance(array, jax.Array) or array.is_fully_addressable else array.sharding
+    return f"{spec.name}: {spec.dtype.code}{list(spec.shape)} {describe_sharding(sharding)}"
+
+
+def take_location(location: Location, peers: Peers, *, overwrite: bool, fresh: bool = False) -> Commit:
     """Process 0 locks the location and asks the catalog what is there; every process gets
     the same ``Commit`` (token, the files it replaces), or every process raises.
 
@@ -320,7 +345,7 @@ def take_location(location: Location, key: str, *, overwrite: bool, fresh: bool 
     token = uuid.uuid4().hex[:12]
     commit = Commit.for_location(location, token, ())
     error, old = None, frozenset()
-    if jax.process_index() == 0 and not fresh:
+    if peers.is_primary and not fresh:
         try:
             commit.acquire()
             found = catalog.survey(location, catalog.Findings(collect=True))
@@ -338,7 +363,7 @@ def take_location(location: Location, key: str, *, overwrite: bool, fresh: bool 
         except BaseException as e:
             commit.release()
             error = e
-    shared = json.loads(share_from_primary(f"{key}/location", json.dumps({
+    shared = json.loads(peers.share("location", json.dumps({
         "token": token, "old": sorted(old),
         "error": "" if error is None else ProcessFailure.of(0, error).to_json()})))
     if error is not None:
@@ -348,7 +373,7 @@ def take_location(location: Location, key: str, *, overwrite: bool, fresh: bool 
         if failure.type == FileExistsError.__name__:  # the refusal, the same on every process
             raise FileExistsError(failure.errno, failure.message, failure.filename)
         raise DistributedError(f"{location.url}: process 0 could not begin the save", {0: failure})
-    if jax.process_index() == 0:
+    if peers.is_primary:
         commit.old = old
         return commit
     return Commit.for_location(location, shared["token"], shared["old"])
@@ -370,6 +395,10 @@ def check_tree(tree: Any, layout: str = "hf") -> tuple[dict[str, Any], list[Tens
 
 
 def _checked_array(name: str, leaf: Any) -> jax.Array | np.ndarray:
+    if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        raise TypeError(
+            f"leaf {name!r} is a typed PRNG key ({leaf.dtype}), which has no safetensors dtype: "
+            "save jax.random.key_data(key) (uint32) and rebuild it with jax.random.wrap_key_data")
     if isinstance(leaf, jax.Array):
         return leaf
     if isinstance(leaf, (np.ndarray, np.generic)):
@@ -394,7 +423,7 @@ def _spec(name: str, array: jax.Array | np.ndarray) -> TensorSpec:
 
 def _host_shards(
     arrays: Mapping[str, Any], specs: Mapping[str, TensorSpec], *, copy: bool,
-    assemblies: Mapping[str, Assembly] | None = None, reshard_below: int = 0,
+    assemblies: Mapping[str, Assembly] | None = None, reshard_below: int = 0, peers: Peers,
 ) -> tuple[list[HostShard], int]:
     """Host values of the shards this process writes (``replica_id == 0``), and how many
     arrays were resharded into row blocks first (runs under ``reshard_below`` bytes).
@@ -408,15 +437,19 @@ def _host_shards(
     gigabyte memcpy on the caller's critical path buys nothing there. A
     resharded array is ours, never the caller's: its shards are brought to the
     host at once (copied off an accelerator, viewed on CPU), so at most one
-    such extra array is alive on device at a time.
+    such extra array is alive on device at a time. The resharding is a device
+    collective: the processes meet first, so none enters it after another failed.
+    In a collective save, data of this process alone (numpy leaves, arrays on its
+    own devices) is written by process 0, as one value for all.
     """
     owned, resharded = [], 0
     for name, array in arrays.items():
         spec = specs[name]
-        if isinstance(array, jax.Array):
+        if isinstance(array, jax.Array) and not (peers.is_collective and array.is_fully_addressable):
             rows = (row_sharding(array.sharding, spec.shape, spec.dtype.bits // 8, reshard_below)
                     if reshard_below and not spec.dtype.is_packed else None)
             if rows is not None:
+                peers.meet(f"reshard/{name}")
                 array, resharded = resharding(array.sharding, rows)(array), resharded + 1
             mine = [shard for shard in array.addressable_shards if shard.replica_id == 0]
             for shard in mine:
@@ -424,7 +457,7 @@ def _host_shards(
             for shard in mine:  # a resharded array's shards come to the host now, not later
                 data = shard.data if rows is None else np.asarray(shard.data)
                 owned.append((name, normalize_index(shard.index, spec.shape), data, rows is not None))
-        elif jax.process_index() == 0:
+        elif peers.is_primary:
             owned.append((name, full_box(spec.shape), array, False))
     shards = [HostShard(name, box, np.array(
         data, copy=True if copy and not ours and _copied(data) else None))
@@ -478,19 +511,25 @@ class SaveJob:
     stats: SaveStats
     started: float
 
-    def start(self) -> concurrent.futures.Future[SaveStats]:
-        """Writes and commits on a background thread; the future gives the stats or the error."""
-        future: concurrent.futures.Future[SaveStats] = concurrent.futures.Future()
-        threading.Thread(target=self.run, args=(future,), name="orbax_safetensors-save").start()
+    def start(self) -> SaveFuture:
+        """Writes and commits on a background thread (not a daemon: the interpreter waits for
+        it at exit); the future gives the stats or the error (``engine.pending``)."""
+        future = SaveFuture(self.operation.where, self.operation.cancel)
+        future.run_in(threading.Thread(target=self.run, args=(future,), name="orbax_safetensors-save"))
         return future
 
-    def run(self, future: concurrent.futures.Future) -> None:
+    def run(self, future: SaveFuture) -> None:
         try:
             try:
                 planned: list[write.Strategy] = []
                 self.operation.run("planned", lambda: planned.append(self.strategy()))
                 written = planned[0].write(self.operation, self.commit)
                 write.commit_written(self.operation, self.commit, written)
+            except BaseException as e:
+                self.operation.peers.fail(e)
+                if self.operation.is_primary and not self.operation.committing:
+                    self.commit.abandon()
+                raise
             finally:
                 self.commit.release()
                 if self.operation.progress is not None:
@@ -499,9 +538,9 @@ class SaveJob:
             self.stats.requests = written.requests
             self.stats.files = written.files_written
             self.stats.seconds = time.perf_counter() - self.started
-            future.set_result(self.stats)
+            future.finish(self.stats)
         except BaseException as e:  # the caller sees it through the future
-            future.set_exception(e)
+            future.finish(error=e)
 
 
 def _hf(location: Location, shards: list[HostShard], specs: list[TensorSpec],
@@ -546,7 +585,7 @@ def _distributed(shards: list[HostShard], specs: Mapping[str, TensorSpec],
     def to_commit(op: Operation, file_crcs: dict[str, int]) -> tuple[list[str], tuple[str, bytes]]:
         mine = {"slices": [[s.name, file.name, [a for a, _ in s.box], list(s.shape)]
                            for file, slices in files for s in slices], "crc32c": file_crcs}
-        every = [json.loads(raw) for raw in gather_to_all(f"{op.key}/slices", json.dumps(mine))]
+        every = [json.loads(raw) for raw in op.exchange("slices", json.dumps(mine))]
         entries = [e for document in every for e in document["slices"]]
         slices: dict[str, list[SliceEntry]] = collections.defaultdict(list)
         for name, file, offsets, shape in entries:

@@ -29,7 +29,7 @@ from orbax_safetensors.engine.executor import Executor
 from orbax_safetensors.engine.integrity import Damage, Verifier, damage_message
 from orbax_safetensors.engine.progress import Progress
 from orbax_safetensors.errors import located
-from orbax_safetensors.index import FILE_CRCS_KEY, HFIndex, decode_crc, encode_crc
+from orbax_safetensors.index import encode_crc
 from orbax_safetensors.storage import Location
 
 _DATA_CHUNK = 16 << 20  # bytes of one read of ``data=True``; memory is a few of them
@@ -127,7 +127,7 @@ def verify(
         bytes=sum(t.nbytes for t in checkpoint.tensors.values()),
         problems=[Problem(*p) for p in findings.problems],
         leftovers=found.leftovers)
-    report.problems += _check_objects(checkpoint, found)
+    report.problems += _check_objects(checkpoint)
     if data:
         report.unchecked = sorted(set(checkpoint.headers) - set(checkpoint.checksums))
         report.bytes_checked, damage = _check_data(checkpoint, f"verify {location.url}", progress)
@@ -135,13 +135,10 @@ def verify(
     return report
 
 
-def _check_objects(checkpoint: catalog.Checkpoint, found: catalog.Survey) -> list[Problem]:
+def _check_objects(checkpoint: catalog.Checkpoint) -> list[Problem]:
     """Each checksummed file's whole crc32c (its header's, combined with its blocks': no data
-    read) against the one the HF index lists and the one the store keeps (GCS, S3): a damaged
-    header, or an object the store holds damaged, shows without reading the tensors."""
-    listed = {}
-    if isinstance(found.index, HFIndex) and isinstance(found.index.metadata.get(FILE_CRCS_KEY), dict):
-        listed = found.index.metadata[FILE_CRCS_KEY]
+    read) against the one the store keeps (GCS, S3): an object the store holds damaged shows
+    without reading the tensors. (The catalog compares it with the index's, for loads too.)"""
     storage = checkpoint.storage
 
     def check(file: str) -> list[Problem]:
@@ -152,10 +149,6 @@ def _check_objects(checkpoint: catalog.Checkpoint, found: catalog.Survey) -> lis
         except OSError as e:
             return [Problem(f"could not be read again: {e}", file)]
         problems = []
-        name = storage.split(file)[1]
-        if name in listed and decode_crc(listed[name]) != ours:
-            problems.append(Problem(f"the index lists crc32c {listed[name]!r}, but the file's header "
-                                    f"and block checksums give {encode_crc(ours)!r}", file))
         if stored is not None and stored != ours:
             problems.append(Problem(f"the store's crc32c of the object is {encode_crc(stored)!r}, but "
                                     f"its header and block checksums give {encode_crc(ours)!r}: the "

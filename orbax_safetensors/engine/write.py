@@ -32,7 +32,6 @@ from __future__ import annotations
 import abc
 import base64
 import collections
-import concurrent.futures
 import errno
 import dataclasses
 import functools
@@ -44,7 +43,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import jax
 import numpy as np
 
-from orbax_safetensors.engine.coordination import gather_to_all, gather_to_primary
+from orbax_safetensors.engine.coordination import Peers
+from orbax_safetensors.engine.executor import Executor
 from orbax_safetensors.engine.operation import Operation
 from orbax_safetensors.format.checksums import FileChecksums, Piece, Tally
 from orbax_safetensors.planning import (
@@ -92,10 +92,10 @@ class Checksums:
         """Block CRCs of file ``name``, which this process wrote whole."""
         return self._complete([self._encode()], [name])[name]
 
-    def gathered(self, key: str) -> dict[str, np.ndarray] | None:
+    def gathered(self, peers: Peers) -> dict[str, np.ndarray] | None:
         """On process 0, block CRCs of every file from every process's pieces (``None`` on the
         others). Blocks complete within a process cross as CRCs, the rest as pieces."""
-        raw = gather_to_primary(key, self._encode())
+        raw = peers.gather_to_primary("crc32c", self._encode())
         return None if raw is None else self._complete(raw)
 
     def _encode(self) -> str:
@@ -201,7 +201,7 @@ def _gather_checksums(op: Operation, checksums: Checksums,
     crcs: dict[str, dict[str, np.ndarray] | None] = {}
 
     def gather() -> None:
-        crcs["all"] = checksums.gathered(f"{op.key}/crc32c")
+        crcs["all"] = checksums.gathered(op.peers)
 
     op.run("checksummed", gather, clean_up)
     return final_headers(list(checksums.files.values()), crcs["all"] or {}) if op.is_primary else ({}, {})
@@ -314,16 +314,11 @@ class InParts(Strategy):
                 for u in self.uploads
                 for r, position in zip(u.ranges, itertools.accumulate(
                     (r.length for r in u.ranges), initial=0))]
-        error = None
-        try:
-            upload_all()
-        except BaseException as e:
-            error = e
-        every = [tuple(p) for raw in gather_to_all(f"{op.key}/parts", json.dumps(mine))
+        own_parts = sorted({commit.part(u.file, u.key) for u in self.uploads})
+        op.run("uploaded", upload_all, lambda: storage.discard(own_parts))
+        every = [tuple(p) for raw in op.exchange("parts", json.dumps(mine), lambda: storage.discard(own_parts))
                  for p in json.loads(raw)]
         part_objects = sorted({commit.part(file, key) for file, _, _, key, _ in every})
-        op.agree("uploaded", error,
-                 lambda: storage.discard(part_objects) if op.is_primary else None)
         final, file_crcs = _gather_checksums(
             op, checksums, lambda: (storage.discard(part_objects), commit.discard(names)) if op.is_primary else None)
         headers.update(final)
@@ -393,8 +388,8 @@ class Streamed(Strategy):
         self.files, self.chunks, self.to_commit = list(files), chunks, to_commit
 
     def write(self, op: Operation, commit: Commit) -> Written:
-        every = gather_to_primary(f"{op.key}/files", json.dumps([f.name for f in self.files]))
-        _begin(op, commit, sorted({name for raw in every or () for name in json.loads(raw)}))
+        every = op.exchange("files", json.dumps([f.name for f in self.files]))
+        _begin(op, commit, sorted({name for raw in every for name in json.loads(raw)}))
         written = [0]
         checksums = Checksums(self.files)
         file_crcs: FileCrcs = {}
@@ -483,8 +478,8 @@ def check_stored(storage: Storage, paths: dict[str, int]) -> None:
             raise OSError(errno.EIO, f"the store holds other bytes than were written (its crc32c "
                           f"{stored:#010x}, ours {paths[path]:#010x}); nothing was committed", path)
 
-    with concurrent.futures.ThreadPoolExecutor(_WRITE_THREADS) as pool:
-        list(pool.map(check, paths))
+    with Executor(_WRITE_THREADS, name="orbax_safetensors-check") as pool:
+        pool.map(check, paths)
 
 
 def commit_written(op: Operation, commit: Commit, written: Written) -> None:

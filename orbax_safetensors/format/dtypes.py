@@ -15,6 +15,7 @@ rule a load follows under ``ReadOptions(casting="same_kind")``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 
@@ -142,8 +143,11 @@ def cast_kind(stored: np.dtype | type, target: np.dtype | type) -> str:
       int → an int type holding every stored value (int8 → int32, uint8 → int16), real →
       complex.
     * ``"check_range"``: int → an int type (or bool) holding only some of the stored values
-      (int32 → int8, int8 → uint8, uint64 → int64, int → bool): safe exactly when the values
-      fit (bool: are 0 or 1), which only the values can tell.
+      (int32 → int8, int8 → uint8, uint64 → int64, int → bool), and float or int → a float type
+      whose finite range (or infinities, NaN, sign) does not cover the stored type's
+      (float32 → float16 or bfloat16 or fp8, float64 → float32, int32 → float16): safe exactly
+      when the values fit, which only the values can tell (``first_out_of_range``). A float
+      that does not fit would become inf, NaN or the largest value, silently.
     * ``"unsafe"``: float → int or bool (truncated; NaN and inf become arbitrary integers),
       complex → real (the imaginary part dropped), and anything this does not know.
     """
@@ -151,14 +155,57 @@ def cast_kind(stored: np.dtype | type, target: np.dtype | type) -> str:
     if stored == target:
         return "same"
     have, want = _kind(stored), _kind(target)
-    if have == "b" or (have in "iuf" and want in "fc") or (have == want == "c"):
+    if have == "b" or (have in "iuf" and want == "c") or (have == want == "c"):
         return "safe"
+    if have in "iuf" and want == "f":
+        return "safe" if _float_covers(target, stored) else "check_range"
     if have in "iu" and want in "iub":
         lo, hi = int_range(stored)
         tlo, thi = int_range(target)
         return "safe" if tlo <= lo and hi <= thi else "check_range"
     return "unsafe"
 
+
+@dataclasses.dataclass(frozen=True)
+class FloatRange:
+    """What a float type can hold: its largest finite value, whether it has infinities and
+    NaN, and its smallest value above zero when it holds no others (``float8_e8m0fnu``, a
+    scale type: powers of two only, no sign, no zero)."""
+
+    max: float
+    has_inf: bool
+    has_nan: bool
+    positive_from: float | None
+
+    def holds(self, values: np.ndarray) -> np.ndarray:
+        """Which of ``values`` (float64) a cast to this type keeps the meaning of."""
+        finite = np.isfinite(values)
+        ok = np.where(np.isnan(values), self.has_nan, np.where(finite, np.abs(values) <= self.max, self.has_inf))
+        if self.positive_from is not None:
+            ok &= np.isnan(values) | (values >= self.positive_from)
+        return ok
+
+
+@functools.lru_cache(maxsize=None)
+def float_range(dtype: np.dtype) -> FloatRange:
+    dtype = np.dtype(dtype)
+    info = ml_dtypes.finfo(dtype)
+    special = np.array([np.inf, np.nan, -1.0], np.float64).astype(dtype).astype(np.float64)
+    positive = None if special[2] == -1.0 else float(info.tiny)
+    return FloatRange(float(info.max), bool(np.isposinf(special[0])), bool(np.isnan(special[1])), positive)
+
+
+def _float_covers(target: np.dtype, stored: np.dtype) -> bool:
+    """Whether every value of ``stored`` (an int or float type) keeps its meaning in the float
+    type ``target`` (rounded, as ``same_kind`` allows, but never to inf, NaN or another sign)."""
+    want = float_range(target)
+    if _kind(stored) in "iu":
+        lo, hi = int_range(stored)
+        return want.positive_from is None and max(-lo, hi) <= want.max
+    have = float_range(stored)
+    return (have.max <= want.max and (want.has_inf or not have.has_inf)
+            and (want.has_nan or not have.has_nan)
+            and (want.positive_from is None or have.positive_from is not None))
 
 def int_range(dtype: np.dtype | type) -> tuple[int, int]:
     """The smallest and largest value of an integer (or bool: 0, 1) dtype."""
@@ -170,14 +217,24 @@ def int_range(dtype: np.dtype | type) -> tuple[int, int]:
 
 
 def first_out_of_range(values: np.ndarray, target: np.dtype | type):
-    """The first of the integer ``values`` (C order) that ``target`` cannot hold, or ``None``
+    """The first of the int or float ``values`` (C order) that ``target`` cannot hold (that a
+    cast would change beyond rounding: overflow to inf, NaN, or the largest value), or ``None``
     when all fit; a min and a max unless one does not."""
     if values.size == 0:
         return None
+    target = np.dtype(target)
+    flat = values.reshape(-1)
+    if _kind(target) == "f":
+        limits = float_range(target)
+        lo, hi = float(values.min()), float(values.max())
+        if (np.isfinite(lo) and np.isfinite(hi) and -limits.max <= lo and hi <= limits.max
+                and (limits.positive_from is None or lo >= limits.positive_from)):
+            return None
+        bad = np.flatnonzero(~limits.holds(flat.astype(np.float64)))
+        return flat[bad[0]].item() if bad.size else None
     lo, hi = int_range(target)
     if lo <= int(values.min()) and int(values.max()) <= hi:
         return None
-    flat = values.reshape(-1)
     return flat[np.flatnonzero((flat < lo) | (flat > hi))[0]].item()
 
 

@@ -9,9 +9,9 @@ bucket or memory, and a backend can pick the fastest way to fill a buffer
 from __future__ import annotations
 
 import abc
-import concurrent.futures
 import dataclasses
 import logging
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import BinaryIO
 
@@ -237,14 +237,22 @@ class Storage(abc.ABC):
 
     def discard(self, paths: Iterable[str]) -> None:
         """Best-effort deletes on a failure path, in parallel and without retries: the error
-        being reported matters more than a leftover, which the next save removes anyway."""
-        def remove_quietly(path: str) -> None:
-            try:
-                self.remove_once(path)
-            except Exception as e:  # cleanup must not mask the failure being reported
-                _LOG.warning("could not remove %s while cleaning up: %s", path, e)
-        with concurrent.futures.ThreadPoolExecutor(_DISCARD_THREADS) as pool:
-            list(pool.map(remove_quietly, paths))
+        being reported matters more than a leftover, which the next save removes anyway.
+        Plain threads: a failing save cleans up even while the interpreter exits, when
+        ``concurrent.futures`` pools refuse work."""
+        def remove_quietly(share: list[str]) -> None:
+            for path in share:
+                try:
+                    self.remove_once(path)
+                except Exception as e:  # cleanup must not mask the failure being reported
+                    _LOG.warning("could not remove %s while cleaning up: %s", path, e)
+        paths = list(paths)
+        threads = [threading.Thread(target=remove_quietly, args=(paths[i::_DISCARD_THREADS],), daemon=True)
+                   for i in range(min(_DISCARD_THREADS, len(paths)))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
 
     def remove_once(self, path: str) -> None:
         """``remove`` without retries (where the backend retries at all)."""

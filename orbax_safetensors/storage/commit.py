@@ -56,7 +56,7 @@ _WRITING = re.compile(r"^\.orbax_safetensors\.writing-([0-9a-f]{12})\.json$")
 _LEGACY_WRITING = re.compile(r"^\.orbax_safetensors\.distributed\.json\.tmp-[0-9a-f]{12}$")
 # .NAME.tmp-TOKEN (a file before its commit), .NAME.part-TOKEN-OFFSET (a part of one, object
 # stores), .NAME.old-TOKEN (an old file replaced by a commit in progress)
-_TRANSIENT = re.compile(r"^\.(?P<name>.+)\.(?:tmp|part|old)-(?P<token>[0-9a-f]{12})(?:-\d{20})?$")
+_TRANSIENT = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|part|old)-(?P<token>[0-9a-f]{12})(?:-\d{20})?$")
 _MAX_JOURNAL_BYTES = 64 << 20
 _VIEW_ATTEMPTS = 20
 _INDEX_NAMES = frozenset({INDEX_NAME, DISTRIBUTED_INDEX_NAME})  # what marks a directory committed
@@ -297,6 +297,25 @@ class Commit:
         """After a failure: removes this save's files of ``names`` (best effort)."""
         self.storage.discard(self.temporary(n) for n in names)
 
+    def abandon(self) -> None:
+        """After a failure before the commit point, on the process that took the location:
+        removes the files this save wrote, by its token (temporaries, parts, the marker),
+        which covers every process's, including any whose owner failed before saying what
+        it wrote. Never a backup or a journal: a commit that failed half way is rolled back
+        by its own steps (or by the next writer), never by a sweep. Best effort: the next
+        writer removes what remains."""
+        self.storage.discard(self._own(self.storage.listdir(self.directory)))
+
+    def _own(self, listing: Iterable[str]) -> list[str]:
+        """This save's temporaries, parts and marker among ``listing``."""
+        own = []
+        for name in listing:
+            match = _TRANSIENT.match(name)
+            if (match and match["token"] == self.token and match["kind"] != "old"
+                    or name == writing_marker_name(self.token)):
+                own.append(self.path(name))
+        return own
+
     def _leftovers(self, listing: Iterable[str]) -> list[str]:
         own = lock_name(self.single_file)
         return [self.path(n) for n in listing if n != own and is_transient(n, self.single_file)]
@@ -411,11 +430,14 @@ class StagedCommit(Commit):
 class DirectCommit(Commit):
     """Final names and the index last, for object stores, where a rename copies every byte."""
 
+    _writing: tuple[str, ...] = ()  # what ``begin`` marked (on the process that took the location)
+
     def temporary(self, name: str) -> str:
         return self.path(name)
 
     def begin(self, files: Sequence[str]) -> None:
         # One object replacing itself (or appearing) is atomic; anything else has a window.
+        self._writing = tuple(files)
         if self.single_file is None and not (len(files) == 1 and self.old <= set(files)):
             self.storage.write(self.path(writing_marker_name(self.token)),
                                [json.dumps({"files": sorted(files)}).encode()])
@@ -434,9 +456,21 @@ class DirectCommit(Commit):
 
     def discard(self, names: Iterable[str]) -> None:
         """Files here are already under their final names, where the old index no longer
-        names anything: remove ours and the marker, so nothing half-written remains."""
-        self.storage.discard([self.path(n) for n in names] + self._leftovers(
-            n for n in self.storage.listdir(self.directory) if self.token in n))
+        names anything: remove ours, then the marker, so nothing half-written remains."""
+        self._remove_written([self.path(n) for n in names])
+
+    def abandon(self) -> None:
+        self._remove_written([self.path(n) for n in self._writing])
+
+    def _remove_written(self, paths: list[str]) -> None:
+        """Our final-name files, then our other transients; the marker last, and only once no
+        file it lists is left: without it, a leftover new file beside old ones (no index)
+        would read as a checkpoint of its own."""
+        listing = self.storage.listdir(self.directory)
+        marker = self.path(writing_marker_name(self.token))
+        self.storage.discard(paths + [p for p in self._own(listing) if p != marker])
+        if self._writing and not any(self.storage.exists(self.path(n)) for n in self._writing):
+            self.storage.discard([marker])  # put down here: ours to take away
 
 
 class DirectorySwap:

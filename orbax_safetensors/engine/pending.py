@@ -1,0 +1,111 @@
+"""Background saves: what their futures promise when nobody waits, is cancelled, or exits.
+
+``async_save`` returns a ``SaveFuture`` while a thread writes and commits.
+Three promises hold however the caller treats it:
+
+* **The end of a script does not lose it.** The writer is not a daemon, so the
+  interpreter waits for it at exit, and the engine's pools keep their own
+  threads (``concurrent.futures``' pools refuse work once exit begins). A
+  final ``async_save`` of a training script commits.
+* **A failure nobody read is said.** If the save failed and nothing asked its
+  future for the outcome, the interpreter's exit prints the error on stderr and
+  ends with status 1 instead of 0: a lost checkpoint is never silent.
+* **``cancel()`` means it.** On a save still writing, ``cancel`` stops the
+  writers, waits for them to roll back (temporaries removed, the old
+  checkpoint untouched) and returns True; once the commit point is passed it
+  returns False and the save completes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import logging
+import os
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+_unread: dict[int, tuple[str, BaseException]] = {}  # id(future) → (where, error), failed and unread
+_unread_lock = threading.Lock()
+
+
+class SaveFuture(concurrent.futures.Future):
+    """The outcome of one background save at ``where``; ``stop`` asks it to stop before its
+    commit point (False once past it)."""
+
+    def __init__(self, where: str, stop: Callable[[], bool]):
+        super().__init__()
+        self.where, self._stop = where, stop
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._was_read = False
+
+    def run_in(self, thread: threading.Thread) -> None:
+        self._thread = thread
+        thread.start()
+
+    def result(self, timeout: float | None = None) -> Any:
+        self._read()
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._read()
+        return super().exception(timeout)
+
+    def cancel(self) -> bool:
+        """Stops a save still writing and waits until it has rolled back (True); False once it
+        has committed, failed, or passed its commit point."""
+        if self.done() or self._stopping:
+            return self.cancelled()
+        if not self._stop():
+            return False
+        self._stopping = True
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        self._read()
+        return super().cancel()
+
+    @property
+    def stopping(self) -> bool:
+        """``cancel`` has stopped the save: its writer leaves the outcome to ``cancel``."""
+        return self._stopping
+
+    def finish(self, result: Any = None, error: BaseException | None = None) -> None:
+        """The writer's outcome (not set when the save was cancelled: the future is)."""
+        if self._stopping:
+            return
+        if error is None:
+            self.set_result(result)
+            return
+        with _unread_lock:
+            if not self._was_read:
+                _unread[id(self)] = (self.where, error)
+        self.set_exception(error)
+
+    def _read(self) -> None:
+        with _unread_lock:
+            self._was_read = True
+            _unread.pop(id(self), None)
+
+
+def _report_unread() -> None:
+    """At exit, after the writers have finished: failures nobody read, said, and exit status 1."""
+    with _unread_lock:
+        lost = list(_unread.values())
+    if not lost:
+        return
+    for where, error in lost:
+        print(f"orbax_safetensors: async_save to {where} failed and nothing waited for its result; "
+              f"nothing was committed there: {type(error).__name__}: {error}", file=sys.stderr)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(1)
+
+
+atexit.register(_report_unread)

@@ -1,0 +1,215 @@
+"""One process of a load or save fails: every process raises, promptly, naming who and why.
+
+Each child catches what its ``ost`` call raises and returns it (type, message,
+seconds), so the parent sees every process's outcome instead of the fixture
+killing the survivors. Before, the survivors of these cases waited for the
+30-minute coordination timeout (or a Gloo DEADLINE_EXCEEDED that named no
+damage) and the next collective operation hung; a solo call on one process
+shifted every later operation's keys. The time bounds below are hang checks,
+far above what any of these takes and far below the 30 minutes of a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import orbax_safetensors as ost
+
+pytestmark = pytest.mark.slow  # several JAX processes
+
+_MODULE = "tests.test_failures_multiprocess"
+_PROMPT = 60.0  # seconds: a hang check (the coordination timeout is 30 minutes)
+
+
+def _values() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {"w": rng.standard_normal((256, 1024)).astype(np.float32),
+            "b": rng.standard_normal((1024,)).astype(np.float32)}
+
+
+def _mesh() -> Mesh:
+    return Mesh(np.array(jax.devices()), ("x",))
+
+
+def _target(spec_w=P("x"), spec_b=P()) -> dict:
+    values = _values()
+    return {"w": jax.ShapeDtypeStruct(values["w"].shape, np.float32, sharding=NamedSharding(_mesh(), spec_w)),
+            "b": jax.ShapeDtypeStruct(values["b"].shape, np.float32, sharding=NamedSharding(_mesh(), spec_b))}
+
+
+def _global(values: dict[str, np.ndarray], spec=P("x")) -> dict:
+    sharding = NamedSharding(_mesh(), spec)
+    return {k: jax.make_array_from_callback(v.shape, sharding, lambda i, v=v: v[i]) for k, v in values.items()}
+
+
+def _outcome(call) -> dict:
+    """What ``call`` did on this process: raised (type, message) or returned, and how long."""
+    started = time.monotonic()
+    try:
+        call()
+    except BaseException as e:  # noqa: BLE001 -- the parent checks what it was
+        return {"raised": type(e).__name__, "message": str(e), "seconds": time.monotonic() - started,
+                "mro": [c.__name__ for c in type(e).__mro__]}
+    return {"raised": None, "seconds": time.monotonic() - started}
+
+
+def _flip_in_process_1_rows(path: str) -> None:
+    """Flips a byte of ``w`` in the rows only process 1's devices hold under ``P("x")``."""
+    info = ost.metadata(path)
+    file = os.path.join(path, info.files["w"][0])
+    from orbax_safetensors.format import parse_header, header_size
+    with open(file, "r+b") as f:
+        data = f.read()
+        n = header_size(data[:8], len(data), file=file)
+        header = parse_header(data[8:8 + n], len(data), file=file)
+        begin = header.data_start + header.tensors["w"].begin
+        at = begin + header.tensors["w"].nbytes * 3 // 4  # row 192 of 256: a block only process 1 reads
+        f.seek(at)
+        f.write(bytes([data[at] ^ 0xFF]))
+
+
+def _child_damaged_load(args):
+    path = args["path"]
+    outcomes = {}
+    # Sharded rows (no collective), then the replicated bias read once and all-gathered
+    # (a device collective the damaged process must not leave the other inside).
+    outcomes["sharded"] = _outcome(lambda: ost.load(path, _target(), strict=False))
+    outcomes["read_once"] = _outcome(lambda: ost.load(path, {"w": _target(P())["w"]}, strict=False))
+    # The next collective operation is not affected: keys stayed in step.
+    outcomes["after"] = _outcome(lambda: ost.load(path, {"b": _target()["b"]}, strict=False))
+    return outcomes
+
+
+def test_a_checksum_error_on_one_process_fails_every_process_at_once(multiprocess, tmp_path):
+    path = str(tmp_path / "ckpt")
+    ost.save(path, _values())
+    _flip_in_process_1_rows(path)
+    results = multiprocess(f"{_MODULE}:_child_damaged_load", num_processes=2, devices_per_process=4,
+                           timeout=300, args={"path": path})
+    mine, peer = results[1].value, results[0].value
+    for case in ("sharded", "read_once"):
+        assert mine[case]["raised"] == "ChecksumError", mine[case]
+        assert "'w'" in mine[case]["message"]
+        assert peer[case]["raised"] == "PeerFailedError", peer[case]
+        assert "DistributedError" in peer[case]["mro"] and "OSError" in peer[case]["mro"]
+        assert "process 1: ChecksumError" in peer[case]["message"] and "'w'" in peer[case]["message"]
+        assert peer[case]["seconds"] < _PROMPT and mine[case]["seconds"] < _PROMPT, (case, peer, mine)
+    assert mine["after"]["raised"] is None and peer["after"]["raised"] is None, (mine, peer)
+
+
+def _child_bad_leaf_save(args):
+    path = args["path"]
+    tree = _global(_values())
+    if jax.process_index() == 1:
+        tree["step"] = "100"  # not an array: this process fails before any agreement
+    outcome = _outcome(lambda: ost.save(path, tree))
+    # The next collective save works: both processes' keys stayed in step.
+    tree.pop("step", None)
+    outcome["after"] = _outcome(lambda: ost.save(path + "-next", tree))
+    outcome["left"] = sorted(os.listdir(os.path.dirname(path)))
+    return outcome
+
+
+def test_a_save_that_fails_on_one_process_before_any_agreement_fails_them_all(multiprocess, tmp_path):
+    path = str(tmp_path / "ckpt")
+    results = multiprocess(f"{_MODULE}:_child_bad_leaf_save", num_processes=2, devices_per_process=4,
+                           timeout=300, args={"path": path})
+    bad, good = results[1].value, results[0].value
+    assert bad["raised"] == "TypeError" and "'step'" in bad["message"], bad
+    assert good["raised"] == "PeerFailedError" and "process 1: TypeError" in good["message"], good
+    assert good["seconds"] < _PROMPT and bad["seconds"] < _PROMPT
+    assert good["after"]["raised"] is None and bad["after"]["raised"] is None, (good, bad)
+    assert not os.path.exists(path)  # nothing was begun: no lock, no directory
+    np.testing.assert_array_equal(ost.load(path + "-next")["w"], _values()["w"])
+
+
+def _child_failed_copy(args):
+    """``async_save``'s host copy fails on process 1 (a host out of memory)."""
+    import importlib
+
+    save_module = importlib.import_module("orbax_safetensors.engine.save")
+
+    path = args["path"]
+    if jax.process_index() == 1:
+        original = save_module._host_shards
+
+        def out_of_memory(*a, **k):
+            raise MemoryError("cannot allocate the host copy")
+        save_module._host_shards = out_of_memory
+    outcome = _outcome(lambda: ost.async_save(path, _global(_values())).result())
+    if jax.process_index() == 1:
+        save_module._host_shards = original
+    outcome["after"] = _outcome(lambda: ost.save(path + "-next", _global(_values())))
+    outcome["left"] = sorted(os.listdir(path)) if os.path.isdir(path) else None
+    return outcome
+
+
+def test_an_async_save_whose_host_copy_fails_on_one_process_fails_every_process(multiprocess, tmp_path):
+    path = str(tmp_path / "ckpt")
+    results = multiprocess(f"{_MODULE}:_child_failed_copy", num_processes=2, devices_per_process=4,
+                           timeout=300, args={"path": path})
+    bad, good = results[1].value, results[0].value
+    assert bad["raised"] == "MemoryError", bad
+    assert good["raised"] == "PeerFailedError" and "process 1: MemoryError" in good["message"], good
+    assert good["seconds"] < _PROMPT
+    assert good["left"] in (None, []), good  # no lock, no temporaries (and no directory it made)
+    assert good["after"]["raised"] is None and bad["after"]["raised"] is None, (good, bad)
+
+
+def _child_different_targets(args):
+    path = args["path"]
+    spec = P("x") if jax.process_index() == 0 else P(None, "x")
+    outcome = _outcome(lambda: ost.load(path, _target(spec)))
+    outcome["after"] = _outcome(lambda: ost.load(path, _target()))
+    return outcome
+
+
+def test_processes_that_ask_for_different_targets_all_raise_naming_the_leaf(multiprocess, tmp_path):
+    path = str(tmp_path / "ckpt")
+    ost.save(path, _values())
+    results = multiprocess(f"{_MODULE}:_child_different_targets", num_processes=2, devices_per_process=4,
+                           timeout=300, args={"path": path})
+    for result in results:
+        outcome = result.value
+        assert outcome["raised"] == "ValueError", outcome
+        assert "different targets" in outcome["message"] and "w: float32[256, 1024]" in outcome["message"]
+        assert "process 0:" in outcome["message"] and "process 1:" in outcome["message"]
+        assert outcome["seconds"] < _PROMPT
+        assert outcome["after"]["raised"] is None, outcome
+
+
+def _child_solo_calls(args):
+    """Between collective saves and restores, process 1 alone loads, inspects, fails to load
+    and saves host data of its own: none of it may shift the next collective operation."""
+    path, me = args["path"], jax.process_index()
+    values, target = _values(), _target()
+    ost.save(path, _global(values))
+    if me == 1:
+        ost.load(path)  # host arrays: this process alone
+        ost.metadata(path)
+        try:
+            ost.load(path + "-missing", target)  # a sharded target, on one process: fails alone
+        except FileNotFoundError:
+            pass
+        ost.save(path + "-mine", {"x": np.arange(3)})  # host data: this process's own save
+    restored = ost.load(path, target)
+    ost.save(path, _global({k: v + 1 for k, v in values.items()}), overwrite=True)
+    again = ost.load(path, target)
+    return {name: [bool(np.array_equal(np.asarray(s.data), (values[name] + plus)[s.index]))
+                   for tree, plus in ((restored, 0), (again, 1)) for s in tree[name].addressable_shards]
+            for name in values}
+
+
+def test_what_one_process_does_alone_never_shifts_the_next_collective_operation(multiprocess, tmp_path):
+    path = str(tmp_path / "ckpt")
+    results = multiprocess(f"{_MODULE}:_child_solo_calls", num_processes=2, devices_per_process=4,
+                           timeout=300, args={"path": path})
+    for result in results:
+        assert all(all(checks) for checks in result.value.values()), result.value
+    np.testing.assert_array_equal(ost.load(path + "-mine")["x"], np.arange(3))
