@@ -324,6 +324,7 @@ def take_location(location: Location, key: str, *, overwrite: bool, fresh: bool 
         try:
             commit.acquire()
             found = catalog.survey(location, catalog.Findings(collect=True))
+            catalog.refuse_non_files(found)
             if found.committed and not overwrite:
                 raise FileExistsError(errno.EEXIST, "already holds a checkpoint; pass "
                                       "overwrite=True to replace it", location.url)
