@@ -75,7 +75,7 @@ from orbax_safetensors.engine import (
 )
 from orbax_safetensors.errors import SafetensorsError
 from orbax_safetensors.format import TensorInfo, dtype_for_numpy, from_bytes, to_bytes
-from orbax_safetensors.index import natural_key, parse_size
+from orbax_safetensors.index import natural_key
 from orbax_safetensors.planning import Box, TensorSpec, box_shape, full_box, row_blocks
 from orbax_safetensors.storage import Location
 from orbax_safetensors.storage.commit import DirectorySwap
@@ -166,6 +166,7 @@ def convert(
         something the other format cannot (strings; zero-size arrays for Orbax).
     """
     started = time.perf_counter()
+    options = StreamOptions(max_shard_size, metadata, overwrite, block_bytes, progress, checksums)
     fmt, item = detect_format(src, storage_options, filesystem)
     target = Location.resolve(dst, storage_options, filesystem)
     occupied = _occupied(target)
@@ -180,7 +181,6 @@ def convert(
                 f"{', '.join(repr(n) for n in foreign[:5])}{', ...' if len(foreign) > 5 else ''}); "
                 "convert replaces only an Orbax checkpoint, even with overwrite: choose another "
                 "destination")
-    options = StreamOptions(max_shard_size, metadata, overwrite, block_bytes, progress, checksums)
     label = f"convert {os.fspath(src)} -> {target.url}"
     if fmt == ORBAX:
         return _orbax_to_safetensors(item, target, options, label=label, started=started)
@@ -467,7 +467,7 @@ def _write_orbax(checkpoint: Checkpoint, dst: Location, options: StreamOptions, 
     report = Progress(label, sum(checkpoint.tensors[n].nbytes for n in names),
                       enabled=options.progress).start()
     blocks = CheckpointBlocks(checkpoint)
-    leaves = [_StreamedTensor(n, blocks, parse_size(options.block_bytes), report) for n in names]
+    leaves = [_StreamedTensor(n, blocks, options.block_bytes, report) for n in names]
     tree = nest_names(dict(zip(names, leaves))) if nest else dict(zip(names, leaves))
     registry = type_handlers.create_type_handler_registry(
         (_StreamedTensor, _StreamedTensorHandler()))
