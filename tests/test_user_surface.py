@@ -1,6 +1,7 @@
 """What a new user trips over first: None leaves, partial loads, targets built from a checkpoint,
 progress lines, and saves refused before they write a file nothing can read."""
 
+import io
 import warnings
 
 import jax
@@ -150,9 +151,44 @@ def test_progress_lines_on_save_async_save_and_load(tmp_path, capfd):
     assert f"save {tmp_path / 'c'}: 262.14/262.14 KB (100%)" in err
     assert f"save {tmp_path / 'd'}: 262.14/262.14 KB (100%)" in err
     assert f"load {tmp_path / 'c'}: " in err and "(100%)" in err.split("load ")[-1]
+    # stderr is no terminal here: plain lines, no carriage returns or escape codes.
+    assert "\r" not in err and "\x1b" not in err and err.endswith("\n"), repr(err)
+    assert err.count("\n") == 3 and all(": " in line for line in err.splitlines())
     ost.save(tmp_path / "e", tree)
     ost.load(tmp_path / "e")
     assert capfd.readouterr().err == ""  # off by default in library calls
+
+
+class _Stream(io.StringIO):
+    def __init__(self, terminal: bool):
+        super().__init__()
+        self.terminal = terminal
+
+    def isatty(self) -> bool:
+        return self.terminal
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_progress_redraws_a_line_on_a_terminal_and_writes_plain_lines_elsewhere(monkeypatch, terminal):
+    monkeypatch.setattr(ost.engine.Progress, "LOG_SECONDS", 0.0)  # a line at every advance
+    monkeypatch.setattr(ost.engine.Progress, "REDRAW_SECONDS", 0.0)
+    stream = _Stream(terminal)
+    report = ost.engine.Progress("job", 3_000_000, enabled=True, stream=stream).start()
+    for _ in range(3):
+        report.advance(1_000_000)
+    assert report.close().startswith("job: 3.00/3.00 MB (100%) in ")
+    text = stream.getvalue()
+    if terminal:
+        assert text.count("\r") == 5 and text.count("\x1b[K") == 5 and text.count("\n") == 1
+        assert text.startswith("\rjob: 0.00/3.00 MB (0%)") and text.endswith("\x1b[K\n")
+    else:
+        assert "\r" not in text and "\x1b" not in text
+        lines = text.splitlines()
+        assert [line.split(" in ")[0] for line in lines] == [
+            "job: 1.00/3.00 MB (33%)", "job: 2.00/3.00 MB (67%)", "job: 3.00/3.00 MB (100%)",
+            "job: 3.00/3.00 MB (100%)"]
+        assert "ETA" in lines[0] and "ETA" not in lines[-1]
+    assert ost.engine.Progress("job", 1, stream=_Stream(False)).enabled is False  # None: terminals only
 
 
 def test_shards_hold_consecutive_layers(tmp_path):

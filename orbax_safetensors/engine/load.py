@@ -228,8 +228,9 @@ def load(
         Each leaf is read as the stored box holding its shards and transposed or
         reshaped on the host, shard by shard. Without a target the result is
         keyed by tree names.
-      progress: draw a progress line on stderr (this process's bytes read, rate,
-        time left; process 0 only), as the CLI does.
+      progress: report progress on stderr (this process's bytes read, rate,
+        time left; process 0 only): one updating line on a terminal, as the CLI
+        draws it, else a plain line every 10 s and one at the end.
       nest: without a target, return the tensors nested by the dots of their
         names (``{"model": {"layers": {"0": {...}}}}``) instead of flat.
     """

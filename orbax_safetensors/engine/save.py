@@ -193,8 +193,9 @@ def save(
         index), computed by each process over the bytes it writes; every load
         then checks the blocks it reads. Other readers ignore them. ``False``
         writes exactly what transformers' ``save_pretrained`` writes.
-      progress: draw a progress line on stderr (this process's bytes written,
-        rate, time left; process 0 only), as the CLI does.
+      progress: report progress on stderr (this process's bytes written, rate,
+        time left; process 0 only): one updating line on a terminal, as the CLI
+        draws it, else a plain line every 10 s and one at the end.
     """
     job = prepare_save(Location.resolve(path, storage_options, filesystem), tree,
                        SaveOptions(layout, max_shard_size, metadata, overwrite, mapping, checksums, progress),
