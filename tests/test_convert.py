@@ -387,10 +387,11 @@ def test_convert_overwrites_an_orbax_checkpoint_and_keeps_files_beside_an_hf_one
 def test_orbax_output_shards_follow_numeric_layer_order(tmp_path):
     """Indices sort as numbers, as in a PyTorch state_dict: each shard holds consecutive layers
     (``layers.2`` before ``layers.10``; Flax's ``Dense_2`` before ``Dense_10``), not 0, 1, 10, 11."""
-    tree = {"layers": [{"w": np.full(4, i, np.float32)} for i in range(12)],  # 16 B each
-            "head": {f"Dense_{i}": np.full(4, i, np.float32) for i in range(12)}}
+    tree = {"layers": [{"w": np.full(1000, i, np.float32)} for i in range(12)],  # 4 KB each
+            "head": {f"Dense_{i}": np.full(1000, i, np.float32) for i in range(12)}}
     _save_orbax(tmp_path / "orbax", tree)
-    ost.convert(tmp_path / "orbax", tmp_path / "hf", max_shard_size="32B", progress=False)
+    # Two tensors and their headers fit, three do not.
+    ost.convert(tmp_path / "orbax", tmp_path / "hf", max_shard_size="8.5KB", progress=False)
     weight_map = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())[
         "weight_map"]
     shards = {}

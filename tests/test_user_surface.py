@@ -195,8 +195,34 @@ def test_shards_hold_consecutive_layers(tmp_path):
     """A flat dict's keys sort as text in JAX (layers.1, layers.10, layers.11, layers.2, ...);
     shards are filled in numeric order, as transformers fills them."""
     tree = {f"model.layers.{i}.w": np.full(250, i, np.float32) for i in range(12)}
-    ost.save(tmp_path / "c", tree, max_shard_size="6KB")
+    ost.save(tmp_path / "c", tree, max_shard_size="7KB")  # six 1 KB tensors and their headers
     files = ost.metadata(tmp_path / "c").files
     assert [files[f"model.layers.{i}.w"][0][6:11] for i in range(12)] == ["00001"] * 6 + ["00002"] * 6
-    ost.consolidate(tmp_path / "c", tmp_path / "d", max_shard_size="6KB")
+    ost.consolidate(tmp_path / "c", tmp_path / "d", max_shard_size="7KB")
     assert ost.metadata(tmp_path / "d").files == files
+
+
+@pytest.mark.parametrize("layout, checksums", [("hf", True), ("hf", False), ("distributed", True)])
+def test_max_shard_size_counts_headers_so_no_file_exceeds_it(tmp_path, layout, checksums):
+    """Tiny tensors are mostly header: 16 bytes of data against a ~70-byte entry (and the slice
+    offsets of the distributed layout). Files used to be packed by data bytes alone."""
+    tree = {f"model.layers.{i}.w": np.full(4, i, np.float32) for i in range(3000)}
+    ost.save(tmp_path / "c", tree, max_shard_size="50KB", layout=layout, checksums=checksums)
+    sizes = [f.stat().st_size for f in (tmp_path / "c").glob("*.safetensors")]
+    assert len(sizes) > 1 and max(sizes) <= 50_000, sizes
+    assert sum(sizes) > 50_000 * (len(sizes) - 1) * 0.9  # filled, not split needlessly
+    loaded = ost.load(tmp_path / "c")
+    assert all(np.array_equal(loaded[n], v) for n, v in tree.items())
+
+
+@pytest.mark.slow  # 100 000 tensors
+def test_a_2mb_shard_of_100_000_tiny_tensors_stays_under_2mb(tmp_path):
+    tree = {f"model.layers.{i}.w": np.full(4, i, np.float32) for i in range(100_000)}
+    ost.save(tmp_path / "c", tree, max_shard_size="2MB")
+    sizes = [f.stat().st_size for f in (tmp_path / "c").glob("*.safetensors")]
+    assert len(sizes) > 1 and max(sizes) <= 2_000_000, sizes
+    # Big tensors split where transformers splits them (tensor bytes; headers are noise there).
+    big = {f"layers.{i}.w": np.zeros(250_000, np.float32) for i in range(6)}  # 1 MB each
+    ost.save(tmp_path / "big", big, max_shard_size="2.1MB")
+    assert sorted(f.name for f in (tmp_path / "big").glob("*.safetensors")) == [
+        f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]

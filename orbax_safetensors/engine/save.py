@@ -177,7 +177,8 @@ def save(
         arrays (written by process 0).
       layout: ``"hf"``, whole tensors in the Hugging Face layout.
       max_shard_size: bytes per file of a checkpoint directory, as an int or a
-        string like ``"2GB"`` (default ``"5GB"``, as transformers). A
+        string like ``"2GB"`` (default ``"5GB"``, as transformers), headers
+        included: only a tensor too big for it alone makes a bigger file. A
         ``.safetensors`` path is one file: passing it there is an error.
       metadata: str→str stored in every file's ``__metadata__`` (next to
         ``"format": "pt"``, which transformers requires).
