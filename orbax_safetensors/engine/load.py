@@ -95,7 +95,9 @@ def metadata_of(checkpoint: Checkpoint) -> CheckpointMetadata:
 
 @dataclasses.dataclass(frozen=True)
 class ReadOptions:
-    """Knobs of a load; the defaults suit local disks and buckets alike.
+    """Knobs of a load; the defaults suit local disks and buckets alike. Every field is
+    checked when the options are built (a ``ValueError`` or ``TypeError`` naming it), and
+    sizes are stored as ints (``"1GB"`` → ``10**9``).
 
     Attributes:
       memory_budget: host bytes staged at once (read but not yet on device).
