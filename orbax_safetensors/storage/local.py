@@ -176,7 +176,7 @@ class LocalStorage(Storage):
         while not os.path.exists(parent):
             missing.append(parent)
             parent = os.path.dirname(parent)
-        os.makedirs(path, exist_ok=True)
+        self.makedirs(path)
         return missing
 
     def remove_empty_directory(self, path: str) -> bool:
