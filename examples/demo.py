@@ -57,7 +57,8 @@ def shard(params: dict, mesh: Mesh, axis: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dir", help="where to write (default: a temporary directory)")
+    parser.add_argument("--dir", help="where to write (default: a temporary directory, removed "
+                                      "at the end)")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--vocab", type=int, default=32000)
@@ -70,8 +71,15 @@ def main() -> None:
     nbytes = sum(x.nbytes for x in params.values())
     print(f"model: {len(params)} tensors, {nbytes / 1e6:.1f} MB bf16, FSDP-sharded (rows)")
 
-    directory = args.dir or tempfile.mkdtemp(prefix="ost-demo-")
-    path = os.path.join(directory, "checkpoint")
+    if args.dir:
+        run(params, mesh, os.path.join(args.dir, "checkpoint"))
+        return
+    with tempfile.TemporaryDirectory(prefix="ost-demo-") as directory:  # gone however the demo ends
+        run(params, mesh, os.path.join(directory, "checkpoint"))
+
+
+def run(params: dict, mesh: Mesh, path: str) -> None:
+    nbytes = sum(x.nbytes for x in params.values())
     start = time.perf_counter()
     ost.save(path, params, max_shard_size="100MB", overwrite=True)
     saved = time.perf_counter() - start

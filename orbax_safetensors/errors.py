@@ -24,6 +24,30 @@ class SafetensorsError(ValueError):
         super().__init__(located(message, file, tensor))
 
 
+class MissingFileError(SafetensorsError, FileNotFoundError):
+    """A file the checkpoint needs is not there: a shard its index names (removed, or
+    never copied along), or the ``*.safetensors`` file a path names.
+
+    A ``FileNotFoundError`` (``errno`` ENOENT, ``filename`` the file), so code
+    that handles a missing file catches it, and a ``SafetensorsError``, so code
+    that handles a bad checkpoint does too.
+    """
+
+    def __init__(self, message: str, *, file: str, tensor: str | None = None):
+        super().__init__(message, file=file, tensor=tensor)
+        self.errno, self.strerror, self.filename = errno.ENOENT, message, file
+
+    def __str__(self) -> str:
+        return located(self.reason, self.file, self.tensor)
+
+    def __reduce__(self):  # OSError's would call __init__ with (errno, strerror, filename)
+        return _missing_file_error, (self.reason, self.file, self.tensor)
+
+
+def _missing_file_error(message: str, file: str, tensor: str | None) -> MissingFileError:
+    return MissingFileError(message, file=file, tensor=tensor)
+
+
 class SkippedLeavesWarning(UserWarning):
     """A ``load(..., strict=False)`` left target leaves out; the message names them (and
     ``LoadStats.skipped`` lists them all). ``warnings.simplefilter("error",

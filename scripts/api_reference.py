@@ -27,8 +27,9 @@ GROUPS = {
     "Name and layout mapping": ["Mapping", "Rule", "Transform", "MappingError", "mappings"],
     "Orbax": ["SafetensorsSave", "SafetensorsRestore", "SafetensorsCheckpointHandler",
               "SafetensorsHandler", "SafetensorsLayout"],
-    "Errors": ["SafetensorsError", "ChecksumError", "StorageError", "CheckpointBusyError", "SkippedLeavesWarning",
-               "DistributedError", "PeerFailedError", "ProcessFailure", "UnsupportedOrbaxError"],
+    "Errors": ["SafetensorsError", "ChecksumError", "MissingFileError", "StorageError", "CheckpointBusyError",
+               "SkippedLeavesWarning", "DistributedError", "PeerFailedError", "ProcessFailure",
+               "UnsupportedOrbaxError"],
 }
 
 

@@ -120,15 +120,15 @@ import numpy as np
 import orbax_safetensors as ost
 from orbax_safetensors.storage.local import LocalSnapshot
 
-ost.save(sys.argv[1], {f"t{i}": np.full((256,), i, np.float32) for i in range(100)})
+ost.save(sys.argv[1], {f"t{i}": np.full((1024,), i, np.float32) for i in range(100)})
 original = LocalSnapshot.read_scatter
 
 def slow(self, *args):
-    time.sleep(0.5)  # 100 requests of 1 KiB one at a time: a 50 s load
+    time.sleep(0.5)  # 100 requests of 4 KiB one at a time: a 50 s load
     return original(self, *args)
 
 LocalSnapshot.read_scatter = slow
-loading = ost.async_load(sys.argv[1], options=ost.ReadOptions(threads=1, chunk_bytes=1024))
+loading = ost.async_load(sys.argv[1], options=ost.ReadOptions(threads=1, chunk_bytes=4096))
 print("planned", flush=True)
 raise KeyboardInterrupt  # as a Ctrl-C while the caller did something else
 """

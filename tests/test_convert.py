@@ -384,13 +384,31 @@ def test_convert_overwrites_an_orbax_checkpoint_and_keeps_files_beside_an_hf_one
     assert (hf / "tokenizer" / "vocab.txt").read_text() == "a b c"
 
 
+def test_convert_removes_what_a_crashed_conversion_to_orbax_left(tmp_path):
+    """A conversion that died while Orbax wrote leaves its staging beside the destination,
+    under our name and under the one Orbax derives from it (``.orbax-checkpoint-tmp``); the
+    next conversion there removes both, and nothing that is not a conversion's of that name."""
+    src = tmp_path / "hf"
+    ost.save(src, _flat(_tree()))
+    crashed = [".orbax.tmp-0123456789ab", ".orbax.tmp-0123456789ab.orbax-checkpoint-tmp",
+               ".orbax.tmp-abcdef012345.orbax-checkpoint-tmp-1700000000"]
+    kept = [".orbax.tmp-mine", ".other.tmp-0123456789ab.orbax-checkpoint-tmp", "orbax.tmp-0123456789ab.x"]
+    for name in crashed + kept:
+        (tmp_path / name / "d").mkdir(parents=True)
+        (tmp_path / name / "d" / "chunk").write_bytes(b"x" * 100)
+    ost.convert(src, tmp_path / "orbax", progress=False)
+    assert sorted(os.listdir(tmp_path)) == sorted(["hf", "orbax", *kept])
+    _assert_same(_flat(_restore_orbax(tmp_path / "orbax")), _flat(_tree()))
+
+
 def test_orbax_output_shards_follow_numeric_layer_order(tmp_path):
     """Indices sort as numbers, as in a PyTorch state_dict: each shard holds consecutive layers
     (``layers.2`` before ``layers.10``; Flax's ``Dense_2`` before ``Dense_10``), not 0, 1, 10, 11."""
-    tree = {"layers": [{"w": np.full(4, i, np.float32)} for i in range(12)],  # 16 B each
-            "head": {f"Dense_{i}": np.full(4, i, np.float32) for i in range(12)}}
+    tree = {"layers": [{"w": np.full(1000, i, np.float32)} for i in range(12)],  # 4 KB each
+            "head": {f"Dense_{i}": np.full(1000, i, np.float32) for i in range(12)}}
     _save_orbax(tmp_path / "orbax", tree)
-    ost.convert(tmp_path / "orbax", tmp_path / "hf", max_shard_size="32B", progress=False)
+    # Two tensors and their headers fit, three do not.
+    ost.convert(tmp_path / "orbax", tmp_path / "hf", max_shard_size="8.5KB", progress=False)
     weight_map = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())[
         "weight_map"]
     shards = {}

@@ -106,3 +106,48 @@ def test_a_consolidation_that_fills_the_disk_keeps_the_old_checkpoint(tmpfs, tmp
     filler.unlink()
     ost.consolidate(source, path, overwrite=True, max_shard_size="2MB")
     assert _same(ost.load(path), _tree(2))
+
+
+def test_a_first_save_or_consolidation_that_fills_the_disk_leaves_no_directory(tmpfs, tmp_path):
+    """Nothing was there: a failed save leaves nothing either, not an empty directory (nor
+    the parents it made); a directory that was there before stays, empty or not."""
+    source = tmp_path / "distributed"
+    ost.save(source, _tree(2), layout="distributed")
+    filler = _fill(tmpfs, 2 << 20)
+    for path in (tmpfs / "new", tmpfs / "deeper" / "new"):
+        with pytest.raises(OSError) as raised:
+            ost.save(path, _tree(1), max_shard_size="2MB")
+        assert raised.value.errno == errno.ENOSPC, raised.value
+        with pytest.raises(OSError) as raised:
+            ost.consolidate(source, path, max_shard_size="2MB")
+        assert raised.value.errno == errno.ENOSPC, raised.value
+        assert sorted(os.listdir(tmpfs)) == ["filler.bin"]
+    (tmpfs / "mine").mkdir()
+    with pytest.raises(OSError):
+        ost.save(tmpfs / "mine", _tree(1), max_shard_size="2MB")
+    assert sorted(os.listdir(tmpfs)) == ["filler.bin", "mine"] and os.listdir(tmpfs / "mine") == []
+    filler.unlink()
+    ost.save(tmpfs / "deeper" / "new", _tree(1), max_shard_size="2MB")
+    assert _same(ost.load(tmpfs / "deeper" / "new"), _tree(1))
+
+
+def test_a_conversion_to_orbax_that_fills_the_disk_is_enospc_and_leaves_nothing(tmpfs, tmp_path, caplog):
+    """TensorStore reports a full disk as ``ValueError: RESOURCE_EXHAUSTED``, Orbax's threads
+    log it with tracebacks, and Orbax stages its output under a name of its own
+    (``.DST.tmp-TOKEN.orbax-checkpoint-tmp``), which was left behind and never removed."""
+    source = tmp_path / "hf"
+    tree = {f"layers.{i}.w": np.random.default_rng(i).standard_normal((256, 1024), np.float32)
+            for i in range(4)}  # 4 MiB that Orbax's compression cannot shrink
+    ost.save(source, tree)
+    filler = _fill(tmpfs, 2 << 20)
+    with pytest.raises(OSError) as raised:
+        ost.convert(source, tmpfs / "orbax", progress=False)
+    assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(tmpfs / "orbax")
+    assert "RESOURCE_EXHAUSTED" in str(raised.value.__cause__)
+    assert not [r for r in caplog.records if r.exc_info], "tracebacks logged for the error raised"
+    assert sorted(os.listdir(tmpfs)) == ["filler.bin"]
+    filler.unlink()
+    ost.convert(source, tmpfs / "orbax", progress=False)
+    assert sorted(os.listdir(tmpfs)) == ["orbax"]
+    ost.convert(tmpfs / "orbax", tmp_path / "back", progress=False)
+    assert _same(ost.load(tmp_path / "back"), tree)

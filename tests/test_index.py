@@ -9,7 +9,11 @@ What transformers' ``save_pretrained`` writes, and what we must write too:
   indent=2, sort_keys=True) + "\\n"``, ``total_size`` being the sum of the
   tensors' bytes (headers not counted);
 * tensors packed into files by huggingface_hub's greedy rule
-  (``split_state_dict_into_shards_factory``), re-implemented below.
+  (``split_state_dict_into_shards_factory``), re-implemented below. That rule
+  counts tensor bytes only; ours also counts each tensor's header entry and the
+  file's header, so that no file exceeds the limit (``tests/test_user_surface.py``).
+  The sizes and limits here leave room for the headers (no tensor or group
+  fills a limit to within its header's bytes), where both rules agree.
 """
 
 from __future__ import annotations
@@ -47,8 +51,8 @@ def assert_same_tree(loaded: dict, tree: dict) -> None:
 
 
 # Names sort in the order written (a dict flattens in sorted-key order).
-TREE_FLOATS = {"a.weight": 10, "b.weight": 10, "c.big": 25, "d.bias": 6, "e.bias": 2}
-LIMIT = 64  # bytes: a=40 b=40 c=100 (over the limit) d=24 e=8
+TREE_FLOATS = {"a.weight": 10_000, "b.weight": 10_000, "c.big": 25_000, "d.bias": 6_000, "e.bias": 2_000}
+LIMIT = 65_000  # bytes: a=40 000 b=40 000 c=100 000 (over the limit) d=24 000 e=8 000
 
 
 def test_sharded_save_layout_and_index_bytes(tmp_path):
@@ -60,7 +64,7 @@ def test_sharded_save_layout_and_index_bytes(tmp_path):
     sizes = [(name, tree[name].nbytes) for name in sorted(tree)]
     groups = reference_split(sizes, LIMIT)
     # Worked by hand: [a], then c alone (too big, the open shard [b] stays open),
-    # then b+d = 64 fits exactly, then e would make 72.
+    # then b+d = 64 000 fits (with room for their headers), then e would make 72 000.
     assert groups == [["a.weight"], ["c.big"], ["b.weight", "d.bias"], ["e.bias"]]
     files = shard_names(len(groups))
     assert sorted(os.listdir(ckpt)) == sorted(files + [INDEX])
@@ -75,7 +79,7 @@ def test_sharded_save_layout_and_index_bytes(tmp_path):
         + "\n"
     )
     assert (ckpt / INDEX).read_bytes() == expected_index.encode()
-    assert json.loads((ckpt / INDEX).read_text())["metadata"]["total_size"] == 4 * 53
+    assert json.loads((ckpt / INDEX).read_text())["metadata"]["total_size"] == 4 * 53_000
 
     for file, group in zip(files, groups):
         content = (ckpt / file).read_bytes()
@@ -95,7 +99,8 @@ def test_sharded_save_layout_and_index_bytes(tmp_path):
     }
 
 
-@pytest.mark.parametrize("limit", [1, 39, 40, 41, 80, 100, 199, 211, 212, "100B", "0.1KB"])
+@pytest.mark.parametrize("limit", [1, 39_000, 41_000, 81_000, 101_000, 199_000, 211_000, 213_000,
+                                   "101KB", "0.15MB"])
 def test_packing_follows_the_huggingface_hub_rule(tmp_path, limit):
     tree = make_tree(TREE_FLOATS, seed=1)
     ckpt = tmp_path / "ckpt"
@@ -115,17 +120,17 @@ def test_packing_follows_the_huggingface_hub_rule(tmp_path, limit):
 
 def test_tensor_bigger_than_the_limit_is_alone_in_its_file(tmp_path):
     tree = {
-        "big": np.zeros(1000, np.uint8),
+        "big": np.zeros(5000, np.uint8),
         "small1": np.ones(10, np.uint8),
         "small2": np.ones(10, np.uint8),
     }
     ckpt = tmp_path / "ckpt"
-    ost.save(ckpt, tree, max_shard_size=100)
+    ost.save(ckpt, tree, max_shard_size=1000)
     weight_map = json.loads((ckpt / INDEX).read_text())["weight_map"]
     big_file = weight_map["big"]
     assert [n for n, f in weight_map.items() if f == big_file] == ["big"]
     assert weight_map["small1"] == weight_map["small2"] != big_file
-    assert (ckpt / big_file).stat().st_size > 1000
+    assert (ckpt / big_file).stat().st_size > 5000
     assert_same_tree(ost.load(ckpt), tree)
 
 
@@ -139,9 +144,13 @@ def test_everything_fits_one_file_means_model_safetensors_and_no_index(tmp_path)
         assert f.metadata()["format"] == "pt"
         assert set(f.metadata()) == {"format", "crc32c", "crc32c_block_bytes"}
     assert_same_tree(ost.load(ckpt), tree)
-    # Exactly at the limit is still one file.
-    ost.save(tmp_path / "exact", tree, max_shard_size=sum(v.nbytes for v in tree.values()))
-    assert os.listdir(tmp_path / "exact") == ["model.safetensors"]
+    # A limit the whole file meets (and a little over) is one file; one the tensor bytes alone
+    # fill is not: headers count.
+    size = (ckpt / "model.safetensors").stat().st_size
+    ost.save(tmp_path / "fits", tree, max_shard_size=size + 256)
+    assert os.listdir(tmp_path / "fits") == ["model.safetensors"]
+    ost.save(tmp_path / "data", tree, max_shard_size=sum(v.nbytes for v in tree.values()))
+    assert INDEX in os.listdir(tmp_path / "data")
 
 
 def test_a_sub_byte_tensor_counts_its_packed_size(tmp_path):
@@ -292,8 +301,8 @@ def test_overwrite_single_file_with_sharded(tmp_path):
 def test_overwrite_sharded_with_fewer_shards_removes_the_old_ones(tmp_path):
     ckpt = tmp_path / "ckpt"
     ost.save(ckpt, make_tree(TREE_FLOATS, seed=1), max_shard_size=LIMIT)  # 4 files
-    tree = make_tree({"p": 10, "q": 10, "r": 10}, seed=2)
-    ost.save(ckpt, tree, max_shard_size=80, overwrite=True)  # [p, q], [r]
+    tree = make_tree({"p": 10_000, "q": 10_000, "r": 10_000}, seed=2)
+    ost.save(ckpt, tree, max_shard_size=81_000, overwrite=True)  # [p, q], [r]
     assert sorted(os.listdir(ckpt)) == sorted(shard_names(2) + [INDEX])
     assert json.loads((ckpt / INDEX).read_text())["weight_map"] == {
         "p": shard_names(2)[0],

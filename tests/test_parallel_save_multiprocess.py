@@ -204,3 +204,27 @@ def test_a_failure_on_one_process_reaches_every_process_with_its_errno_and_file(
     loaded = ost.load(path)
     assert sorted(loaded) == ["old"] and np.array_equal(loaded["old"], old["old"])
     assert not [n for n in os.listdir(path) if n.startswith(".")]
+
+
+def _child_first_save_interrupted_on_process_1(args):
+    """A first save to a path nothing is at, Ctrl-C'd on process 1 while it writes."""
+    from orbax_safetensors.storage.local import LocalStorage
+    _, arrays = _global_arrays("fsdp")
+    if jax.process_index() == 1:
+        def interrupted(self, path, offset, buffers):
+            raise KeyboardInterrupt
+        LocalStorage.write_at = interrupted
+    try:
+        ost.save(args["path"], arrays, max_shard_size=_MAX_SHARD)
+    except BaseException as e:  # process 1: KeyboardInterrupt; process 0: what it heard of it
+        return type(e).__name__
+    return None
+
+
+def test_an_interrupted_first_save_leaves_no_directory(multiprocess, tmp_path):
+    path = tmp_path / "new" / "ckpt"
+    results = [r.value for r in multiprocess(
+        f"{_MODULE}:_child_first_save_interrupted_on_process_1", num_processes=2,
+        devices_per_process=4, args={"path": str(path)})]
+    assert results[1] == "KeyboardInterrupt" and results[0] is not None, results
+    assert os.listdir(tmp_path) == []  # neither the checkpoint directory nor its parent

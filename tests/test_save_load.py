@@ -138,6 +138,11 @@ def test_save_errors_are_clear(tmp_path):
         ost.save(tmp_path / "d", {"a": np.zeros(1)}, metadata={"step": 3})
     with pytest.raises(ValueError, match="invalid size"):
         ost.save(tmp_path / "e", {"a": np.zeros(1)}, max_shard_size="lots")
+    # A train state carries its PRNG key beside the params (numpy said only "Cannot interpret
+    # 'key<fry>' as a data type", naming no leaf).
+    with pytest.raises(TypeError, match=r"'state.rng' is a typed PRNG key.*key_data"):
+        ost.save(tmp_path / "f", {"state": {"rng": jax.random.key(0), "w": np.zeros(2)}})
+    assert not os.path.exists(tmp_path / "f")
     assert not any(os.scandir(tmp_path)) or all(
         not os.listdir(p) for p in tmp_path.iterdir())
 

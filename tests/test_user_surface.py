@@ -1,6 +1,7 @@
 """What a new user trips over first: None leaves, partial loads, targets built from a checkpoint,
 progress lines, and saves refused before they write a file nothing can read."""
 
+import io
 import warnings
 
 import jax
@@ -150,17 +151,78 @@ def test_progress_lines_on_save_async_save_and_load(tmp_path, capfd):
     assert f"save {tmp_path / 'c'}: 262.14/262.14 KB (100%)" in err
     assert f"save {tmp_path / 'd'}: 262.14/262.14 KB (100%)" in err
     assert f"load {tmp_path / 'c'}: " in err and "(100%)" in err.split("load ")[-1]
+    # stderr is no terminal here: plain lines, no carriage returns or escape codes.
+    assert "\r" not in err and "\x1b" not in err and err.endswith("\n"), repr(err)
+    assert err.count("\n") == 3 and all(": " in line for line in err.splitlines())
     ost.save(tmp_path / "e", tree)
     ost.load(tmp_path / "e")
     assert capfd.readouterr().err == ""  # off by default in library calls
+
+
+class _Stream(io.StringIO):
+    def __init__(self, terminal: bool):
+        super().__init__()
+        self.terminal = terminal
+
+    def isatty(self) -> bool:
+        return self.terminal
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_progress_redraws_a_line_on_a_terminal_and_writes_plain_lines_elsewhere(monkeypatch, terminal):
+    monkeypatch.setattr(ost.engine.Progress, "LOG_SECONDS", 0.0)  # a line at every advance
+    monkeypatch.setattr(ost.engine.Progress, "REDRAW_SECONDS", 0.0)
+    stream = _Stream(terminal)
+    report = ost.engine.Progress("job", 3_000_000, enabled=True, stream=stream).start()
+    for _ in range(3):
+        report.advance(1_000_000)
+    assert report.close().startswith("job: 3.00/3.00 MB (100%) in ")
+    text = stream.getvalue()
+    if terminal:
+        assert text.count("\r") == 5 and text.count("\x1b[K") == 5 and text.count("\n") == 1
+        assert text.startswith("\rjob: 0.00/3.00 MB (0%)") and text.endswith("\x1b[K\n")
+    else:
+        assert "\r" not in text and "\x1b" not in text
+        lines = text.splitlines()
+        assert [line.split(" in ")[0] for line in lines] == [
+            "job: 1.00/3.00 MB (33%)", "job: 2.00/3.00 MB (67%)", "job: 3.00/3.00 MB (100%)",
+            "job: 3.00/3.00 MB (100%)"]
+        assert "ETA" in lines[0] and "ETA" not in lines[-1]
+    assert ost.engine.Progress("job", 1, stream=_Stream(False)).enabled is False  # None: terminals only
 
 
 def test_shards_hold_consecutive_layers(tmp_path):
     """A flat dict's keys sort as text in JAX (layers.1, layers.10, layers.11, layers.2, ...);
     shards are filled in numeric order, as transformers fills them."""
     tree = {f"model.layers.{i}.w": np.full(250, i, np.float32) for i in range(12)}
-    ost.save(tmp_path / "c", tree, max_shard_size="6KB")
+    ost.save(tmp_path / "c", tree, max_shard_size="7KB")  # six 1 KB tensors and their headers
     files = ost.metadata(tmp_path / "c").files
     assert [files[f"model.layers.{i}.w"][0][6:11] for i in range(12)] == ["00001"] * 6 + ["00002"] * 6
-    ost.consolidate(tmp_path / "c", tmp_path / "d", max_shard_size="6KB")
+    ost.consolidate(tmp_path / "c", tmp_path / "d", max_shard_size="7KB")
     assert ost.metadata(tmp_path / "d").files == files
+
+
+@pytest.mark.parametrize("layout, checksums", [("hf", True), ("hf", False), ("distributed", True)])
+def test_max_shard_size_counts_headers_so_no_file_exceeds_it(tmp_path, layout, checksums):
+    """Tiny tensors are mostly header: 16 bytes of data against a ~70-byte entry (and the slice
+    offsets of the distributed layout). Files used to be packed by data bytes alone."""
+    tree = {f"model.layers.{i}.w": np.full(4, i, np.float32) for i in range(3000)}
+    ost.save(tmp_path / "c", tree, max_shard_size="50KB", layout=layout, checksums=checksums)
+    sizes = [f.stat().st_size for f in (tmp_path / "c").glob("*.safetensors")]
+    assert len(sizes) > 1 and max(sizes) <= 50_000, sizes
+    assert sum(sizes) > 50_000 * (len(sizes) - 1) * 0.9  # filled, not split needlessly
+    loaded = ost.load(tmp_path / "c")
+    assert all(np.array_equal(loaded[n], v) for n, v in tree.items())
+
+
+@pytest.mark.slow  # 100 000 tensors
+def test_a_2mb_shard_of_100_000_tiny_tensors_stays_under_2mb(tmp_path):
+    tree = {f"model.layers.{i}.w": np.full(4, i, np.float32) for i in range(100_000)}
+    ost.save(tmp_path / "c", tree, max_shard_size="2MB")
+    sizes = [f.stat().st_size for f in (tmp_path / "c").glob("*.safetensors")]
+    assert len(sizes) > 1 and max(sizes) <= 2_000_000, sizes
+    # Big tensors split where transformers splits them (tensor bytes; headers are noise there).
+    big = {f"layers.{i}.w": np.zeros(250_000, np.float32) for i in range(6)}  # 1 MB each
+    ost.save(tmp_path / "big", big, max_shard_size="2.1MB")
+    assert sorted(f.name for f in (tmp_path / "big").glob("*.safetensors")) == [
+        f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]

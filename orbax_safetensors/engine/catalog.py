@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
 import time
 from collections.abc import Callable
 from typing import Any
 
 from orbax_safetensors.engine.executor import Executor
-from orbax_safetensors.errors import SafetensorsError
+from orbax_safetensors.errors import MissingFileError, SafetensorsError
 from orbax_safetensors.format import PREFIX_SIZE, Header, checksums, header_size, parse_header
 from orbax_safetensors.index import (
     DISTRIBUTED_INDEX_NAME,
@@ -104,11 +105,6 @@ class Findings:
                 raise
             self.problems.append((e.reason, e.file, e.tensor))
             return None
-
-
-class _Missing(SafetensorsError):
-    """A file the checkpoint names is not there: damage, or a commit that ran to completion
-    between the listing and the read (the reader looks again)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,6 +200,25 @@ def survey(location: Location, findings: Findings, storage: Storage | None = Non
                                present=frozenset(shards | committed), index=index)
 
 
+def refuse_non_files(found: Survey) -> None:
+    """Raises ``FileExistsError`` naming the first entry where a save would put a file that is
+    no regular file: a directory, FIFO, device, socket or dangling link named like a checkpoint
+    file (``model.safetensors``, a shard, an index). A save replaces files by renaming over
+    their names, which would fail halfway on a directory and silently replace a FIFO; neither
+    is ours to replace, with or without ``overwrite``, so the save stops before writing."""
+    location = found.location
+    if location.is_single_file:
+        paths = [location.path]
+    else:
+        paths = [location.join(n) for n in sorted(found.present)]
+    storage = location.storage
+    for path in paths:
+        kind = storage.special_kind(path) or ("a directory" if storage.isdir(path) else None)
+        if kind is not None:
+            raise FileExistsError(errno.EEXIST, f"is {kind}, not a file, where the save would "
+                                  "write one; move it away or save elsewhere", path)
+
+
 def _not_a_directory(location: Location) -> str:
     """What a checkpoint directory's path holds instead: a file, or a device, FIFO or socket,
     which is neither file nor directory."""
@@ -240,7 +255,7 @@ def read_index(storage: Storage, path: str) -> bytes:
                 f"index is {size} bytes, over the {MAX_INDEX_SIZE}-byte limit", file=path)
         return storage.read(path, 0, size)
     except FileNotFoundError:
-        raise _Missing("file does not exist", file=path) from None
+        raise MissingFileError("does not exist", file=path) from None
 
 
 def read_header(storage: Storage, path: str) -> tuple[Header, bytes]:
@@ -250,7 +265,7 @@ def read_header(storage: Storage, path: str) -> tuple[Header, bytes]:
         size = storage.size(path)
         first = storage.read(path, 0, min(size, _FIRST_READ))
     except FileNotFoundError:
-        raise _Missing("file does not exist", file=path) from None
+        raise MissingFileError("does not exist", file=path) from None
     except IsADirectoryError:
         raise SafetensorsError("is a directory, not a safetensors file", file=path) from None
     n = header_size(first, size, file=path)
@@ -518,8 +533,9 @@ def open_checkpoint(location: Location) -> Checkpoint:
             snapshot.close()
             # What the listing shows (no index: an interrupted save; an index that does not
             # parse) is the state of the location, not a race; what reading the files finds
-            # may be (a file replaced or gone since the listing) if the directory changed.
-            raced = isinstance(e, _Missing) and attempt + 1 < _MISSING_ATTEMPTS or (
+            # may be (a file replaced or gone since the listing) if the directory changed. A
+            # missing file may also be a commit that ran to completion between the two.
+            raced = isinstance(e, MissingFileError) and attempt + 1 < _MISSING_ATTEMPTS or (
                 found is not None and _view_or_none(location) != view)
             if raced and attempt + 1 < _OPEN_ATTEMPTS:
                 time.sleep(min(0.001 * 2 ** attempt, 0.05))
@@ -546,7 +562,7 @@ def _view_or_none(location: Location) -> DirectoryView | None:
 
 def _raise_nothing(location: Location) -> None:
     if location.is_single_file:
-        raise SafetensorsError(missing_reason(location), file=location.path)
+        raise MissingFileError(missing_reason(location).removeprefix("file "), file=location.path)
     raise FileNotFoundError(f"no safetensors checkpoint at {location.url!r}: "
                             f"it {missing_reason(location).removeprefix('file ')}")
 

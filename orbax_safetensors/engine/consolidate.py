@@ -25,7 +25,7 @@ import fsspec
 import jax
 import numpy as np
 
-from orbax_safetensors.engine import catalog, write
+from orbax_safetensors.engine import catalog, option_checks, write
 from orbax_safetensors.engine.coordination import Peers
 from orbax_safetensors.engine.executor import Executor
 from orbax_safetensors.engine.integrity import Verifier
@@ -34,7 +34,6 @@ from orbax_safetensors.engine.progress import Progress
 from orbax_safetensors.engine.read import transfer
 from orbax_safetensors.engine.save import SaveStats, check_metadata, take_location
 from orbax_safetensors.format import TensorInfo
-from orbax_safetensors.index import parse_size
 from orbax_safetensors.planning import (
     Box,
     FilePlan,
@@ -115,6 +114,16 @@ class StreamOptions:
     progress: bool | None = None
     checksums: bool = True
 
+    def __post_init__(self):
+        """Checks every field where the call is made, naming it (``block_bytes=0`` used to
+        fail after the source was opened, naming no option); sizes are stored as ints."""
+        for field in ("max_shard_size", "block_bytes"):
+            object.__setattr__(self, field, option_checks.size(field, getattr(self, field)))
+        for field in ("overwrite", "checksums"):
+            option_checks.flag(field, getattr(self, field))
+        if self.progress is not None:
+            option_checks.flag("progress", self.progress)
+
 
 def consolidate(
     src: str | os.PathLike,
@@ -148,10 +157,10 @@ def consolidate(
       storage_options / filesystem: for both ``src`` and ``dst``, as in ``ost.load``.
     """
     started = time.perf_counter()
+    options = StreamOptions(max_shard_size, metadata, overwrite, block_bytes, progress, checksums)
     with catalog.open_checkpoint(Location.resolve(src, storage_options, filesystem)) as checkpoint:
         return write_blocks(
-            Location.resolve(dst, storage_options, filesystem), CheckpointBlocks(checkpoint),
-            StreamOptions(max_shard_size, metadata, overwrite, block_bytes, progress, checksums),
+            Location.resolve(dst, storage_options, filesystem), CheckpointBlocks(checkpoint), options,
             label=f"consolidate {os.fspath(src)} -> {os.fspath(dst)}", started=started)
 
 
@@ -167,7 +176,7 @@ def write_blocks(location: Location, source: BlockSource, options: StreamOptions
     check_metadata(metadata, checksums=options.checksums)
     plan = plan_hf_checkpoint(source.specs, max_shard_size=options.max_shard_size,
                               metadata=metadata, checksums=options.checksums)
-    blocks = parse_size(options.block_bytes)
+    blocks = options.block_bytes
     peers = Peers.collective("consolidate", location.url)  # every process writes files of it
     commit = take_location(location, peers, overwrite=options.overwrite)
     mine = [f for i, f in enumerate(plan.files) if i % jax.process_count() == jax.process_index()]

@@ -1,9 +1,14 @@
-"""A one-line progress report for long jobs, on a terminal only.
+"""A progress report for long jobs: one updating line on a terminal, plain lines elsewhere.
 
-Scripts and CI get nothing on stderr but what goes wrong; a person at a
+Scripts and CI get nothing on stderr but what goes wrong unless they ask
+(``progress=True``; the CLI shows progress on a terminal only). A person at a
 terminal sees bytes done, throughput and an estimate of the time left,
-redrawn at most a few times a second. When the job ends the line is
-redrawn once more, without the estimate, and ``summary_line`` gives the
+redrawn in place (``\\r`` and an erase-to-end escape) at most a few times a
+second; when the job ends the line is redrawn once more, without the
+estimate. A stream that is no terminal (a log file, a pipe, CI) cannot redraw
+a line, and ``\\r`` and escape codes would litter it: it gets a plain line
+every ``LOG_SECONDS`` while the job runs and one when it ends, so a long job
+shows it is alive without flooding the log. ``summary_line`` gives the
 one-line result the command prints ("wrote 1.23 GB to DST in 4.5 s
 (0.27 GB/s)"). Sizes are decimal (GB = 10^9 bytes), as in ``max_shard_size``.
 """
@@ -17,47 +22,53 @@ from typing import TextIO
 
 
 class Progress:
-    # Whether some progress line was drawn and not finished: an error message
+    # Whether some progress line was drawn on a terminal and not finished: an error message
     # then starts on a line of its own.
     unfinished_line = False
+    REDRAW_SECONDS = 0.2  # on a terminal
+    LOG_SECONDS = 10.0  # elsewhere: a line each time, which a log keeps
 
     def __init__(self, label: str, total_bytes: int, *, enabled: bool | None = None,
                  stream: TextIO | None = None):
         self.stream = stream or sys.stderr
-        self.enabled = self.stream.isatty() if enabled is None else enabled
+        isatty = getattr(self.stream, "isatty", None)
+        self.terminal = bool(isatty and isatty())
+        self.enabled = self.terminal if enabled is None else enabled
         self.label, self.total, self.done = label, total_bytes, 0
         self.started = self._drawn = time.perf_counter()
+        self._every = self.REDRAW_SECONDS if self.terminal else self.LOG_SECONDS
         self._lock = threading.Lock()
 
     def advance(self, nbytes: int) -> None:
         with self._lock:
             self.done += nbytes
             now = time.perf_counter()
-            if self.enabled and now - self._drawn >= 0.2:
+            if self.enabled and now - self._drawn >= self._every:
                 self._drawn = now
-                self._draw(now, end="")
+                self._draw(self._line(now))
 
     def start(self) -> "Progress":
-        """Draws the line at once (on a terminal), before the first bytes are done."""
-        if self.enabled:
-            self._draw(time.perf_counter(), end="")
+        """Draws the line at once on a terminal, before the first bytes are done (a log gets
+        its first line once the job has run ``LOG_SECONDS``)."""
+        if self.enabled and self.terminal:
+            self._draw(self._line(time.perf_counter()))
         return self
 
     def close(self) -> str:
-        """Draws the final line (on a terminal) and returns it."""
+        """Draws the final line and returns it."""
         with self._lock:
             summary = self._line(time.perf_counter(), final=True)
             if self.enabled:
-                self.stream.write("\r" + summary + _CLEAR_TO_END + "\n")
-                self.stream.flush()
-                Progress.unfinished_line = False
+                self._draw(summary, final=True)
         return summary
 
-    def _draw(self, now: float, end: str) -> None:
-        # Erase what a longer previous line left behind.
-        self.stream.write("\r" + self._line(now) + _CLEAR_TO_END + end)
+    def _draw(self, line: str, final: bool = False) -> None:
+        if self.terminal:  # over the previous line, erasing what a longer one left behind
+            self.stream.write("\r" + line + _CLEAR_TO_END + ("\n" if final else ""))
+            Progress.unfinished_line = not final
+        else:
+            self.stream.write(line + "\n")
         self.stream.flush()
-        Progress.unfinished_line = True
 
     def _line(self, now: float, final: bool = False) -> str:
         seconds = max(now - self.started, 1e-9)

@@ -144,12 +144,20 @@ def _casting(name: str, source: TensorSource, transform: Transform | None, targe
 
 
 def _check_range(name: str, file: str | None, target: np.dtype, values: np.ndarray) -> None:
-    """Raises unless every one of the integer ``values`` read fits ``target``."""
+    """Raises unless every one of the integer ``values`` read fits ``target``. Where the target
+    is the 32-bit type JAX makes of a 64-bit one (without ``jax_enable_x64``), an unsafe cast
+    would wrap the value around: the hint is 64-bit JAX or a host array instead."""
     bad = first_out_of_range(values, target)
     if bad is not None:
+        hint = _UNSAFE_HINT
+        if values.dtype.itemsize == 8 and target == _device_dtype(values.dtype) != values.dtype:
+            hint = ('JAX holds 64-bit integers as 32-bit unless jax_enable_x64 is on: call '
+                    'jax.config.update("jax_enable_x64", True) before building the target, or '
+                    'load the tensor as a host numpy array (a target leaf without a sharding); '
+                    'casting="unsafe" would wrap the value around')
         raise SafetensorsError(
             f"value {bad} (stored {values.dtype}) does not fit the target dtype {target}: "
-            f"refusing a cast that changes it; {_UNSAFE_HINT}", file=file, tensor=name)
+            f"refusing a cast that changes it; {hint}", file=file, tensor=name)
 
 
 def refuse_casts(jobs: Sequence[Job], outputs: Sequence[Any] = ()) -> None:

@@ -174,7 +174,8 @@ def save(
         arrays (written by process 0).
       layout: ``"hf"``, whole tensors in the Hugging Face layout.
       max_shard_size: bytes per file of a checkpoint directory, as an int or a
-        string like ``"2GB"`` (default ``"5GB"``, as transformers). A
+        string like ``"2GB"`` (default ``"5GB"``, as transformers), headers
+        included: only a tensor too big for it alone makes a bigger file. A
         ``.safetensors`` path is one file: passing it there is an error.
       metadata: str→str stored in every file's ``__metadata__`` (next to
         ``"format": "pt"``, which transformers requires).
@@ -190,8 +191,9 @@ def save(
         index), computed by each process over the bytes it writes; every load
         then checks the blocks it reads. Other readers ignore them. ``False``
         writes exactly what transformers' ``save_pretrained`` writes.
-      progress: draw a progress line on stderr (this process's bytes written,
-        rate, time left; process 0 only), as the CLI does.
+      progress: report progress on stderr (this process's bytes written, rate,
+        time left; process 0 only): one updating line on a terminal, as the CLI
+        draws it, else a plain line every 10 s and one at the end.
     """
     job = prepare_save(Location.resolve(path, storage_options, filesystem), tree,
                        SaveOptions(layout, max_shard_size, metadata, overwrite, mapping, checksums, progress),
@@ -349,6 +351,7 @@ def take_location(location: Location, peers: Peers, *, overwrite: bool, fresh: b
         try:
             commit.acquire()
             found = catalog.survey(location, catalog.Findings(collect=True))
+            catalog.refuse_non_files(found)
             if found.committed and not overwrite:
                 raise FileExistsError(errno.EEXIST, "already holds a checkpoint; pass "
                                       "overwrite=True to replace it", location.url)

@@ -59,8 +59,10 @@ def target(
         as ``load(..., nest=True)`` returns; ``False`` keeps them flat.
       storage_options, filesystem: as in ``load``.
 
-    Raises ``ValueError`` naming every tensor no rule matches and every spec
-    longer than its tensor's rank, before anything is read.
+    Raises ``ValueError`` naming every tensor no rule matches, every spec
+    longer than its tensor's rank and every sharding that does not divide its
+    tensor's dimensions evenly (JAX places only even shards), and every rule
+    pattern that is not a valid regex, before anything is read.
     """
     info = checkpoint if isinstance(checkpoint, CheckpointMetadata) else metadata(
         checkpoint, storage_options=storage_options, filesystem=filesystem)
@@ -68,7 +70,7 @@ def target(
     abstract, unmatched, problems = {}, [], []
     for name, stored in info.tensors.items():
         try:
-            placed = _placed(layout(name, stored), mesh, name, len(stored.shape))
+            placed = _placed(layout(name, stored), mesh, name, tuple(stored.shape))
         except _Unmatched:
             unmatched.append(name)
             continue
@@ -107,7 +109,11 @@ def _layout_rule(sharding: Any, mesh: Mesh | None) -> Callable[[str, jax.ShapeDt
     for rule in rules:
         if not (isinstance(rule, tuple) and len(rule) == 2 and isinstance(rule[0], str)):
             raise TypeError(f"a sharding rule is (pattern, PartitionSpec | Sharding | None); got {rule!r}")
-        compiled.append((re.compile(rule[0]), rule[1]))
+        try:
+            pattern = re.compile(rule[0])
+        except re.error as e:
+            raise ValueError(f"sharding rule pattern {rule[0]!r} is not a valid regex: {e}") from None
+        compiled.append((pattern, rule[1]))
 
     def first_match(name: str, stored: jax.ShapeDtypeStruct) -> Layout:
         for pattern, layout in compiled:
@@ -117,14 +123,35 @@ def _layout_rule(sharding: Any, mesh: Mesh | None) -> Callable[[str, jax.ShapeDt
     return first_match
 
 
-def _placed(layout: Layout, mesh: Mesh | None, name: str, rank: int) -> Sharding | None:
+def _placed(layout: Layout, mesh: Mesh | None, name: str, shape: tuple[int, ...]) -> Sharding | None:
     if isinstance(layout, PartitionSpec):
         if mesh is None:
             raise ValueError(f"{name}: a PartitionSpec needs a mesh (pass mesh=)")
-        if len(layout) > rank:
-            raise ValueError(f"{name}: {layout} has {len(layout)} axes, the tensor {rank}")
-        return NamedSharding(mesh, layout)
-    if layout is None or isinstance(layout, Sharding):
-        return layout
-    raise TypeError(f"{name}: the sharding rule gave a {type(layout).__name__}; expected a "
-                    "PartitionSpec, a Sharding or None")
+        if len(layout) > len(shape):
+            raise ValueError(f"{name}: {layout} has {len(layout)} axes, the tensor {len(shape)}")
+        layout = NamedSharding(mesh, layout)
+    if layout is None:
+        return None
+    if not isinstance(layout, Sharding):
+        raise TypeError(f"{name}: the sharding rule gave a {type(layout).__name__}; expected a "
+                        "PartitionSpec, a Sharding or None")
+    _check_divides(layout, name, shape)
+    return layout
+
+
+def _check_divides(sharding: Sharding, name: str, shape: tuple[int, ...]) -> None:
+    """JAX places only shards of equal size: a dimension its mesh axes do not divide would
+    fail the load, so it fails here, naming the dimension and the axes."""
+    try:
+        sharding.shard_shape(shape)
+        return
+    except ValueError as e:
+        reason = str(e)
+    if isinstance(sharding, NamedSharding):
+        for dim, axes in enumerate(sharding.spec):
+            named = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+            parts = int(np.prod([sharding.mesh.shape[a] for a in named], dtype=np.int64))
+            if shape[dim] % parts:
+                raise ValueError(f"{name}: dimension {dim} of shape {shape} has size {shape[dim]}, "
+                                 f"which mesh axes {named} ({parts} shards) do not divide")
+    raise ValueError(f"{name}: {sharding} does not divide shape {shape}: {reason}")

@@ -1,10 +1,14 @@
 """Packing tensors into shard files under ``max_shard_size``.
 
 The rule is the one ``huggingface_hub.split_torch_state_dict_into_shards``
-applies, so the same model shards the same way whichever library saves it:
-walk tensors in order, start a new file when the next tensor would push the
-current one over the limit, and give a tensor bigger than the limit a file of
-its own. Sizes count tensor bytes only, not headers.
+applies: walk tensors in order, start a new file when the next tensor would
+push the current one over the limit, and give a tensor bigger than the limit a
+file of its own. That rule counts tensor bytes only; a save also counts each
+tensor's header entry (``sizes``) and the header every file holds
+(``file_overhead``), so that a file stays within the limit whenever its
+tensors fit at all: 100 000 tiny tensors under "2MB" made 4.8 MB files when
+headers were left out. For tensors of megabytes the headers are noise and the
+files split where transformers splits them.
 """
 
 from __future__ import annotations
@@ -38,17 +42,19 @@ def parse_size(size: int | str) -> int:
     return value
 
 
-def pack_shards(sizes: Sequence[tuple[str, int]], max_shard_size: int | str) -> list[list[str]]:
-    """Groups ``(name, nbytes)`` in order into files of at most ``max_shard_size``."""
-    limit = parse_size(max_shard_size)
+def pack_shards(sizes: Sequence[tuple[str, int]], max_shard_size: int | str, *,
+                file_overhead: int = 0) -> list[list[str]]:
+    """Groups ``(name, nbytes)`` in order into files of at most ``max_shard_size``, each
+    holding ``file_overhead`` bytes besides its tensors' ``nbytes``."""
+    room = parse_size(max_shard_size) - file_overhead
     shards: list[list[str]] = []
     current: list[str] = []
     current_size = 0
     for name, nbytes in sizes:
-        if nbytes > limit:
+        if nbytes > room:
             shards.append([name])
             continue
-        if current and current_size + nbytes > limit:
+        if current and current_size + nbytes > room:
             shards.append(current)
             current, current_size = [], 0
         current.append(name)

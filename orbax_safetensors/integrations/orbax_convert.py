@@ -45,13 +45,16 @@ needed when one name is a prefix of another (``a`` and ``a.b``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import errno
+import logging
 import os
 import re
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import fsspec
@@ -75,7 +78,7 @@ from orbax_safetensors.engine import (
 )
 from orbax_safetensors.errors import SafetensorsError
 from orbax_safetensors.format import TensorInfo, dtype_for_numpy, from_bytes, to_bytes
-from orbax_safetensors.index import natural_key, parse_size
+from orbax_safetensors.index import natural_key
 from orbax_safetensors.planning import Box, TensorSpec, box_shape, full_box, row_blocks
 from orbax_safetensors.storage import Location
 from orbax_safetensors.storage.commit import DirectorySwap
@@ -164,8 +167,12 @@ def convert(
         an Orbax checkpoint convert may replace.
       SafetensorsError / ValueError: ``src`` is neither format, or holds
         something the other format cannot (strings; zero-size arrays for Orbax).
+      OSError: writing failed; a full disk is ENOSPC naming ``dst`` (for an
+        Orbax ``dst`` too, which TensorStore reports as a ``ValueError``). What
+        the conversion staged is removed, and a directory it made for ``dst``.
     """
     started = time.perf_counter()
+    options = StreamOptions(max_shard_size, metadata, overwrite, block_bytes, progress, checksums)
     fmt, item = detect_format(src, storage_options, filesystem)
     target = Location.resolve(dst, storage_options, filesystem)
     occupied = _occupied(target)
@@ -180,7 +187,6 @@ def convert(
                 f"{', '.join(repr(n) for n in foreign[:5])}{', ...' if len(foreign) > 5 else ''}); "
                 "convert replaces only an Orbax checkpoint, even with overwrite: choose another "
                 "destination")
-    options = StreamOptions(max_shard_size, metadata, overwrite, block_bytes, progress, checksums)
     label = f"convert {os.fspath(src)} -> {target.url}"
     if fmt == ORBAX:
         return _orbax_to_safetensors(item, target, options, label=label, started=started)
@@ -467,7 +473,7 @@ def _write_orbax(checkpoint: Checkpoint, dst: Location, options: StreamOptions, 
     report = Progress(label, sum(checkpoint.tensors[n].nbytes for n in names),
                       enabled=options.progress).start()
     blocks = CheckpointBlocks(checkpoint)
-    leaves = [_StreamedTensor(n, blocks, parse_size(options.block_bytes), report) for n in names]
+    leaves = [_StreamedTensor(n, blocks, options.block_bytes, report) for n in names]
     tree = nest_names(dict(zip(names, leaves))) if nest else dict(zip(names, leaves))
     registry = type_handlers.create_type_handler_registry(
         (_StreamedTensor, _StreamedTensorHandler()))
@@ -477,7 +483,7 @@ def _write_orbax(checkpoint: Checkpoint, dst: Location, options: StreamOptions, 
     swap.acquire()
     try:
         def save(url: str) -> None:
-            with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(
+            with _orbax_failures(dst.url), ocp.Checkpointer(ocp.PyTreeCheckpointHandler(
                     type_handler_registry=registry)) as saver:
                 saver.save(epath.Path(url),
                            args=ocp.args.PyTreeSave(tree, custom_metadata=custom or None))
@@ -487,3 +493,58 @@ def _write_orbax(checkpoint: Checkpoint, dst: Location, options: StreamOptions, 
     report.close()
     return ConvertStats(SAFETENSORS, ORBAX, len(names), report.done, 0,
                         time.perf_counter() - started)
+
+
+# TensorStore's words for a full disk, which it reports as a ValueError.
+_DISK_FULL = re.compile(r"RESOURCE_EXHAUSTED.*(No space left on device|os_error_code='%d')"
+                        % errno.ENOSPC, re.DOTALL)
+
+
+@contextlib.contextmanager
+def _orbax_failures(destination: str) -> Iterator[None]:
+    """Orbax's failures, as the caller should see them: once, and of the type they are.
+
+    A full disk reaches us as TensorStore reports it, ``ValueError:
+    RESOURCE_EXHAUSTED ... No space left on device [os_error_code='28']``: it
+    is raised as an ``OSError`` (ENOSPC) naming the destination, as a full disk
+    is everywhere else, with TensorStore's error as its cause. Orbax's threads
+    also log each error they pass on with its traceback (absl ``ERROR``):
+    while the save runs, such records wait, and those of the error we raise
+    are dropped, not printed; any other is logged once the save ends.
+    """
+    absl_logger = logging.getLogger("absl")
+    held: list[logging.LogRecord] = []
+
+    def hold(record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None:
+            held.append(record)
+            return False
+        return True
+
+    absl_logger.addFilter(hold)
+    raised: set[int] = set()
+    try:
+        yield
+    except ValueError as e:
+        raised = _chain(e)
+        if _DISK_FULL.search(str(e)):
+            raise OSError(errno.ENOSPC, "no space left on device writing the Orbax checkpoint",
+                          destination) from e
+        raise
+    except BaseException as e:
+        raised = _chain(e)
+        raise
+    finally:
+        absl_logger.removeFilter(hold)
+        for record in held:
+            if id(record.exc_info[1]) not in raised:
+                absl_logger.handle(record)
+
+
+def _chain(error: BaseException) -> set[int]:
+    """The ids of ``error`` and the exceptions it was raised from or during."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return seen

@@ -41,7 +41,7 @@ from orbax_safetensors.mappings._config import attention_dims, config_value
 from orbax_safetensors.planning.mapping import Mapping, Rule
 
 
-def _decoder(config: Any, *, scan_layers: bool, dtype: Any, attention_bias: bool = False,
+def _decoder(config: Any, family: str, *, scan_layers: bool, dtype: Any, attention_bias: bool = False,
              output_bias: bool = False, qk_norm: bool = False, ffn_norms: bool = False,
              tied: bool = False, moe: tuple[str, str, tuple[str, str, str]] | None = None) -> Mapping:
     """The rules every family shares, and the ones its flags add.
@@ -83,50 +83,50 @@ def _decoder(config: Any, *, scan_layers: bool, dtype: Any, attention_bias: bool
         rules.append(layer(f"{router}.weight", f"{router}.kernel", **linear))
         rules += [layer(f"{experts}.{{e}}.{p}.weight", f"{experts}.{p}.kernel", experts=True, **linear)
                   for p in projections]
-    return Mapping(rules, dims=attention_dims(config))
+    return Mapping(rules, dims=attention_dims(config, f"ost.mappings.{family}"))
 
 
 def llama(config: Any = None, *, scan_layers: bool = False, dtype: Any = None) -> Mapping:
     """``LlamaForCausalLM`` (Llama 2, 3.x: RoPE scaling is config, not weights); biases
     when the config sets ``attention_bias``."""
     bias = bool(config is not None and config_value(config, "attention_bias", False))
-    return _decoder(config, scan_layers=scan_layers, dtype=dtype, attention_bias=bias, output_bias=bias)
+    return _decoder(config, "llama", scan_layers=scan_layers, dtype=dtype, attention_bias=bias, output_bias=bias)
 
 
 def mistral(config: Any = None, *, scan_layers: bool = False, dtype: Any = None) -> Mapping:
     """``MistralForCausalLM``: Llama's tensors (the sliding window is config)."""
-    return _decoder(config, scan_layers=scan_layers, dtype=dtype)
+    return _decoder(config, "mistral", scan_layers=scan_layers, dtype=dtype)
 
 
 def qwen2(config: Any = None, *, scan_layers: bool = False, dtype: Any = None) -> Mapping:
     """``Qwen2ForCausalLM``: q/k/v biases."""
-    return _decoder(config, scan_layers=scan_layers, dtype=dtype, attention_bias=True)
+    return _decoder(config, "qwen2", scan_layers=scan_layers, dtype=dtype, attention_bias=True)
 
 
 def qwen3(config: Any = None, *, scan_layers: bool = False, dtype: Any = None) -> Mapping:
     """``Qwen3ForCausalLM``: RMS norms of each query and key head."""
-    return _decoder(config, scan_layers=scan_layers, dtype=dtype, qk_norm=True)
+    return _decoder(config, "qwen3", scan_layers=scan_layers, dtype=dtype, qk_norm=True)
 
 
 def gemma2(config: Any = None, *, scan_layers: bool = False, dtype: Any = None) -> Mapping:
     """``Gemma2ForCausalLM``: tied embeddings, norms around the MLP too."""
-    return _decoder(config, scan_layers=scan_layers, dtype=dtype, ffn_norms=True, tied=True)
+    return _decoder(config, "gemma2", scan_layers=scan_layers, dtype=dtype, ffn_norms=True, tied=True)
 
 
 def gemma3(config: Any = None, *, scan_layers: bool = False, dtype: Any = None) -> Mapping:
     """``Gemma3ForCausalLM`` (text): Gemma 2's tensors and query/key norms."""
-    return _decoder(config, scan_layers=scan_layers, dtype=dtype, ffn_norms=True, tied=True, qk_norm=True)
+    return _decoder(config, "gemma3", scan_layers=scan_layers, dtype=dtype, ffn_norms=True, tied=True, qk_norm=True)
 
 
 def mixtral(config: Any = None, *, scan_layers: bool = False, dtype: Any = None) -> Mapping:
     """``MixtralForCausalLM``: a router and experts ``w1, w3, w2`` stacked on a leading axis."""
-    return _decoder(config, scan_layers=scan_layers, dtype=dtype,
+    return _decoder(config, "mixtral", scan_layers=scan_layers, dtype=dtype,
                     moe=("block_sparse_moe.gate", "block_sparse_moe.experts", ("w1", "w3", "w2")))
 
 
 def qwen3_moe(config: Any = None, *, scan_layers: bool = False, dtype: Any = None) -> Mapping:
     """``Qwen3MoeForCausalLM`` (every layer sparse): query/key norms, experts stacked."""
-    return _decoder(config, scan_layers=scan_layers, dtype=dtype, qk_norm=True,
+    return _decoder(config, "qwen3_moe", scan_layers=scan_layers, dtype=dtype, qk_norm=True,
                     moe=("mlp.gate", "mlp.experts", ("gate_proj", "up_proj", "down_proj")))
 
 

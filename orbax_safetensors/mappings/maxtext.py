@@ -88,7 +88,11 @@ def maxtext(family: str, config: Any, scan_layers: bool = True, *, dtype: Any = 
     if name is None:
         raise ValueError(f"no MaxText mapping for {family!r}; available: {', '.join(FAMILIES)}")
     spec = FAMILIES[name]
-    dims = attention_dims(config)
+    if config is None:  # the query scale and the head split need the head sizes
+        raise ValueError(f"maxtext({family!r}, config): config is None; pass the checkpoint's Hugging "
+                         "Face config (a transformers config or its dict: num_attention_heads, "
+                         "num_key_value_heads, head_dim or hidden_size)")
+    dims = attention_dims(config, f"maxtext({family!r})")
     layer = "decoder.layers" if scan_layers else "decoder.layers_{i}"
     linear = {"transpose": (1, 0), "dtype": dtype}
 

@@ -13,17 +13,20 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import json
 from collections.abc import Mapping, Sequence
+from json.encoder import encode_basestring
 
 import numpy as np
 
 from orbax_safetensors.format import DType, TensorInfo, serialize_header
-from orbax_safetensors.format.checksums import BlockLayout, FileChecksums
+from orbax_safetensors.format.checksums import BLOCK_BYTES, BlockLayout, FileChecksums
 from orbax_safetensors.index import (
     dcp_metadata,
     distributed_file_name,
     natural_key,
     pack_shards,
+    parse_size,
     serialize_index,
     shard_file_name,
 )
@@ -116,6 +119,35 @@ def plan_file(name: str, specs: Sequence[TensorSpec], metadata: Mapping[str, str
     return FilePlan(name, header, tuple(infos.values()), dict(metadata), checksums)
 
 
+# What a tensor's header entry holds besides its name, dtype code, shape and offsets:
+# "NAME":{"dtype":"F32","shape":[2,3],"data_offsets":[0,24]} and the comma after it.
+_ENTRY_SYNTAX = len(':{"dtype":"","shape":[],"data_offsets":[,]},')
+_HEADER_SLACK = 7 + 4  # the header's padding to 8 bytes; base64's rounding of the checksums
+
+
+def _stored_sizes(specs: Sequence[TensorSpec], max_shard_size: int | str, checksums: bool,
+                  extra: Sequence[int] | None = None) -> list[tuple[str, int]]:
+    """Each tensor's bytes plus at least what it adds to its file's header, to pack by: its
+    entry (offsets as long as any inside the limit) and, with ``checksums``, its blocks'
+    share of the base64 checksum text (4 bytes a block: 16/3 characters); ``extra``: more
+    header bytes per tensor (the distributed layout's slice offsets)."""
+    offsets = 2 * len(str(parse_size(max_shard_size)))
+    sizes = []
+    for i, spec in enumerate(specs):
+        nbytes = spec.nbytes
+        header = (len(encode_basestring(spec.name).encode()) + _ENTRY_SYNTAX + len(spec.dtype.code)
+                  + len(",".join(map(str, spec.shape))) + offsets)
+        if checksums:
+            header += -(-16 * -(-nbytes // BLOCK_BYTES) // 3)
+        sizes.append((spec.name, nbytes + header + (extra[i] if extra else 0)))
+    return sizes
+
+
+def _file_overhead(metadata: Mapping[str, str], checksums: bool) -> int:
+    """The header bytes of a file of ``metadata`` without tensors, at most."""
+    return len(plan_file("", [], metadata, checksums=checksums).header) + _HEADER_SLACK
+
+
 def plan_hf_checkpoint(
     specs: Sequence[TensorSpec],
     *,
@@ -127,8 +159,9 @@ def plan_hf_checkpoint(
     in the names' natural order (``layers.2`` before ``layers.10``)."""
     header_metadata = {**HF_METADATA, **(metadata or {})}
     by_name = {s.name: s for s in specs}
-    groups = pack_shards([(s.name, s.nbytes) for s in sorted(specs, key=lambda s: natural_key(s.name))],
-                         max_shard_size)
+    ordered = sorted(specs, key=lambda s: natural_key(s.name))
+    groups = pack_shards(_stored_sizes(ordered, max_shard_size, checksums), max_shard_size,
+                         file_overhead=_file_overhead(header_metadata, checksums))
     if len(groups) == 1:
         return WritePlan((plan_file(SINGLE_FILE_NAME, specs, header_metadata, checksums=checksums),))
     files = tuple(
@@ -188,11 +221,16 @@ def plan_distributed_files(
         while len(slots) <= slot:
             slots.append([])
         slots[slot].append(spec)
+    # A slice's offsets are repeated in its file's DCP_SHARDING_INFO: JSON inside a string.
+    overhead = _file_overhead({**HF_METADATA, **(metadata or {}), **dcp_metadata({})}, checksums)
     groups = [
         [by_name[n] for n in group]
         for slot in slots
         for by_name in [{s.name: s for s in slot}]
-        for group in pack_shards([(s.name, s.nbytes) for s in slot], max_shard_size)
+        for group in pack_shards(_stored_sizes(
+            [TensorSpec(s.name, s.dtype, s.shape) for s in slot], max_shard_size, checksums,
+            [len(encode_basestring(json.dumps({s.name: {"saved_offsets": [a for a, _ in s.box]}})))
+             for s in slot]), max_shard_size, file_overhead=overhead)
         if group
     ]
     files = []

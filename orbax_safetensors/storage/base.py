@@ -169,6 +169,18 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def makedirs(self, path: str) -> None: ...
 
+    def make_directories(self, path: str) -> list[str]:
+        """``makedirs``, returning the directories it made, deepest first, where a directory
+        outlives what is in it (a local disk), so that a writer that fails can remove them
+        again (``remove_empty_directory``); none elsewhere (an object store's "directory" is
+        only the objects in it, and goes with them)."""
+        self.makedirs(path)
+        return []
+
+    def remove_empty_directory(self, path: str) -> bool:
+        """Removes ``path`` if it is an empty directory; whether it did."""
+        return False
+
     @abc.abstractmethod
     def rename(self, source: str, destination: str, *, durable: bool = True) -> None:
         """Moves a file, replacing ``destination``; atomic where the backend allows.

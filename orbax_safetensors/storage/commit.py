@@ -202,6 +202,28 @@ def holder_description() -> str:
     return f"pid {os.getpid()} on {socket.gethostname()}, thread {threading.current_thread().name}"
 
 
+class _MadeDirectories:
+    """The directories a writer made for its location because none was there (a first
+    save), removed again when the writer leaves them empty: a save, consolidate or convert
+    that fails must not leave behind an empty directory that reads as a checkpoint
+    location. A directory that was there before is never removed, nor one holding anything."""
+
+    def __init__(self, storage: Storage):
+        self.storage = storage
+        self.made: list[str] = []
+
+    def make(self, path: str) -> None:
+        self.made = self.storage.make_directories(path)
+
+    def remove_empty(self) -> None:
+        """After the writer's lock and temporaries are gone: on success the location holds
+        the checkpoint, so nothing is removed."""
+        made, self.made = self.made, []
+        for path in made:  # deepest first
+            if not self.storage.remove_empty_directory(path):
+                return
+
+
 class _WriterLock:
     """The lock of one location (a file beside what it guards), while this writer holds it."""
 
@@ -246,6 +268,7 @@ class Commit:
         self.token = token
         self.old = frozenset(old)
         self._lock = _WriterLock(self.storage, self.path(lock_name(self.single_file)))
+        self._made = _MadeDirectories(self.storage)
 
     @staticmethod
     def for_location(location: Location, token: str, old: Collection[str]) -> Commit:
@@ -267,11 +290,17 @@ class Commit:
     def acquire(self) -> None:
         """Takes the location's lock (fails fast naming the holder) and rolls back a commit a
         dead writer left half done: from here on every temporary there is ours to remove."""
-        self.storage.makedirs(self.directory)
-        self._lock.take(self._recover)
+        self._made.make(self.directory)
+        try:
+            self._lock.take(self._recover)
+        except BaseException:
+            self._made.remove_empty()
+            raise
 
     def release(self) -> None:
+        """Releases the lock; a directory this save made and left empty (it failed) goes too."""
         self._lock.release()
+        self._made.remove_empty()
 
     def _recover(self) -> None:
         """Rolls back commits a dead writer left half done."""
@@ -493,20 +522,32 @@ class DirectorySwap:
         self.staged = self.storage.join(self.parent, temporary_name(self.name, token))
         self.backup = self.storage.join(self.parent, backup_name(self.name, token))
         self._lock = _WriterLock(self.storage, self.storage.join(self.parent, lock_name(self.name)))
+        self._made = _MadeDirectories(self.storage)
+        # What the writing library makes of a staged name: Orbax writes STAGED.orbax-checkpoint-tmp
+        # (with a timestamp in some versions) and renames it to STAGED once complete.
+        self._staged_by_writer = re.compile(
+            re.escape(temporary_name(self.name, "")) + r"[0-9a-f]{12}\..+")
 
     def acquire(self) -> None:
-        self.storage.makedirs(self.parent)
-        self._lock.take(self._recover)
+        self._made.make(self.parent)
+        try:
+            self._lock.take(self._recover)
+        except BaseException:
+            self._made.remove_empty()
+            raise
 
     def release(self) -> None:
         self._lock.release()
+        self._made.remove_empty()
 
     def _recover(self) -> None:
         for entry in sorted(self.storage.listdir(self.parent)):
             path = self.storage.join(self.parent, entry)
-            if entry == lock_name(self.name) or not is_transient(entry, self.name):
+            if self._staged_by_writer.fullmatch(entry):
+                self.storage.remove_tree(path)  # a dead writer's, under the library's name
+            elif entry == lock_name(self.name) or not is_transient(entry, self.name):
                 continue
-            if original_name(entry) == self.name and not self.storage.exists(self.target):
+            elif original_name(entry) == self.name and not self.storage.exists(self.target):
                 self.storage.rename_tree(path, self.target)  # a dead writer's old directory
             else:
                 self.storage.remove_tree(path)
@@ -515,9 +556,8 @@ class DirectorySwap:
         """``write(url)`` creates the new directory at ``url``; then it is swapped in."""
         try:
             write(self.storage.url(self.staged))
-        except BaseException:
-            if self.storage.exists(self.staged):
-                self.storage.remove_tree(self.staged)
+        except BaseException as failure:
+            self._discard_staged(failure)
             raise
         replacing = self.storage.exists(self.target)
         if replacing:
@@ -534,3 +574,16 @@ class DirectorySwap:
             except OSError as e:
                 _LOG.warning("replaced %s, but could not remove %s (the next conversion "
                              "will): %s", self.target, self.backup, e)
+
+    def _discard_staged(self, failure: BaseException) -> None:
+        """After a failed write: removes the new directory, and what the writing library
+        staged it under (best effort: the next writer removes what is left)."""
+        staged = self.storage.split(self.staged)[1]
+        try:
+            for entry in self.storage.listdir(self.parent):
+                if entry == staged or entry.startswith(staged + "."):
+                    self.storage.remove_tree(self.storage.join(self.parent, entry))
+        except Exception as e:  # must not mask the failure being reported
+            _LOG.warning("could not remove %s after a failed write (the next conversion "
+                         "will): %s", self.staged, e)
+            failure.add_note(f"removing {self.staged} failed too: {e}")

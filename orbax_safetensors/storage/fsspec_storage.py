@@ -262,6 +262,9 @@ class FsspecStorage(Storage):
         return bool(self._call(path, "exists", lambda: self.fs.exists(path)))
 
     def isdir(self, path: str) -> bool:
+        sizes, dirs = self._listed
+        if posixpath.dirname(path) in dirs:  # the last listing of its directory says
+            return path in dirs
         return bool(self._call(path, "isdir", lambda: self.fs.isdir(path)))
 
     def listdir(self, path: str) -> list[str]:

@@ -171,6 +171,21 @@ class LocalStorage(Storage):
     def makedirs(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)
 
+    def make_directories(self, path: str) -> list[str]:
+        missing, parent = [], os.path.abspath(path)
+        while not os.path.exists(parent):
+            missing.append(parent)
+            parent = os.path.dirname(parent)
+        self.makedirs(path)
+        return missing
+
+    def remove_empty_directory(self, path: str) -> bool:
+        try:
+            os.rmdir(path)  # only ever an empty one
+        except OSError:
+            return False
+        return True
+
     def rename(self, source: str, destination: str, *, durable: bool = True) -> None:
         os.replace(source, destination)
         if durable:
