@@ -26,6 +26,7 @@ from orbax_safetensors.errors import (
     CheckpointBusyError,
     ChecksumError,
     DistributedError,
+    MissingTensorError,
     ProcessFailure,
     SafetensorsError,
     SkippedLeavesWarning,
@@ -64,7 +65,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "Mapping", "MappingError", "Rule", "Transform", "mappings",
-    "CheckpointBusyError", "CheckpointMetadata", "ChecksumError", "DistributedError", "LoadStats", "ProcessFailure", "Problem", "ReadOptions", "SafetensorsError", "SaveStats",
+    "CheckpointBusyError", "CheckpointMetadata", "ChecksumError", "DistributedError", "LoadStats", "MissingTensorError", "ProcessFailure", "Problem", "ReadOptions", "SafetensorsError", "SaveStats",
     "SkippedLeavesWarning",
     "StorageError", "UnsupportedOrbaxError", "VerifyReport",
     "async_load", "async_save", "consolidate", "load", "metadata", "save", "target", "verify", "__version__",

@@ -100,6 +100,48 @@ def test_strict_names_every_offending_tensor(tmp_path):
     assert "missing" in message and "extra" in message and "a: checkpoint (3,), target (4,)" in message
 
 
+def test_a_missing_tensor_is_a_key_error_listing_every_one(tmp_path):
+    """A target naming tensors the checkpoint lacks raises ``ost.MissingTensorError``: a
+    ``KeyError`` (what Orbax's SafetensorsLayout raises, what a lookup by name raises) and a
+    ``SafetensorsError``, whose str() reads as our other messages (a bare KeyError quotes it)."""
+    ost.save(tmp_path / "c", {"a": np.zeros(3)})
+    target = {"a": np.zeros(3), "gone": np.zeros(1), "lost": np.zeros(2)}
+    for strict in (True, "target"):
+        with pytest.raises(KeyError) as info:
+            ost.load(tmp_path / "c", target=target, strict=strict)
+        error = info.value
+        assert isinstance(error, ost.MissingTensorError) and isinstance(error, ost.SafetensorsError)
+        assert str(error).startswith("target does not match the checkpoint (")
+        assert "missing from the checkpoint: gone, lost" in str(error)
+    mapping = ost.Mapping([ost.Rule("w.{i}", "w.{i}")])
+    with pytest.raises(ost.MissingTensorError, match="w.1: missing from the checkpoint: w.1"):
+        ost.load(tmp_path / "c", {"w": {"1": np.zeros(3)}}, mapping=mapping)
+
+
+def test_strict_target_loads_a_subset_and_refuses_what_it_cannot(tmp_path):
+    """``strict="target"``: every target leaf from the checkpoint with its shape, other
+    checkpoint tensors unread (``strict=True`` keeps refusing them); an empty target is an
+    empty result; a shape mismatch still fails, naming it."""
+    saved = {"a": np.arange(3.0), "b": np.ones((2, 2)), "extra": np.zeros(1)}
+    ost.save(tmp_path / "c", saved)
+    with pytest.raises(ost.SafetensorsError, match="in the checkpoint but not the target: extra") as info:
+        ost.load(tmp_path / "c", {"a": np.zeros(3), "b": np.zeros((2, 2))})
+    assert not isinstance(info.value, KeyError)
+    stats = ost.LoadStats()
+    subset = ost.load(tmp_path / "c", {"a": jax.ShapeDtypeStruct((3,), np.float64)}, strict="target",
+                      stats=stats)
+    assert list(subset) == ["a"] and subset["a"].tobytes() == saved["a"].tobytes()
+    assert stats.bytes_needed == saved["a"].nbytes and stats.tensors == 1  # "b" and "extra": unread
+    assert ost.load(tmp_path / "c", {}, strict="target") == {}
+    with pytest.raises(ost.SafetensorsError, match=r"shape mismatch: b: checkpoint \(2, 2\), target \(4,\)"):
+        ost.load(tmp_path / "c", {"b": np.zeros(4)}, strict="target")
+    mapping = ost.Mapping([ost.Rule("{name}", "{name}")])
+    mapped = ost.load(tmp_path / "c", {"b": np.zeros((2, 2))}, strict="target", mapping=mapping)
+    assert list(mapped) == ["b"] and mapped["b"].tobytes() == saved["b"].tobytes()
+    with pytest.raises(ValueError, match='strict must be True, False or "target"'):
+        ost.load(tmp_path / "c", {"a": np.zeros(3)}, strict="subset")
+
+
 def test_non_strict_loads_the_intersection_and_keeps_other_leaves(tmp_path):
     ost.save(tmp_path / "c", {"a": np.arange(3.0), "b": np.ones((2, 2)), "extra": np.zeros(1)})
     keep_a, keep_missing = np.zeros(4), np.full(1, 7.0)
