@@ -26,8 +26,8 @@ GROUPS = {
                             "VerifyReport", "Problem", "ConvertStats"],
     "Name and layout mapping": ["Mapping", "Rule", "Transform", "MappingError", "mappings"],
     "Orbax": ["SafetensorsSave", "SafetensorsRestore", "SafetensorsCheckpointHandler",
-              "SafetensorsHandler", "SafetensorsLayout"],
-    "Errors": ["SafetensorsError", "ChecksumError", "StorageError", "CheckpointBusyError", "SkippedLeavesWarning",
+              "SafetensorsHandler", "SafetensorsLayout", "install_orbax_layout"],
+    "Errors": ["SafetensorsError", "MissingTensorError", "ChecksumError", "StorageError", "CheckpointBusyError", "SkippedLeavesWarning",
                "DistributedError", "ProcessFailure", "UnsupportedOrbaxError"],
 }
 
