@@ -74,6 +74,8 @@ def test_a_whole_set_of_hf_shards_without_index_loads_and_a_gap_does_not(tmp_pat
         with pytest.raises(ost.SafetensorsError, match=re.escape(expected)):
             read(path)
     assert [p.message.split(":")[0] for p in ost.verify(path).problems] == [expected]
+    with pytest.raises(FileExistsError, match="no save of ours wrote and no index names"):
+        ost.save(path, tensors)  # no checkpoint, but not ours to remove either
 
 
 def test_a_name_stored_in_two_files_is_refused_naming_both(tmp_path):

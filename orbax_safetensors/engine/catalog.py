@@ -200,8 +200,11 @@ def survey(location: Location, findings: Findings, storage: Storage | None = Non
                          "but no index: an interrupted save, or one still writing (the index is "
                          "put in place last, so this checkpoint was never committed)", location.url)
     elif whole:
-        layout, committed = UNINDEXED, set(whole)
-        _check_unindexed(location, whole, dcp, findings)
+        layout = UNINDEXED
+        if _check_unindexed(location, whole, dcp, findings):
+            committed = set(whole)
+        else:  # no checkpoint, but files a save without overwrite must not remove
+            shards |= whole
     elif dcp:
         layout, committed = TORCH_DCP, set(dcp)
     else:
@@ -214,11 +217,13 @@ def survey(location: Location, findings: Findings, storage: Storage | None = Non
                                present=frozenset(shards | committed), index=index)
 
 
-def _check_unindexed(location: Location, whole: set[str], dcp: set[str], findings: Findings) -> None:
-    """A directory of safetensors files and no index is every one of them, but only whole:
-    ``model-0000i-of-0000N`` shards without all of 1..N are a copy or a download cut short,
-    and loading the rest would be half a model."""
-    for count, (missing, first) in incomplete_shard_sets(whole).items():
+def _check_unindexed(location: Location, whole: set[str], dcp: set[str], findings: Findings) -> bool:
+    """Whether the safetensors files of a directory without index are a checkpoint: every one
+    of them, but only whole (``model-0000i-of-0000N`` shards without all of 1..N are a copy or
+    a download cut short, and loading the rest would be half a model) and not mixed with
+    torch DCP slice files."""
+    incomplete = incomplete_shard_sets(whole)
+    for count, (missing, first) in incomplete.items():
         more = f" and {missing - len(first)} more" if missing > len(first) else ""
         findings.problem(f"holds shards of {count} (model-*-of-{count:05d}{SINGLE_FILE_SUFFIX}) "
                          f"but not {', '.join(first)}{more}, and no {INDEX_NAME}: an interrupted save, "
@@ -228,6 +233,7 @@ def _check_unindexed(location: Location, whole: set[str], dcp: set[str], finding
         findings.problem(f"holds torch DCP slice files ({sorted(dcp)[0]}, ...) beside other "
                          f"*{SINGLE_FILE_SUFFIX} files ({sorted(whole)[0]}, ...) and no index: "
                          "which of them is the checkpoint?", location.url)
+    return not incomplete and not dcp
 
 
 def _not_a_directory(location: Location) -> str:
