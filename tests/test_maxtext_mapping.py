@@ -36,6 +36,13 @@ otherwise test whichever was installed last).
 
 ``OST_MAXTEXT_LOADER=path/to/module.py`` swaps the mapping for another loader (see the child's
 ``--loader``), to debug the harness itself.
+
+``test_maxtext_load_dynamic_with_our_layout`` runs MaxText's own Hugging Face loader instead,
+``source_checkpoint_layout="safetensors_dynamic"`` (``load_dynamic.load_safetensors_dynamic_state``:
+Orbax's ``pytree_metadata``/``load_pytree`` under ``CheckpointLayout.SAFETENSORS``, then MaxText's
+hooks), on the llama3.1 case with ``ost.install_orbax_layout()`` in force (child ``--loader
+dynamic-ost``): the same logits, shardings and converter checks, and proof that Orbax called
+our layout.
 """
 
 from __future__ import annotations
