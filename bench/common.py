@@ -176,6 +176,20 @@ def reset_peak_rss() -> bool:
         return False
 
 
+def timed_load(load, condition: str) -> tuple[object, dict]:
+    """A worker's timed region: ``load()`` (which blocks until its arrays are ready) after the
+    ``condition``'s preparation, with the peak RSS of the region alone. Returns the result and
+    the report fields ``Probe`` measures plus ``peak_rss`` and ``baseline_rss`` (the RSS right
+    before the load)."""
+    if condition == "warm":
+        prefault_memory_in_child(WARM_GB)
+    reset_peak_rss()
+    baseline = current_rss()
+    with Probe() as probe:
+        result = load()
+    return result, {**probe.report, "peak_rss": peak_rss(), "baseline_rss": baseline}
+
+
 # ---------------------------------------------------------------------------
 # What a run cost: time, CPU, faults, and whether anyone else used the CPU meanwhile.
 

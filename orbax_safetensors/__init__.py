@@ -27,6 +27,7 @@ from orbax_safetensors.errors import (
     ChecksumError,
     DistributedError,
     MissingFileError,
+    MissingTensorError,
     PeerFailedError,
     ProcessFailure,
     SafetensorsError,
@@ -40,7 +41,7 @@ from orbax_safetensors.integrations.orbax_version import UnsupportedOrbaxError
 __version__ = "0.1.0"
 
 _ORBAX_NAMES = ("SafetensorsCheckpointHandler", "SafetensorsHandler", "SafetensorsLayout",
-                "SafetensorsRestore", "SafetensorsSave", "ConvertStats", "convert")
+                "SafetensorsRestore", "SafetensorsSave", "ConvertStats", "convert", "install_orbax_layout")
 try:
     # orbax_items checks the installed Orbax version before it imports any of Orbax.
     from orbax_safetensors.integrations.orbax_items import SafetensorsRestore, SafetensorsSave
@@ -54,6 +55,8 @@ else:
     from orbax_safetensors.integrations import orbax_shim  # noqa: F401
     from orbax_safetensors.integrations.orbax_v0 import SafetensorsCheckpointHandler
     from orbax_safetensors.integrations.orbax_v1 import SafetensorsHandler, SafetensorsLayout
+    # Orbax's own v1 safetensors entry points (ocp.v1.load_pytree, ...) through ours.
+    from orbax_safetensors.integrations.orbax_install import install_orbax_layout
     # Orbax PyTree checkpoint <-> safetensors (also the `orbax-safetensors convert` command).
     from orbax_safetensors.integrations.orbax_convert import ConvertStats, convert
 
@@ -67,10 +70,10 @@ def __getattr__(name: str):
 __all__ = [
     "Mapping", "MappingError", "Rule", "Transform", "mappings",
     "CheckpointBusyError", "CheckpointMetadata", "ChecksumError", "DistributedError", "LoadStats", "MissingFileError",
-    "PeerFailedError", "ProcessFailure", "Problem", "ReadOptions", "SafetensorsError", "SaveStats",
+    "MissingTensorError", "PeerFailedError", "ProcessFailure", "Problem", "ReadOptions", "SafetensorsError", "SaveStats",
     "SkippedLeavesWarning",
     "StorageError", "UnsupportedOrbaxError", "VerifyReport",
     "async_load", "async_save", "consolidate", "load", "metadata", "save", "target", "verify", "__version__",
     "SafetensorsCheckpointHandler", "SafetensorsHandler", "SafetensorsLayout",
-    "SafetensorsRestore", "SafetensorsSave", "ConvertStats", "convert",
+    "SafetensorsRestore", "SafetensorsSave", "ConvertStats", "convert", "install_orbax_layout",
 ]

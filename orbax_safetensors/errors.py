@@ -48,6 +48,21 @@ def _missing_file_error(message: str, file: str, tensor: str | None) -> MissingF
     return MissingFileError(message, file=file, tensor=tensor)
 
 
+class MissingTensorError(SafetensorsError, KeyError):
+    """A target or mapping names tensors the checkpoint does not hold; the message lists
+    every one of them.
+
+    Also a ``KeyError``, the builtin a lookup by name raises, so code written
+    against Orbax's ``SafetensorsLayout`` (which raises ``KeyError`` for a
+    missing tensor) catches it; still a ``SafetensorsError`` (a ``ValueError``)
+    like every other mismatch between a target and a checkpoint.
+    """
+
+    def __str__(self) -> str:
+        # KeyError's str() is the repr of its argument (quoted); ours reads as the message.
+        return Exception.__str__(self)
+
+
 class SkippedLeavesWarning(UserWarning):
     """A ``load(..., strict=False)`` left target leaves out; the message names them (and
     ``LoadStats.skipped`` lists them all). ``warnings.simplefilter("error",

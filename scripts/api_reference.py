@@ -26,10 +26,10 @@ GROUPS = {
                             "VerifyReport", "Problem", "ConvertStats"],
     "Name and layout mapping": ["Mapping", "Rule", "Transform", "MappingError", "mappings"],
     "Orbax": ["SafetensorsSave", "SafetensorsRestore", "SafetensorsCheckpointHandler",
-              "SafetensorsHandler", "SafetensorsLayout"],
-    "Errors": ["SafetensorsError", "ChecksumError", "MissingFileError", "StorageError", "CheckpointBusyError",
-               "SkippedLeavesWarning", "DistributedError", "PeerFailedError", "ProcessFailure",
-               "UnsupportedOrbaxError"],
+              "SafetensorsHandler", "SafetensorsLayout", "install_orbax_layout"],
+    "Errors": ["SafetensorsError", "MissingTensorError", "MissingFileError", "ChecksumError", "StorageError",
+               "CheckpointBusyError", "SkippedLeavesWarning", "DistributedError", "PeerFailedError",
+               "ProcessFailure", "UnsupportedOrbaxError"],
 }
 
 

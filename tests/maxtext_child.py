@@ -32,9 +32,19 @@ the forward. It checks
 * that ``ost.save`` through the mapping writes back the HF tensors byte for byte.
 
 Each case and variant prints one line ``MAXTEXT_RESULT {json}``; the exit status is 1 when one
-fails. ``--loader PATH`` swaps ``ost.mappings.maxtext`` for a module with
-``make_loader(family, hf_config, scan_layers)`` (an object with ``load(hf_dir, target)`` and
-``save(out_dir, params)``), to debug this harness without the mapping.
+fails. ``--loader`` picks what fills the target:
+
+* ``ost`` (the default): ``ost.load`` / ``ost.save`` through ``ost.mappings.maxtext``;
+* ``dynamic-ost`` / ``dynamic-orbax``: MaxText's own ``source_checkpoint_layout="safetensors_dynamic"``
+  path, ``checkpoint_conversion/utils/load_dynamic.py``'s ``load_safetensors_dynamic_state``
+  (``ocp.v1.pytree_metadata`` and ``load_pytree`` under ``Context(checkpoint_layout=SAFETENSORS)``,
+  then MaxText's hooks on device), with ``ost.install_orbax_layout()`` in force or with Orbax's
+  own layout. It reads MaxText's HF config table (``HF_MODEL_CONFIGS[model_name]``), which holds
+  the real model's sizes: the checkpoint's ``config.json`` is put there, as ``override_model_config``
+  puts it into pyconfig. It saves nothing (no round trip);
+* the path of a module with ``make_loader(family, hf_config, scan_layers)``: an object with
+  ``load(hf_dir, target, maxtext_config)`` and ``save(out_dir, params)`` (``save = None``: no
+  round trip), to debug this harness without the mapping.
 """
 
 import argparse
@@ -70,7 +80,8 @@ def _parse_args(argv):
     p.add_argument("--atol", type=float, default=1e-4, help="every logit's tolerance, where a case gives none")
     p.add_argument("--out-dir", default=None, help="where the round-trip saves go (default: a temp dir)")
     p.add_argument("--loader", default="ost",
-                   help="'ost' (ost.mappings.maxtext) or the path of a module with make_loader(...)")
+                   help="'ost' (ost.mappings.maxtext), 'dynamic-ost' / 'dynamic-orbax' (MaxText's "
+                        "load_dynamic with our / Orbax's layout) or the path of a module with make_loader(...)")
     p.add_argument("--print-tree", action="store_true", help="print MaxText's param names, shapes and specs")
     return p.parse_args(argv)
 
@@ -170,6 +181,8 @@ def _loader_factory(spec):
         def make(family, hf_config, scan_layers):
             return _OstLoader(family, hf_config, scan_layers)
         return make
+    if spec in DYNAMIC_LAYOUTS:
+        return lambda family, hf_config, scan_layers: DynamicLoader(DYNAMIC_LAYOUTS[spec])
     import importlib.util
 
     module_spec = importlib.util.spec_from_file_location("maxtext_child_loader", spec)
@@ -188,11 +201,52 @@ class _OstLoader:
         self.source = os.path.dirname(ost.__file__)  # this checkout's, see main()
         self.mapping = ost.mappings.maxtext(family, hf_config, scan_layers=scan_layers)
 
-    def load(self, hf_dir, target):
+    def load(self, hf_dir, target, maxtext_config):
+        del maxtext_config
         return self.ost.load(hf_dir, target, mapping=self.mapping)
 
     def save(self, out_dir, params):
         self.ost.save(out_dir, params, mapping=self.mapping, checksums=False)  # transformers' bytes
+
+
+DYNAMIC_LAYOUTS = {"dynamic-ost": "ost", "dynamic-orbax": "orbax"}
+
+
+class DynamicLoader:
+    """MaxText's own ``safetensors_dynamic`` load, through Orbax's v1 entry points, with our
+    layout installed (``layout="ost"``) or Orbax's (``"orbax"``)."""
+
+    save = None  # MaxText's path loads only
+
+    def __init__(self, layout):
+        import orbax_safetensors as ost
+
+        self.ost, self.layout = ost, layout
+        self.source = os.path.dirname(ost.__file__)
+        self.layout_loads = 0  # calls of ost.SafetensorsLayout.load: proof that Orbax used ours
+
+    def load(self, hf_dir, target, maxtext_config):
+        import transformers
+        from maxtext.checkpoint_conversion.utils import hf_model_configs, load_dynamic
+
+        # MaxText's table holds the real model's config; the checkpoint's is the one to map.
+        hf_model_configs.HF_MODEL_CONFIGS[maxtext_config.model_name] = transformers.AutoConfig.from_pretrained(
+            hf_dir)
+        ours = self.ost.SafetensorsLayout
+        original = ours.load
+
+        async def counted(layout, *args, **kwargs):
+            self.layout_loads += 1
+            return await original(layout, *args, **kwargs)
+
+        ours.load = counted
+        self.ost.install_orbax_layout(self.layout == "ost")
+        try:
+            _, restored = load_dynamic.load_safetensors_dynamic_state(hf_dir, target, maxtext_config)
+        finally:
+            self.ost.install_orbax_layout(False)
+            ours.load = original
+        return restored["params"]
 
 
 def _get(cfg, key, default=None):
@@ -331,8 +385,10 @@ def _run_variant(args, result, family, model_name, hf_dir, scan, hf_config, toke
 
     loader = make_loader(family, hf_config, scan)
     result["orbax_safetensors"] = getattr(loader, "source", None)
-    params = loader.load(hf_dir, target)
+    params = loader.load(hf_dir, target, config)
     jax.block_until_ready(params)
+    if hasattr(loader, "layout_loads"):
+        result["layout_loads"] = loader.layout_loads
     lap("load")
     loaded = _flatten(params, lambda x: not isinstance(x, dict))
     if set(loaded) != set(boxes):
@@ -392,6 +448,8 @@ def _run_variant(args, result, family, model_name, hf_dir, scan, hf_config, toke
                             f"(max abs difference {np.max(diff):.3g})")
 
     # Save back through the mapping: the very tensors of the HF checkpoint.
+    if loader.save is None:
+        return
     save_dir = os.path.join(out_dir, "saved")
     loader.save(save_dir, params)
     lap("save")

@@ -152,11 +152,14 @@ CASES = [
     single("invalid-utf8", build(b'{"\xff\xfe":{}}')),
     single("bad-json", build(b'{"x": {"dtype": "F32",')),
     single("json-list", build(b"[]")),
-    # The spec says the header "MUST begin with a { character (0x7B)"; the crate
-    # (0.8.0) no longer enforces it and skips leading JSON whitespace. We follow
-    # the spec: a file no strict reader accepts is not a file we accept either.
-    single("leading-space-before-brace", build(b' {"__metadata__":{}}'), rust="accept"),
+    # Leading JSON whitespace is accepted (test_leading_json_whitespace_is_padding); any
+    # other leading byte is not JSON, and the crate refuses it as we do.
     single("leading-byte-order-mark", build(b'\xef\xbb\xbf{"__metadata__":{}}')),
+    single("leading-vertical-tab", build(b'\x0b{"__metadata__":{}}')),
+    single("leading-form-feed", build(b'\x0c{"__metadata__":{}}')),
+    single("leading-no-break-space", build(b'\xc2\xa0{"__metadata__":{}}')),
+    single("leading-nul", build(b'\x00{"__metadata__":{}}')),
+    single("whitespace-only", build(b"        ", pad=False)),
     single("zero-length-header", struct.pack("<Q", 0)),
     single("nan-constant", build(b'{"x":{"dtype":"F32","shape":[NaN],"data_offsets":[0,0]}}')),
     single("infinity-constant", build(b'{"__metadata__":{"a":"b"},"y":Infinity}')),
@@ -424,3 +427,38 @@ def test_edge_cases_both_accept(tmp_path, header):
     path.write_bytes(content)
     meta = ost.metadata(path)
     assert set(meta.tensors) == ({"x"} if b'"x"' in header else set())
+
+
+@pytest.mark.parametrize("content", [
+    b"\x06\x00\x00\x00\x00\x00\x00\x00\x09\x0A{}\x0D\x20",  # test_whitespace_leading_padded_header
+    b"\x06\x00\x00\x00\x00\x00\x00\x00{}\x0D\x20\x09\x0A",  # test_whitespace_padded_header
+], ids=["leading", "trailing"])
+def test_leading_json_whitespace_is_padding(tmp_path, content):
+    """JSON whitespace around the header, the crate's own cases verbatim: it accepts both since
+    huggingface/safetensors#686 (commit 96305fc5, 2026-04-13, safetensors/src/tensor.rs), so a
+    writer may pad the front of a header to page-align the data. We accepted only trailing
+    whitespace before (the spec's "MUST begin with {"): what the crate reads, we read."""
+    safetensors.deserialize(content)
+    path = tmp_path / "padded.safetensors"
+    path.write_bytes(content)
+    assert ost.metadata(path).tensors == {}
+    assert ost.load(path) == {}
+    assert ost.verify(path).ok
+
+
+def test_a_page_aligned_header_loads_bit_for_bit(tmp_path):
+    """The use #686 allows: a writer pads the front of the header so the data starts on a
+    4 KiB page. Every reader loads the same bytes (the crate, through safetensors.numpy, and we),
+    and verify finds nothing wrong."""
+    values = np.arange(24, dtype=np.float32).reshape(4, 6)
+    body = json.dumps({"__metadata__": {"format": "pt"}, "w": entry(shape=(4, 6), offsets=(0, 96))}).encode()
+    header = b"\n" * (4096 - 8 - len(body)) + body
+    path = tmp_path / "aligned.safetensors"
+    path.write_bytes(build(header, values.tobytes(), pad=False))
+    assert 8 + len(header) == 4096
+    from safetensors.numpy import load_file
+
+    assert load_file(str(path))["w"].tobytes() == values.tobytes()
+    loaded = ost.load(path)["w"]
+    assert loaded.dtype == values.dtype and loaded.tobytes() == values.tobytes()
+    assert ost.verify(path).ok

@@ -36,6 +36,13 @@ otherwise test whichever was installed last).
 
 ``OST_MAXTEXT_LOADER=path/to/module.py`` swaps the mapping for another loader (see the child's
 ``--loader``), to debug the harness itself.
+
+``test_maxtext_load_dynamic_with_our_layout`` runs MaxText's own Hugging Face loader instead,
+``source_checkpoint_layout="safetensors_dynamic"`` (``load_dynamic.load_safetensors_dynamic_state``:
+Orbax's ``pytree_metadata``/``load_pytree`` under ``CheckpointLayout.SAFETENSORS``, then MaxText's
+hooks), on the llama3.1 case with ``ost.install_orbax_layout()`` in force (child ``--loader
+dynamic-ost``): the same logits, shardings and converter checks, and proof that Orbax called
+our layout.
 """
 
 from __future__ import annotations
@@ -305,17 +312,19 @@ def transformers_logits(directory: str, tokens: np.ndarray, case: str = "llama3.
     return logits, atol, min(gaps, default=float("inf"))
 
 
+def reference_checkpoint(case: str, root) -> tuple[str, np.ndarray, np.ndarray]:
+    """(hf_dir, transformers' logits, their atol) of a tiny ``case`` model written under ``root``."""
+    directory = write_checkpoint(case, str(root / case))
+    logits, atol, router_gap = transformers_logits(directory, TOKENS, case)
+    assert np.abs(logits).max() > 1.0, case  # large enough for a wrong layout to show
+    assert router_gap > ROUTER_MARGIN, (case, router_gap)  # routing cannot flip on rounding
+    return directory, logits, atol
+
+
 @pytest.fixture(scope="module")
 def hf_checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("maxtext")
-    checkpoints = {}
-    for case in CASES:
-        directory = write_checkpoint(case, str(root / case))
-        logits, atol, router_gap = transformers_logits(directory, TOKENS, case)
-        assert np.abs(logits).max() > 1.0, case  # large enough for a wrong layout to show
-        assert router_gap > ROUTER_MARGIN, (case, router_gap)  # routing cannot flip on rounding
-        checkpoints[case] = directory, logits, atol
-    return checkpoints
+    return {case: reference_checkpoint(case, root) for case in CASES}
 
 
 def run_child(python, checkpoints, work, loader="ost", variants=VARIANTS):
@@ -396,6 +405,42 @@ def test_maxtext_mapping(child_results, case, variant):
     assert result["ok"] and not failures, failures
     if all(r["ok"] for r in results.values()):
         assert out.returncode == 0, out.stderr[-4000:]
+
+
+@pytest.fixture(scope="module")
+def dynamic_results(maxtext_python, tmp_path_factory):
+    """MaxText's own safetensors_dynamic load of the llama3.1 case with our layout installed."""
+    checkpoints = {"llama3.1": reference_checkpoint("llama3.1", tmp_path_factory.mktemp("dynamic"))}
+    results, seconds, out = run_child(maxtext_python, checkpoints, str(tmp_path_factory.mktemp("child")),
+                                      loader="dynamic-ost")
+    print(f"\nmaxtext_child.py (dynamic-ost): {seconds:.1f} s, exit {out.returncode}")
+    for result in results.values():
+        print(json.dumps({k: v for k, v in result.items() if k != "traceback"}))
+    if set(results) != {("llama3.1", v) for v in VARIANTS}:
+        pytest.fail(f"maxtext_child.py exited {out.returncode} with results for {sorted(results)} only:\n"
+                    f"{out.stdout[-4000:]}\n{out.stderr[-6000:]}")
+    return results
+
+
+@pytest.mark.timeout(PIP_TIMEOUT + CHILD_TIMEOUT)  # a first run builds the venv
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_maxtext_load_dynamic_with_our_layout(dynamic_results, variant):
+    """MaxText 0.2.5's ``source_checkpoint_layout="safetensors_dynamic"`` path
+    (``checkpoint_conversion/utils/load_dynamic.py``: ``load_safetensors_dynamic_state``, which
+    asks ``ocp.v1.pytree_metadata`` and ``ocp.v1.load_pytree`` under
+    ``Context(checkpoint_layout=SAFETENSORS)`` and applies MaxText's hooks on device), run with
+    ``ost.install_orbax_layout()`` in force: its params give transformers' logits, each within
+    its tolerance (``tests/tolerances.py``), with the target's shardings, and equal MaxText's own
+    converter's tensors."""
+    result = dynamic_results["llama3.1", variant]
+    assert "error" not in result, f"{result['error']}\n{result.get('traceback', '')}"
+    assert result["orbax_safetensors"] == os.path.join(REPO, "orbax_safetensors")  # this checkout's
+    assert result["layout_loads"] == 1  # Orbax's load_pytree went through ost.SafetensorsLayout
+    failures = result["failures"]
+    assert result.get("shardings_match"), failures
+    assert result.get("converter_max_abs_diff") == 0.0, failures
+    assert result.get("logits_tolerance_used", np.inf) <= 1, failures
+    assert result["ok"] and not failures, failures
 
 
 if __name__ == "__main__":  # .ci/run builds the venv in the background while the suite starts

@@ -5,12 +5,16 @@ and ``convert`` all ask here, so they never disagree about what a directory
 holds. A path ending in ``.safetensors`` is one file. A directory is
 recognised by its commit marker: ``orbax_safetensors.distributed.json`` (our
 distributed layout), else ``model.safetensors.index.json`` (HF shards; only
-the files the index names count), else ``model.safetensors``. A directory of
-torch DCP ``save_distributed`` files (``shard-*-model-*``) has no marker;
-their headers say where each slice sits. Shard files without their index are
-an interrupted save (the index is put in place last) and are reported as
-such rather than half-loaded. While a commit is in progress the old
-checkpoint is the one there (``commit.read_view``).
+the files the index names count), else ``model.safetensors``. Without any of
+them, the marker of a save of ours writing files under their final names
+makes it an interrupted save (never half-loaded); else its ``*.safetensors``
+files are the checkpoint, every one of them (``UNINDEXED``, what Orbax's
+``SafetensorsLayout`` and ``safetensors`` users read): ``model-0000i-of-0000N``
+shards only as a whole set 1..N (the rest of an interrupted copy is no
+model), and no tensor in two files. A directory of torch DCP
+``save_distributed`` files (``shard-*-model-*``) has no marker; their headers
+say where each slice sits. While a commit is in progress the old checkpoint
+is the one there (``commit.read_view``).
 
 Two questions at two costs. ``survey`` answers from the listing and the
 index alone: the layout, which files the committed checkpoint consists of,
@@ -46,14 +50,17 @@ from orbax_safetensors.index import (
     dcp_offsets,
     decode_crc,
     encode_crc,
+    incomplete_shard_sets,
     is_distributed_file_name,
     is_shard_file_name,
+    natural_key,
     parse_distributed_index,
     parse_index,
 )
 from orbax_safetensors.index.distributed_index import DCP_SHARDING_INFO, DCP_VERSION
 from orbax_safetensors.planning import StoredSlice, TensorSource
 from orbax_safetensors.storage import Location, Storage
+from orbax_safetensors.storage.location import SINGLE_FILE_SUFFIX
 from orbax_safetensors.storage.commit import (
     DirectoryView,
     files_of_marker,
@@ -66,6 +73,7 @@ from orbax_safetensors.storage.commit import (
 SINGLE_FILE = "single file"  # a location named *.safetensors
 HF_SINGLE = "hf single file"
 HF_SHARDED = "hf sharded"
+UNINDEXED = "safetensors files (no index)"  # a directory of *.safetensors: all of them
 DISTRIBUTED = "distributed"
 TORCH_DCP = "torch dcp"
 UNKNOWN = "unknown"
@@ -159,7 +167,9 @@ def survey(location: Location, findings: Findings, storage: Storage | None = Non
         findings.problem(_not_a_directory(location), location.url)
         return Survey(location, UNKNOWN, DirectoryView(frozenset()))
     names = view.names
-    shards = {n for n in names if is_shard_file_name(n) or is_distributed_file_name(n)}
+    dcp = {n for n in names if is_distributed_file_name(n)}
+    whole = {n for n in names if n.endswith(SINGLE_FILE_SUFFIX)} - dcp  # files of whole tensors
+    shards = {n for n in whole if is_shard_file_name(n)} | dcp
     transient = tuple(sorted(n for n in view.entries if is_transient(n) and n != lock_name(None)))
     markers = writing_markers(view.entries)
     ours = frozenset().union(*(files_of_marker(location.storage, location.join(m)) for m in markers))
@@ -179,21 +189,27 @@ def survey(location: Location, findings: Findings, storage: Storage | None = Non
         committed = {INDEX_NAME} | (shards if index is None else set(index.files))
     elif SINGLE_FILE_NAME in names:
         layout = HF_SINGLE
-    elif shards and markers:
-        layout = DISTRIBUTED if any(is_distributed_file_name(n) for n in shards) else HF_SHARDED
-        findings.problem(f"holds shard files and the marker of a save in progress ({markers[0]}) "
+    elif (whole or dcp) and markers:
+        # Before anything else without an index: a save writing files under their final names
+        # (object stores) has removed the old index first, and its marker is what tells a
+        # reader that the files there now are half old, half new.
+        layout = DISTRIBUTED if dcp else HF_SHARDED
+        findings.problem(f"holds *{SINGLE_FILE_SUFFIX} files and the marker of a save in progress "
+                         f"({markers[0]}) "
                          "but no index: an interrupted save, or one still writing (the index is "
                          "put in place last, so this checkpoint was never committed)", location.url)
-    elif any(is_shard_file_name(n) for n in names):
-        layout = HF_SHARDED
-        findings.problem(f"holds shard files but no {INDEX_NAME}: an interrupted save? (the index "
-                         "is written last, so this checkpoint was never committed)", location.url)
-    elif shards:
-        layout, committed = TORCH_DCP, set(shards)
+    elif whole:
+        layout = UNINDEXED
+        if _check_unindexed(location, whole, dcp, findings):
+            committed = set(whole)
+        else:  # no checkpoint, but files a save without overwrite must not remove
+            shards |= whole
+    elif dcp:
+        layout, committed = TORCH_DCP, set(dcp)
     else:
         layout = UNKNOWN
-        findings.problem(f"no {INDEX_NAME}, {DISTRIBUTED_INDEX_NAME} or {SINGLE_FILE_NAME} in "
-                         "this directory", location.url)
+        findings.problem(f"no {INDEX_NAME}, {DISTRIBUTED_INDEX_NAME} or *{SINGLE_FILE_SUFFIX} "
+                         "file in this directory", location.url)
     if SINGLE_FILE_NAME in names:  # beside an index too: an overwrite replaces it
         committed.add(SINGLE_FILE_NAME)
     return dataclasses.replace(found, layout=layout, committed=frozenset(committed),
@@ -217,6 +233,23 @@ def refuse_non_files(found: Survey) -> None:
         if kind is not None:
             raise FileExistsError(errno.EEXIST, f"is {kind}, not a file, where the save would "
                                   "write one; move it away or save elsewhere", path)
+def _check_unindexed(location: Location, whole: set[str], dcp: set[str], findings: Findings) -> bool:
+    """Whether the safetensors files of a directory without index are a checkpoint: every one
+    of them, but only whole (``model-0000i-of-0000N`` shards without all of 1..N are a copy or
+    a download cut short, and loading the rest would be half a model) and not mixed with
+    torch DCP slice files."""
+    incomplete = incomplete_shard_sets(whole)
+    for count, (missing, first) in incomplete.items():
+        more = f" and {missing - len(first)} more" if missing > len(first) else ""
+        findings.problem(f"holds shards of {count} (model-*-of-{count:05d}{SINGLE_FILE_SUFFIX}) "
+                         f"but not {', '.join(first)}{more}, and no {INDEX_NAME}: an interrupted save, "
+                         "copy or download? (without an index every shard must be there)",
+                         location.url)
+    if dcp:
+        findings.problem(f"holds torch DCP slice files ({sorted(dcp)[0]}, ...) beside other "
+                         f"*{SINGLE_FILE_SUFFIX} files ({sorted(whole)[0]}, ...) and no index: "
+                         "which of them is the checkpoint?", location.url)
+    return not incomplete and not dcp
 
 
 def _not_a_directory(location: Location) -> str:
@@ -300,6 +333,16 @@ class Checkpoint:
             return False
         return self.storage.unchanged(lambda p: view.relocate(location.storage, p))
 
+    def modified_ns(self) -> int | None:
+        """When the checkpoint was last written: the latest modification time of its files
+        (the index is put in place last, so for our saves the commit), in nanoseconds since
+        the epoch; ``None`` where the store keeps no times. One metadata request per file,
+        so asked for only by who reports it (Orbax's ``commit_timestamp_nsecs``)."""
+        indexes = [self.survey.path(n) for n in (INDEX_NAME, DISTRIBUTED_INDEX_NAME)
+                   if n in self.survey.committed]
+        times = [self.storage.modified(file) for file in (*self.files, *indexes)]
+        return None if not times or None in times else max(times)
+
     @property
     def metadata(self) -> dict[str, str]:
         """``__metadata__`` of all files merged (they agree in what we write), without what
@@ -330,6 +373,9 @@ def read(found: Survey, storage: Storage, findings: Findings) -> Checkpoint:
         return reader.whole_tensors([found.path(SINGLE_FILE_NAME)], None)
     if found.layout == HF_SHARDED and found.index is not None:
         return reader.hf_sharded(found.index)
+    if found.layout == UNINDEXED:
+        return reader.whole_tensors(sorted((found.path(n) for n in found.committed), key=natural_key),
+                                    None)
     if found.layout == DISTRIBUTED and found.index is not None:
         return reader.distributed(*found.index)
     if found.layout == TORCH_DCP:
@@ -382,12 +428,20 @@ class _Reader:
         return found
 
     def whole_tensors(self, files: list[str], weight_map: dict[str, str] | None) -> Checkpoint:
+        """Files of whole tensors: each tensor from the file ``weight_map`` places it in, or
+        (no index) from the one file holding it; a name stored in two files is a problem of
+        both (``hf_sharded`` reports those the index resolves)."""
         headers = self.headers(files)
         tensors: dict[str, TensorSource] = {}
         for file, header in headers.items():
             for name, info in header.tensors.items():
                 if weight_map is not None and weight_map.get(name) != file:
                     continue  # the index decides which file's copy is the tensor
+                if name in tensors:
+                    first = self.storage.split(tensors[name].slices[0].file)[1]
+                    self.findings.problem(f"stored twice: in {first!r} and in this file (which "
+                                          "copy is the tensor?)", file, name)
+                    continue
                 stored = StoredSlice(info, file, header.data_start + info.begin, (0,) * len(info.shape))
                 tensors[name] = TensorSource(info.dtype, info.shape, (stored,))
         return self.checkpoint(tensors, headers)
@@ -406,9 +460,12 @@ class _Reader:
                 if tensor not in listed:
                     self.findings.tolerated("holds a tensor the index does not list", file, tensor)
                 elif listed[tensor] != file:
-                    self.findings.tolerated(
-                        "holds a second copy of a tensor the index places in "
-                        f"{self.storage.split(listed[tensor])[1]!r}", file, tensor)
+                    # transformers reads every tensor of every file the index names (the last
+                    # copy wins), we the one the index places: two readers, two models.
+                    self.findings.problem(
+                        "stored twice: the index places this tensor in "
+                        f"{self.storage.split(listed[tensor])[1]!r}, and this file holds "
+                        "another copy (which copy is the tensor?)", file, tensor)
         self.listed_crcs(checkpoint, index.metadata.get(FILE_CRCS_KEY), files)
         total = index.metadata.get("total_size")
         stored = sum(t.nbytes for t in checkpoint.tensors.values())

@@ -29,7 +29,7 @@ from orbax_safetensors.engine.read import (
     AssembledLeaf, Job, LoadStats, execute, host_job, refuse_casts, sharded_job)
 from orbax_safetensors.engine.tree_names import flatten_with_names
 from orbax_safetensors.engine.tree_names import nest as nest_names
-from orbax_safetensors.errors import SafetensorsError, SkippedLeavesWarning
+from orbax_safetensors.errors import MissingTensorError, SafetensorsError, SkippedLeavesWarning
 from orbax_safetensors.index import parse_size
 from orbax_safetensors.planning import ReadProfile, TensorSource, plan_reads
 from orbax_safetensors.planning import mapping as mapping_rules
@@ -193,7 +193,7 @@ def load(
     path: str | os.PathLike,
     target: Any = None,
     *,
-    strict: bool = True,
+    strict: bool | str = True,
     options: ReadOptions | None = None,
     stats: LoadStats | None = None,
     storage_options: Mapping[str, Any] | None = None,
@@ -216,12 +216,18 @@ def load(
         in the tree is an empty subtree, as in JAX (optax states hold some):
         it is returned as ``None``. No target loads every tensor into a flat
         ``{name: numpy array}``.
-      strict: raise if the target and the checkpoint differ in names or shapes
-        (the error lists every offending tensor). With ``strict=False`` only
-        tensors present in both with equal shapes are loaded; of the other
-        target leaves, arrays are returned unchanged and abstract ones
-        (``ShapeDtypeStruct``) as ``None``, with a ``SkippedLeavesWarning``
-        naming them and their names in ``stats.skipped``.
+      strict: ``True``: raise if the target and the checkpoint differ in names
+        or shapes (the error lists every offending tensor; an
+        ``ost.MissingTensorError``, also a ``KeyError``, when the target names
+        tensors the checkpoint lacks). ``"target"``: every target leaf must be
+        in the checkpoint with its shape, as with ``True``, but checkpoint
+        tensors the target does not name are fine and left unread (a subset
+        load: some layers, the weights without the optimizer state; what
+        Orbax's ``SafetensorsLayout`` does). ``False``: only tensors present
+        in both with equal shapes are loaded; of the other target leaves,
+        arrays are returned unchanged and abstract ones (``ShapeDtypeStruct``)
+        as ``None``, with a ``SkippedLeavesWarning`` naming them and their
+        names in ``stats.skipped``.
       options: memory budget, read sizes, replicated read-once; see ``ReadOptions``.
       stats: a ``LoadStats`` to fill with this process's bytes and requests.
       storage_options: constructor arguments of the fsspec filesystem (credentials,
@@ -249,7 +255,7 @@ def async_load(
     path: str | os.PathLike,
     target: Any = None,
     *,
-    strict: bool = True,
+    strict: bool | str = True,
     options: ReadOptions | None = None,
     stats: LoadStats | None = None,
     storage_options: Mapping[str, Any] | None = None,
@@ -315,7 +321,7 @@ class _Loading:
 
     location: Location
     target: Any
-    strict: bool
+    strict: bool | str
     options: ReadOptions
     stats: LoadStats
     mapping: mapping_rules.Mapping | None
@@ -555,7 +561,7 @@ def _job(name: str, source: TensorSource, request: _Request, read_once: bool, re
 
 def _map(
     checkpoint: Checkpoint, mapping: mapping_rules.Mapping, names: list[str], requests: list[_Request],
-    from_checkpoint: bool, strict: bool,
+    from_checkpoint: bool, strict: bool | str,
 ) -> tuple[list[str], list[_Request], list[Assembly | None]]:
     """Tree names, their requests, and how each leaf is made of stored tensors.
 
@@ -563,8 +569,10 @@ def _map(
     which become the tree leaves they map to (a stacked leaf gathers many).
     A leaf no rule maps, or whose stored tensors are missing or of shapes the
     rule cannot map, gets ``None`` (not loaded) unless ``strict``, which
-    reports every such leaf at once, and every stored tensor no leaf uses.
+    reports every such leaf at once (``MissingTensorError`` when stored tensors
+    are missing), and with ``strict=True`` every stored tensor no leaf uses.
     """
+    _check_strict(strict)
     shapes = {name: tensor.shape for name, tensor in checkpoint.tensors.items()}
     side = "stored" if from_checkpoint else "tree"
     unmapped = set(mapping.unmapped(names, side))
@@ -575,12 +583,14 @@ def _map(
         unmapped = set()
     assemblies: list[Assembly | None] = []
     used: set[str] = set()
+    any_missing = False
     for name, request in zip(names, requests):
         assembly = None
         if name not in unmapped:
             try:
                 assembly = mapping.assembly(name, tree_shape=request.shape, stored_shapes=shapes)
                 missing = [p.stored for p in assembly.pieces if p.stored not in shapes]
+                any_missing |= bool(missing)
                 if missing:
                     raise MappingError(f"missing from the checkpoint: {', '.join(missing)}")
                 wrong = [f"{p.stored} {shapes[p.stored]} (needs {p.transform.stored_shape})"
@@ -593,12 +603,11 @@ def _map(
                 assembly = None
         assemblies.append(assembly)
     unexpected = sorted(set(shapes) - used)
-    if strict and unexpected and not from_checkpoint:
+    if strict is True and unexpected and not from_checkpoint:
         problems.append(f"in the checkpoint but not the target: {', '.join(unexpected)}")
     if strict and problems:
-        raise SafetensorsError(
-            "target does not map to the checkpoint (pass strict=False to load what does): "
-            + " | ".join(problems))
+        error = MissingTensorError if any_missing else SafetensorsError
+        raise error(f"target does not map to the checkpoint ({_LOOSER[strict]}): " + " | ".join(problems))
     return names, requests, assemblies
 
 
@@ -641,10 +650,13 @@ def _concrete(name: str, sharding: jax.sharding.Sharding | None) -> jax.sharding
         "or give shardings on a concrete mesh (ost.target builds them from the checkpoint)")
 
 
-def _match(checkpoint: Checkpoint, names: list[str], requests: list[_Request], strict: bool) -> list[int]:
-    """Indices of the target leaves to load; in strict mode, every mismatch at once."""
+def _match(checkpoint: Checkpoint, names: list[str], requests: list[_Request],
+           strict: bool | str) -> list[int]:
+    """Indices of the target leaves to load; unless ``strict`` is False, every mismatch at once
+    (``MissingTensorError`` when tensors are missing)."""
+    _check_strict(strict)
     missing = [n for n in names if n not in checkpoint.tensors]
-    unexpected = sorted(set(checkpoint.tensors) - set(names))
+    unexpected = sorted(set(checkpoint.tensors) - set(names)) if strict is True else []
     mismatched = [
         f"{n}: checkpoint {checkpoint.tensors[n].shape}, target {r.shape}"
         for n, r in zip(names, requests)
@@ -659,11 +671,21 @@ def _match(checkpoint: Checkpoint, names: list[str], requests: list[_Request], s
             problems.append(f"in the checkpoint but not the target: {', '.join(unexpected)}")
         if mismatched:
             problems.append("shape mismatch: " + "; ".join(mismatched))
-        raise SafetensorsError(
-            "target does not match the checkpoint (pass strict=False to load the "
-            "intersection): " + " | ".join(problems))
+        error = MissingTensorError if missing else SafetensorsError
+        raise error(f"target does not match the checkpoint ({_LOOSER[strict]}): " + " | ".join(problems))
     return [
         i for i, (n, r) in enumerate(zip(names, requests))
         if n in checkpoint.tensors
         and (r.shape is None or r.shape == checkpoint.tensors[n].shape)
     ]
+
+
+# What a caller who hit a mismatch may pass instead, per strictness.
+_LOOSER = {True: 'pass strict="target" to leave other checkpoint tensors unread, strict=False '
+                 "to load the intersection",
+           "target": "pass strict=False to load the intersection"}
+
+
+def _check_strict(strict: bool | str) -> None:
+    if strict not in (True, False, "target"):
+        raise ValueError(f'strict must be True, False or "target", not {strict!r}')

@@ -10,10 +10,12 @@ other reader accepts, and one it rejects we reject too: header over 100 MB,
 header longer than the file, bad UTF-8 or JSON (by serde_json's rules:
 ``-0``, out-of-range numbers, lone surrogates, nesting over 127), unknown dtype, offsets that overlap or leave gaps, a data buffer that
 does not end exactly at the end of the file, and byte lengths that differ from
-shape × dtype width. We are stricter in three places, each where two readers could otherwise
-disagree about a file: duplicate JSON keys (serde keeps the last), a header
-not starting with ``{`` (the spec's rule; crate 0.8 tolerates leading
-whitespace) and a tensor entry written as a JSON array (a serde quirk).
+shape × dtype width. JSON whitespace (space, tab, CR, LF) may pad the header on both
+sides, as the crate reads it since its #686 (2026-04-13: a writer may pad the
+front to page-align the data); any other leading byte is refused, as there. We
+are stricter in two places, each where two readers could otherwise disagree
+about a file: duplicate JSON keys (serde keeps the last) and a tensor entry
+written as a JSON array (a serde quirk).
 
 Nothing here allocates in proportion to what a header *claims*: sizes are
 checked as Python integers against the real file size before anyone reads a
@@ -98,8 +100,6 @@ def parse_header(raw: bytes, file_size: int, *, file: str) -> Header:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise SafetensorsError(f"header is not valid UTF-8 ({e})", file=file) from None
-    if not text.startswith("{"):
-        raise SafetensorsError("header does not start with '{'", file=file)
     try:
         document = json.loads(
             text, object_pairs_hook=reject_duplicate_keys, parse_constant=_reject_constant,

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import itertools
 import json
 import re
 import reprlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from orbax_safetensors.errors import SafetensorsError
 from orbax_safetensors.format import reject_duplicate_keys
@@ -46,6 +47,24 @@ def shard_file_name(i: int, count: int) -> str:
 
 def is_shard_file_name(name: str) -> bool:
     return _SHARD_NAME.match(name) is not None
+
+
+def incomplete_shard_sets(names: Iterable[str], shown: int = 10) -> dict[int, tuple[int, list[str]]]:
+    """For each count N of the ``model-0000i-of-0000N.safetensors`` among ``names`` that lacks
+    some of its shards 1..N: how many are missing, and the names of the first ``shown`` of
+    them. Without an index the set is what says a copy or download is whole."""
+    present: dict[int, set[int]] = {}
+    for name in names:
+        match = _SHARD_NAME.match(name)
+        if match:
+            present.setdefault(int(match[2]), set()).add(int(match[1]))
+    incomplete = {}
+    for count, held in sorted(present.items()):
+        missing = count - sum(1 for i in held if 1 <= i <= count)
+        if missing:  # the first few names: at most len(held) + shown steps, whatever N claims
+            first = itertools.islice((i for i in itertools.count(1) if i not in held), min(shown, missing))
+            incomplete[count] = (missing, [shard_file_name(i - 1, count) for i in first])
+    return incomplete
 
 
 _SHORT = reprlib.Repr()

@@ -79,7 +79,7 @@ class SafetensorsRestore(ocp_args.CheckpointArgs):
     """
 
     item: Any = None
-    strict: bool = True
+    strict: bool | str = True
     options: ReadOptions | None = None
     storage_options: Mapping[str, Any] | None = None
     filesystem: fsspec.AbstractFileSystem | None = None

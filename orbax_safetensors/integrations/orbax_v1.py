@@ -8,22 +8,43 @@ under a name it is registered for), never plain PyTrees, so registering it
 does not take over Orbax's own PyTree saves.
 
 ``SafetensorsLayout`` treats a whole path as one safetensors checkpoint (a
-file, or an HF directory written by us, ``transformers`` or anyone else),
-the way Orbax's own ``SafetensorsLayout`` does, and adds saving. Orbax
-0.12.x resolves layouts from a fixed enum with no registry, so ours cannot be
-selected with ``ocp.v1.Context(checkpoint_layout=...)``; use it directly:
+file, or a directory: an HF one written by us, ``transformers`` or anyone
+else, or any ``*.safetensors`` files without index), the way Orbax's own
+``SafetensorsLayout`` does, and adds saving. It is a drop-in for Orbax's:
+``ost.install_orbax_layout()`` makes Orbax's own entry points use it
+(``ocp.v1.load_pytree``, ``load_async``, ``pytree_metadata``, any
+``Context(checkpoint_layout=SAFETENSORS)``), and it can be used directly:
 
     layout = ost.SafetensorsLayout()
     loading = await layout.load(path, abstract_state=abstract_params)  # opened and planned
     params = await loading                                              # once the reads are done
     await (await layout.save_checkpointables(path, checkpointables={"params": params}))
 
-Compared with Orbax's layout, a load is planned per process from the target
-sharding the same way, but strided (column-sharded) tensors are served by
-coalesced reads into bounce buffers instead of many small requests, and a
-tensor replicated across processes can be read once and shared over the
-devices (``ReadOptions.replicated_read_once``); thin strips across processes
-are read as row blocks and resharded on device (``reshard_thin_shards``).
+What it keeps of Orbax's contract: ``abstract_state`` may name a subset of the
+checkpoint's tensors (the others are not read; ``{}`` loads nothing), each with
+its shape, a missing one raising a ``KeyError`` (``ost.MissingTensorError``);
+no ``abstract_state`` loads every tensor as a host array; the context's
+``MemoryOptions.read_concurrent_bytes`` and ``SafetensorsOptions``
+(``read_chunk_bytes``, ``max_over_read_ratio``) bound the reads;
+``metadata`` fills ``commit_timestamp_nsecs`` from the files. Where it differs, on
+purpose: the checkpoint is the one the catalog finds there (an index decides
+which files count; without one, every ``*.safetensors`` file, and HF-named
+shards only as a whole set); everything that can fail before a byte is read
+(a missing tensor, a shape mismatch) raises from ``load`` itself rather than from
+its awaitable; ``abstract_state`` may be nested (names are key paths joined with
+``.``); a leaf without a sharding is a host numpy array rather than a replicated
+``jax.Array``; the files are checked against the crc32c they store; and the
+checkpointable methods and saving work.
+
+The trade-off, measured in ``bench/maxtext_dynamic.py``: Orbax's layout reads the
+target sharding's byte ranges with asyncio and coalesces strided runs under an
+over-read ratio; ours plans the same per-process ranges, serves strided
+(column-sharded) tensors through coalesced reads into bounce buffers, can read a
+tensor replicated across processes once and share it over the devices
+(``ReadOptions.replicated_read_once``), and moves thin strips across processes as
+row blocks resharded on device (``reshard_thin_shards``). It opens the checkpoint
+through the catalog, which reads every header once more per call than Orbax's
+name-only ``validate_checkpointables``.
 """
 
 from __future__ import annotations
@@ -35,8 +56,9 @@ from typing import Any
 import jax
 import numpy as np
 from orbax.checkpoint.experimental import v1 as ocp_v1
+from orbax.checkpoint.experimental.v1._src.context import context as orbax_context
 
-from orbax_safetensors.engine import metadata, open_checkpoint
+from orbax_safetensors.engine import ReadOptions, metadata_of, open_checkpoint
 from orbax_safetensors.errors import SafetensorsError
 from orbax_safetensors.storage import Location
 from orbax_safetensors.integrations.orbax_items import (
@@ -116,7 +138,8 @@ class SafetensorsLayout:
 
     A safetensors checkpoint is flat: one PyTree, no named checkpointables.
     ``load_checkpointables`` and ``save_checkpointables`` therefore take or
-    give exactly one, keyed ``"state"`` unless the caller names it.
+    give exactly one, keyed ``"state"`` unless the caller names it (Orbax's
+    layout raises ``NotImplementedError`` for both).
     """
 
     async def get_checkpointable_names(self, path: Any) -> list[str | None]:
@@ -126,12 +149,22 @@ class SafetensorsLayout:
     async def checkpointables_metadata(self, path: Any) -> ocp_v1.CheckpointMetadata:
         inner = await self.metadata(path, None)
         return ocp_v1.CheckpointMetadata(
-            path, metadata={STATE: inner.metadata}, custom_metadata=inner.custom_metadata)
+            path, metadata={STATE: inner.metadata}, custom_metadata=inner.custom_metadata,
+            commit_timestamp_nsecs=inner.commit_timestamp_nsecs)
 
     async def metadata(self, path: Any, checkpointable_name: str | None) -> ocp_v1.CheckpointMetadata:
+        """Tensors (``ShapeDtypeStruct``), merged ``__metadata__``, and as
+        ``commit_timestamp_nsecs`` the latest modification time of the checkpoint's
+        files in nanoseconds (Orbax's layout gives whole seconds under that name)."""
         del checkpointable_name
-        info = metadata(str(path))
-        return ocp_v1.CheckpointMetadata(path, metadata=info.tensors, custom_metadata=info.metadata)
+
+        def read() -> tuple[Any, int | None]:
+            with open_checkpoint(Location.resolve(str(path))) as checkpoint:
+                return metadata_of(checkpoint), checkpoint.modified_ns()
+
+        info, modified = await asyncio.to_thread(read)
+        return ocp_v1.CheckpointMetadata(path, metadata=info.tensors, custom_metadata=info.metadata,
+                                         commit_timestamp_nsecs=modified)
 
     async def validate_checkpointables(self, path: Any) -> None:
         """Raises ``InvalidLayoutError`` unless ``path`` opens as a committed safetensors checkpoint."""
@@ -142,13 +175,18 @@ class SafetensorsLayout:
                 f"{path} is not a safetensors checkpoint: {e}") from e
 
     async def validate(self, path: Any, checkpointable_name: str | None) -> None:
-        await self.validate_checkpointables(path)
+        """Nothing beyond ``validate_checkpointables``: a flat checkpoint has no named parts."""
+        del path, checkpointable_name
 
     async def load(self, path: Any, checkpointable_name: str | None = None,
                    abstract_state: Any = None) -> Awaitable[Any]:
-        """The checkpoint shaped and sharded like ``abstract_state`` (flat ``{name: array}`` if None)."""
+        """The tensors ``abstract_state`` names (a subset is fine: others are not read),
+        shaped and sharded like it; every tensor as a flat ``{name: array}`` if None.
+        Opens and plans now, so a missing tensor (``KeyError``) or a shape mismatch raises
+        here; the awaitable gives the arrays once read."""
         del checkpointable_name
-        return await SafetensorsHandler().load(path, abstract_state)
+        restore = SafetensorsRestore(abstract_state, strict="target", options=_read_options())
+        return await SafetensorsHandler().load(path, restore)
 
     async def load_checkpointables(self, path: Any, abstract_checkpointables:
                                    dict[str, Any] | None = None) -> Awaitable[dict[str, Any]]:
@@ -173,3 +211,23 @@ class SafetensorsLayout:
                 f"{sorted(checkpointables)} (save the others with Orbax's own layout)")
         (checkpointable,) = checkpointables.values()
         return await _save(path, checkpointable)
+
+
+def _read_options() -> ReadOptions:
+    """The active Orbax context's knobs of a safetensors load, as ours: its in-flight budget
+    (``MemoryOptions.read_concurrent_bytes``), read size and over-read ratio
+    (``SafetensorsOptions``, where the installed Orbax has them); refused as Orbax refuses them.
+    A read size under ``ReadOptions.MIN_CHUNK_BYTES`` is raised to it (Orbax takes any: each
+    chunk is a request, and smaller ones only add requests)."""
+    context = orbax_context.get_context()
+    budget = getattr(context.memory_options, "read_concurrent_bytes", None)
+    chunk = getattr(context.safetensors_options, "read_chunk_bytes", None)
+    ratio = getattr(context.safetensors_options, "max_over_read_ratio", None)
+    if chunk is not None and chunk <= 0:
+        raise ValueError(f"SafetensorsOptions.read_chunk_bytes must be positive, got {chunk}")
+    if ratio is not None and ratio < 1.0:
+        raise ValueError(f"SafetensorsOptions.max_over_read_ratio must be >= 1.0, got {ratio}")
+    if chunk is not None:
+        chunk = max(chunk, ReadOptions.MIN_CHUNK_BYTES)
+    chosen = dict(memory_budget=budget, chunk_bytes=chunk, max_overread=ratio)
+    return ReadOptions(**{k: v for k, v in chosen.items() if v is not None})

@@ -136,6 +136,11 @@ class Storage(abc.ABC):
         costs a metadata request, not a read."""
         return None
 
+    def modified(self, path: str) -> int | None:
+        """When the file was last written, in nanoseconds since the epoch; ``None`` where the
+        store keeps no such time."""
+        return None
+
     def sync(self, path: str) -> None:
         """Makes every write to ``path`` so far durable."""
         raise NotImplementedError(f"{type(self).__name__} cannot write at offsets")

@@ -8,6 +8,7 @@ marker last, which the engine does for every backend alike.
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import posixpath
@@ -34,6 +35,7 @@ _READ_BLOCK = 16 << 20  # buffered sequential reads
 _LOCK_REFRESH = 20.0  # seconds between rewrites of a held lock
 _LOCK_STALE = 120.0  # a lock not rewritten for this long belongs to a dead writer
 _LOG = logging.getLogger("orbax_safetensors")
+_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
 
 
 _OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
@@ -71,6 +73,19 @@ class FsspecStorage(Storage):
         if size is not None:
             return size
         return int(self._call(path, "size", lambda: self.fs.size(path)))
+
+    def modified(self, path: str) -> int | None:
+        def ask() -> datetime.datetime | None:
+            try:
+                return self.fs.modified(path)
+            except NotImplementedError:  # the filesystem keeps none (fsspec's default)
+                return None
+        when = self._call(path, "modification time", ask)
+        if when is None:
+            return None
+        if when.tzinfo is None:  # fsspec's local and memory filesystems give naive UTC
+            when = when.replace(tzinfo=datetime.timezone.utc)
+        return (when - _EPOCH) // datetime.timedelta(microseconds=1) * 1000
 
     def scan(self, directory: str) -> None:
         try:

@@ -81,6 +81,9 @@ class LocalStorage(Storage):
         _check_regular(info.st_mode, path)
         return info.st_size
 
+    def modified(self, path: str) -> int | None:
+        return os.stat(path).st_mtime_ns
+
     def read(self, path: str, offset: int, length: int) -> bytes:
         fd = _open_regular(path)
         try:
@@ -274,6 +277,9 @@ class LocalSnapshot(LocalStorage):
 
     def size(self, path: str) -> int:
         return os.fstat(self._fd(path)).st_size
+
+    def modified(self, path: str) -> int | None:
+        return os.fstat(self._fd(path)).st_mtime_ns  # of the version read, whatever the name holds now
 
     def read(self, path: str, offset: int, length: int) -> bytes:
         with _naming(path):
