@@ -211,11 +211,13 @@ def load(
     Args:
       path: a ``.safetensors`` file or a checkpoint directory (any fsspec URL).
       target: a PyTree whose leaves are ``jax.Array``s or ``jax.ShapeDtypeStruct``s
-        (with ``.sharding`` for device arrays; without, numpy arrays: single
-        process only) or numpy arrays, e.g. ``jax.eval_shape(init)``. ``None``
-        in the tree is an empty subtree, as in JAX (optax states hold some):
-        it is returned as ``None``. No target loads every tensor into a flat
-        ``{name: numpy array}``.
+        (with ``.sharding`` for device arrays; without, numpy arrays) or numpy
+        arrays, e.g. ``jax.eval_shape(init)``. ``None`` in the tree is an empty
+        subtree, as in JAX (optax states hold some): it is returned as ``None``.
+        No target loads every tensor into a flat ``{name: numpy array}``. When a
+        leaf is sharded over several processes' devices, every process calls
+        ``load`` with the same target (checked first); a target of host arrays
+        or this process's devices only (or none) is this process's own load.
       strict: ``True``: raise if the target and the checkpoint differ in names
         or shapes (the error lists every offending tensor; an
         ``ost.MissingTensorError``, also a ``KeyError``, when the target names

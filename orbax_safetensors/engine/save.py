@@ -171,7 +171,12 @@ def save(
         exceed ``max_shard_size``). Any fsspec URL; several processes need a
         filesystem they share (local/NFS/GCSFuse paths).
       tree: a PyTree of ``jax.Array`` (any sharding, across processes) or numpy
-        arrays (written by process 0).
+        arrays. When an array spans several processes' devices, every process
+        calls ``save`` with the same tree (same names, shapes, dtypes, shardings:
+        checked first) and host data in it is written by process 0. A tree of
+        this process's data alone (numpy, arrays on its own devices) is this
+        process's own save, which needs no other process to call it (as in
+        ``if jax.process_index() == 0: ost.save(...)``).
       layout: ``"hf"``, whole tensors in the Hugging Face layout.
       max_shard_size: bytes per file of a checkpoint directory, as an int or a
         string like ``"2GB"`` (default ``"5GB"``, as transformers), headers
