@@ -21,11 +21,6 @@ The block size is a trade between three costs, measured on this project's
 512 KiB of each 32 MiB projection, which is whole 256 KiB blocks but half of
 a 1 MiB one). 256 KiB is where none of the three dominates.
 
-Hashing uses the ``crc32c`` package: as fast as ``google-crc32c`` on one
-core (12-13 GB/s at 256 KiB), but it releases the GIL while it hashes, so the
-read and write threads hash in parallel (17-19 GB/s on two cores, where
-``google-crc32c`` stays at 11).
-
 CRCs of adjacent byte ranges combine without the bytes (``combine``, zlib's
 ``crc32_combine`` for the Castagnoli polynomial): a block written by two
 processes, or read by two requests, is checked from the pieces' CRCs.
@@ -37,9 +32,8 @@ import base64
 import bisect
 import dataclasses
 import functools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
-import crc32c as _crc32c
 import numpy as np
 
 from orbax_safetensors.errors import SafetensorsError
@@ -53,10 +47,35 @@ RESERVED_KEYS = (BLOCKS_KEY, BLOCK_SIZE_KEY)
 _POLY = 0x82F63B78  # Castagnoli, reflected
 
 
+def _hasher() -> tuple[str, Callable[..., int]]:
+    """The crc32c function this install hashes with, and its package's name.
+
+    ``google-crc32c`` (Apache-2.0, a dependency) holds the GIL while it hashes
+    anything shorter than 1 MiB, so threads hashing 256 KiB blocks take turns.
+    The ``crc32c`` package (LGPL, the ``crc32c`` extra) releases it, so the
+    read and write threads hash in parallel and alongside their I/O: it is
+    used where installed. Both hash with the CPU's crc32c instructions.
+    """
+    try:
+        import crc32c as package
+    except ImportError:
+        import google_crc32c
+
+        def extend(data: memoryview | bytes | np.ndarray, crc: int = 0) -> int:
+            # It takes bytes and numpy arrays as they are, other buffers (memoryviews)
+            # through a numpy view of the same memory: no copy.
+            return google_crc32c.extend(crc, data if isinstance(data, (bytes, np.ndarray))
+                                        else np.frombuffer(data, np.uint8))
+        return "google-crc32c", extend
+    return "crc32c", package.crc32c
+
+
+HASHER, _extend = _hasher()
+
+
 def crc32c(data: memoryview | bytes | np.ndarray, crc: int = 0) -> int:
-    """``crc`` extended by ``data`` (SSE4.2, ~12 GB/s a core; the GIL is released while it
-    hashes, so read and write threads hash in parallel and alongside their I/O)."""
-    return _crc32c.crc32c(data, crc)
+    """``crc`` extended by ``data`` (a contiguous buffer), by ``HASHER``'s package."""
+    return _extend(data, crc)
 
 
 def _multiply(a: int, b: int) -> int:
