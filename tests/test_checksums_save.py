@@ -8,6 +8,7 @@ byte against a single-process save in ``test_parallel_save_multiprocess``
 (checksums and index included).
 """
 
+import json
 import os
 
 import fsspec
@@ -20,6 +21,7 @@ import safetensors.numpy
 
 import orbax_safetensors as ost
 from orbax_safetensors.format.checksums import BLOCK_BYTES
+from orbax_safetensors.index import FILE_CRCS_KEY
 from tests.integrity import assert_checksummed
 from tests.object_stores import object_store_server
 
@@ -86,8 +88,11 @@ def test_checksums_false_writes_what_transformers_writes(tmp_path):
         assert_checksummed(tmp_path / "plain")
 
 
-@pytest.mark.parametrize("key", ["crc32c", "crc32c_block_bytes"])
+@pytest.mark.parametrize("key", ["orbax_safetensors.crc32c", "orbax_safetensors.crc32c_block_bytes",
+                                 "crc32c", "crc32c_block_bytes"])
 def test_metadata_may_not_take_the_checksum_keys(tmp_path, key):
+    """Ours, and the bare keys earlier versions wrote (which they, still reading checkpoints,
+    take for their checksums and refuse a file where they do not parse)."""
     with pytest.raises(ValueError, match=f"{key}.*reserved"):
         ost.save(tmp_path / "x", {"a": np.zeros(3)}, metadata={key: "1"})
     assert not (tmp_path / "x").exists()
@@ -134,3 +139,28 @@ def test_verify_compares_each_file_with_the_crc32c_its_index_lists(tmp_path):
     report = ost.verify(tmp_path / "c")
     assert [(p.file.rsplit("/", 1)[1], "index lists crc32c" in p.message) for p in report.problems] == [
         ("model-00001-of-00002.safetensors", True)]
+
+
+def _index_crcs_under(directory, key: str, crcs) -> None:
+    """A fresh save of ``_tree()`` whose index lists ``crcs(ours)`` under ``metadata[key]``
+    instead of our whole-file crc32cs under ours."""
+    ost.save(directory, _tree(), max_shard_size=700_000, overwrite=True)
+    index = directory / "model.safetensors.index.json"
+    document = json.loads(index.read_text())
+    document["metadata"][key] = crcs(document["metadata"].pop(FILE_CRCS_KEY))
+    index.write_text(json.dumps(document))
+
+
+def test_verify_reads_the_index_crcs_earlier_versions_wrote_and_not_another_tools(tmp_path):
+    """The HF index's metadata is every tool's: ours is namespaced. The bare ``crc32c`` is read
+    as what earlier versions of ours wrote there only if every value is one of our CRCs."""
+    _index_crcs_under(tmp_path / "c", "crc32c", lambda ours: ours)
+    assert ost.verify(tmp_path / "c").ok
+    _index_crcs_under(tmp_path / "c", "crc32c", lambda ours: {**ours, next(iter(ours)): "AAAAAA=="})
+    assert [p.message.startswith("the index lists crc32c 'AAAAAA=='")
+            for p in ost.verify(tmp_path / "c").problems] == [True]
+
+    for theirs in ["deadbeef", {"model-00001-of-00002.safetensors": "deadbeef"},
+                   {"model-00001-of-00002.safetensors": 3735928559}]:
+        _index_crcs_under(tmp_path / "c", "crc32c", lambda ours: theirs)
+        assert ost.verify(tmp_path / "c").ok, theirs

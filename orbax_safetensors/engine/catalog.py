@@ -27,10 +27,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from orbax_safetensors.engine.executor import Executor
+from orbax_safetensors.engine.integrity import StoredChecksums
 from orbax_safetensors.errors import SafetensorsError
 from orbax_safetensors.format import PREFIX_SIZE, Header, checksums, header_size, parse_header
 from orbax_safetensors.index import (
@@ -268,7 +269,7 @@ class Checkpoint:
     index_metadata: dict[str, str] = dataclasses.field(default_factory=dict)
     files: tuple[str, ...] = ()  # every file the checkpoint consists of, valid or not
     # file path → the block checksums its header stores (files that store none are absent)
-    checksums: dict[str, checksums.FileChecksums] = dataclasses.field(default_factory=dict)
+    checksums: Mapping[str, checksums.FileChecksums] = dataclasses.field(default_factory=dict)
 
     def unchanged(self) -> bool:
         """Whether every file read so far is still part of the committed checkpoint there."""
@@ -350,16 +351,14 @@ class _Reader:
         return Checkpoint(self.storage, self.found, tensors, headers, metadata or {},
                           tuple(self.files), self.block_checksums(headers))
 
-    def block_checksums(self, headers: dict[str, Header]) -> dict[str, checksums.FileChecksums]:
-        """The block checksums each file stores; a malformed entry is a problem of its file
-        (never a silently unchecked load)."""
-        found = {}
-        for file, header in headers.items():
-            stored = self.findings.attempt(lambda: checksums.FileChecksums.of_metadata(
-                header.metadata, header.tensors.values(), header.data_start, file=file))
-            if stored is not None:
-                found[file] = stored
-        return found
+    def block_checksums(self, headers: dict[str, Header]) -> StoredChecksums:
+        """The block checksums each file stores, parsed when a check first needs them (a load
+        that does not verify never does); ``verify`` parses them now, each malformed entry a
+        problem of its file (never a silently unchecked load)."""
+        stored = StoredChecksums(headers, self.findings.attempt)
+        if self.findings.collect:
+            stored.parse()
+        return stored
 
     def whole_tensors(self, files: list[str], weight_map: dict[str, str] | None) -> Checkpoint:
         headers = self.headers(files)

@@ -8,17 +8,24 @@ hashes its own bytes, cut at block boundaries, in the thread that read them
 lock, recombines the pieces; a block is checked once pieces tile it. A load
 raises the first damaged block (``ChecksumError``); ``verify`` collects them
 all and reports each damaged tensor once.
+
+What the files store is parsed from their headers only when a check first
+needs it (``StoredChecksums``): a load with ``verify_checksums=False`` reads
+none of it, so no metadata, ours malformed or another tool's, keeps a file
+from loading.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from orbax_safetensors.errors import ChecksumError
+from orbax_safetensors.format import Header
 from orbax_safetensors.format.checksums import FileChecksums, Tally
 
 _LISTED = 4  # damaged byte ranges a message spells out; the rest are counted
@@ -59,6 +66,42 @@ def damage_message(damage: Sequence[Damage]) -> str:
             if len(ordered) == 1 else "")
     return (f"bytes {within} of the tensor (file offsets {offsets}){more} do not match their "
             f"crc32c{crcs}: the file is damaged or was changed")
+
+
+class StoredChecksums(Mapping[str, FileChecksums]):
+    """The block checksums a checkpoint's files store (a file that stores none is absent),
+    parsed from their headers' metadata on first use.
+
+    ``attempt`` runs each file's parse: a load's raises a malformed entry of ours, ``verify``'s
+    records it as a problem of its file and leaves the file out.
+    """
+
+    def __init__(self, headers: Mapping[str, Header],
+                 attempt: Callable[[Callable[[], FileChecksums | None]], FileChecksums | None]):
+        self._headers = headers
+        self._attempt = attempt
+        self._parsed: dict[str, FileChecksums] | None = None
+
+    def parse(self) -> dict[str, FileChecksums]:
+        if self._parsed is None:
+            parsed = {}
+            for file, header in self._headers.items():
+                stored = self._attempt(functools.partial(
+                    FileChecksums.of_metadata, header.metadata, header.tensors.values(),
+                    header.data_start, file=file))
+                if stored is not None:
+                    parsed[file] = stored
+            self._parsed = parsed
+        return self._parsed
+
+    def __getitem__(self, file: str) -> FileChecksums:
+        return self.parse()[file]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.parse())
+
+    def __len__(self) -> int:
+        return len(self.parse())
 
 
 class Verifier:

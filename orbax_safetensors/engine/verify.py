@@ -29,7 +29,7 @@ from orbax_safetensors.engine.executor import Executor
 from orbax_safetensors.engine.integrity import Damage, Verifier, damage_message
 from orbax_safetensors.engine.progress import Progress
 from orbax_safetensors.errors import located
-from orbax_safetensors.index import FILE_CRCS_KEY, HFIndex, decode_crc, encode_crc
+from orbax_safetensors.index import HFIndex, decode_crc, encode_crc, listed_crcs
 from orbax_safetensors.storage import Location
 
 _DATA_CHUNK = 16 << 20  # bytes of one read of ``data=True``; memory is a few of them
@@ -64,8 +64,9 @@ class VerifyReport:
     bytes_checked: int = 0
     """Tensor bytes read and checked against their files' checksums (``data=True``)."""
     unchecked: list[str] = dataclasses.field(default_factory=list)
-    """Files whose data ``data=True`` could not check: they store no checksums (written by
-    another library, or saved with ``checksums=False``). Not a problem."""
+    """Files whose data ``data=True`` could not check: they store no checksums of ours (written
+    by another library, whose metadata may use a key named ``crc32c`` for its own ends, or
+    saved with ``checksums=False``). Not a problem."""
 
     @property
     def ok(self) -> bool:
@@ -139,9 +140,7 @@ def _check_objects(checkpoint: catalog.Checkpoint, found: catalog.Survey) -> lis
     """Each checksummed file's whole crc32c (its header's, combined with its blocks': no data
     read) against the one the HF index lists and the one the store keeps (GCS, S3): a damaged
     header, or an object the store holds damaged, shows without reading the tensors."""
-    listed = {}
-    if isinstance(found.index, HFIndex) and isinstance(found.index.metadata.get(FILE_CRCS_KEY), dict):
-        listed = found.index.metadata[FILE_CRCS_KEY]
+    listed = listed_crcs(found.index.metadata) if isinstance(found.index, HFIndex) else {}
     storage = checkpoint.storage
 
     def check(file: str) -> list[Problem]:

@@ -28,7 +28,6 @@ import numpy as np
 from orbax_safetensors.errors import SafetensorsError
 from orbax_safetensors.format import DTYPES, DType
 from orbax_safetensors.index.hf_index import (
-    FILE_CRCS_KEY,
     check_file_name,
     encode_crc,
     is_encodable,
@@ -41,6 +40,7 @@ DCP_SHARDING_INFO = "DCP_SHARDING_INFO"
 DCP_VERSION = "DCP_VERSION"
 DCP_VERSION_VALUE = "1.0"
 _FORMAT = "orbax_safetensors.distributed"
+_FILE_CRCS = "crc32c"  # file name → crc32c of the whole file (a document of ours alone: no namespace)
 _SHARD_FILE = re.compile(r"^shard-(\d{5,})-model-(\d{5,})-of-(\d{5,})\.safetensors$")
 _MAX_DIM = 2**63 - 1  # numpy's (and JAX's) largest dimension and element count
 # check_slices marks grid cells while there are at most this many per slice (or
@@ -275,7 +275,7 @@ def serialize_distributed_index(
         },
     }
     if file_crcs:
-        document[FILE_CRCS_KEY] = {name: encode_crc(crc) for name, crc in sorted(file_crcs.items())}
+        document[_FILE_CRCS] = {name: encode_crc(crc) for name, crc in sorted(file_crcs.items())}
     return (json.dumps(document, indent=1, sort_keys=True) + "\n").encode("utf-8")
 
 
