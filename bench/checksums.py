@@ -105,22 +105,26 @@ def render(spec: dict, hashing: dict, saves: dict, loads: dict, args, wall: floa
         f"whole benchmark {wall:.0f} s)",
         f"- machine: {machine_line()}",
         f"- versions: {versions_line()}, {package_versions()}",
+        f"- load average at the start {args.load_average}, at the end {os.getloadavg()[0]:.1f}; "
+        "*discarded*: runs during which other processes used the CPU, run again (at most 3 times; "
+        "*kept*: disturbed still)",
         f"- {args.repeats} repeats; end-to-end cells `median [min–max]` seconds, "
         f"**cold**: {common.CONDITION_NOTES['cold']}; **warm**: {common.CONDITION_NOTES['warm']}; "
         "saves as `bench/save.py` (FSDP on 8 CPU devices, `os.sync()` included), loads as "
         "`bench/load.py` (page cache warm)",
         "",
-        "| package | licence | hashing GB/s, 1 thread | 2 threads |",
-        "|---|---|---:|---:|",
+        "| package | licence | hashing GB/s, 1 thread | 2 threads | discarded |",
+        "|---|---|---:|---:|---:|",
     ]
     for package, licence in PACKAGES.items():
         runs = [r for r in hashing[package] if r["ok"]]
         if not runs:
-            lines.append(f"| {package} | {licence} | failed: {hashing[package][0]['error']} | |")
+            lines.append(f"| {package} | {licence} | failed: {hashing[package][0]['error']} | | |")
             continue
         cells = [f"{statistics.median(r['rates'][t] for r in runs):.1f}" for t in ("1", "2")]
+        cells.append(discarded(hashing[package]))
         lines.append(f"| {package} | {licence} | " + " | ".join(cells) + " |")
-    lines += ["", "| | cold s | warm s | cost cold | cost warm |", "|---|---|---|---:|---:|"]
+    lines += ["", "| | cold s | warm s | cost cold | cost warm | discarded |", "|---|---|---|---:|---:|---:|"]
 
     def rows(title: str, results: dict, names: dict) -> None:
         def median(package, condition):
@@ -133,6 +137,7 @@ def render(spec: dict, hashing: dict, saves: dict, loads: dict, args, wall: floa
                 checked, unchecked = median(package, c), median(None, c)
                 cells.append(f"**{checked / unchecked - 1:+.0%}**"
                              if package and checked and unchecked else "")
+            cells.append(discarded([r for c in CONDITIONS for r in results[names[package]][c]]))
             label = f"{title}, {package}" if package else f"{title}, unchecked"
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
 
@@ -140,6 +145,12 @@ def render(spec: dict, hashing: dict, saves: dict, loads: dict, args, wall: floa
     for sharding in args.shardings:
         rows(f"load {sharding}", loads[sharding], LOADS)
     return "\n".join(lines) + "\n"
+
+
+def discarded(runs: list[dict]) -> str:
+    """Disturbed runs discarded, and how many kept disturbed (after the last attempt)."""
+    kept = sum(bool(r.get("disturbed")) for r in runs if r["ok"])
+    return f"{sum(r.get('discarded', 0) for r in runs)}" + (f" ({kept} kept)" if kept else "")
 
 
 def package_versions() -> str:
@@ -170,6 +181,7 @@ def main() -> None:
         parser.error("needs the crc32c extra: pip install 'orbax-safetensors[crc32c]'")
 
     args.repeats = args.repeats or (1 if args.quick else 5)
+    args.load_average = f"{os.getloadavg()[0]:.1f}"
     args.shardings = [s for s in args.shardings.split(",") if s]
     started = time.perf_counter()
     hashing: dict = {package: [] for package in PACKAGES}
