@@ -76,6 +76,22 @@ def model_spec(size_gb: float, max_shard_size: str) -> dict:
 
 
 # ---------------------------------------------------------------------------
+# Which package hashes the block checksums (in the workers).
+
+
+def without_crc32c_extra() -> None:
+    """Makes ``import crc32c`` fail in this worker, before ``orbax_safetensors`` is imported:
+    its checksums then hash with ``google-crc32c``, as an install without the extra does."""
+    sys.modules["crc32c"] = None
+
+
+def hasher() -> str:
+    """The package ``orbax_safetensors`` hashes its block checksums with in this process."""
+    from orbax_safetensors.format import checksums
+    return checksums.HASHER
+
+
+# ---------------------------------------------------------------------------
 # Devices and shardings (in the workers).
 
 

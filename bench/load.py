@@ -104,12 +104,15 @@ from common import (
 )
 
 SHARDINGS = ("fsdp", "tensor_parallel", "replicated")
-CONTENDERS = ("ours", "ours_noverify", "orbax_layout", "safe_open", "runai", "fastsafetensors")
+CONTENDERS = ("ours", "ours_noverify", "ours_google", "orbax_layout", "safe_open", "runai",
+              "fastsafetensors")
 MAX_SHARD_SIZE = "500MB"
 QUICK_MAX_SHARD_SIZE = "50MB"  # --quick: still a sharded dir with an index
 CONTENDER_NOTES = {
     "ours": "`ost.load(path, target)` (checks the block checksums of what it reads)",
     "ours_noverify": "`ost.load(path, target, options=ost.ReadOptions(verify_checksums=False))`",
+    "ours_google": "`ours` hashing with google-crc32c (the `crc32c` package hidden, as without "
+                   "the `crc32c` extra)",
     "orbax_layout": "Orbax v1 `SafetensorsLayout().load(path, abstract_state=target)`, default context",
     "safe_open": "`safetensors.safe_open(f, framework=\"numpy\").get_tensor(name)` → "
                  "`jax.device_put(x, sharding)`, tensor by tensor",
@@ -222,6 +225,10 @@ def load_ours_noverify(checkpoint: Path, target: dict, extra: dict):
     return load_ours(checkpoint, target, extra, verify=False)
 
 
+def load_ours_google(checkpoint: Path, target: dict, extra: dict):
+    return load_ours(checkpoint, target, extra)  # prepare() hid the crc32c package
+
+
 def load_orbax_layout(checkpoint: Path, target: dict, extra: dict):
     import asyncio
     from etils import epath
@@ -250,9 +257,10 @@ def load_safe_open(checkpoint: Path, target: dict, extra: dict):
     return result
 
 
-LOADERS = {"ours": load_ours, "ours_noverify": load_ours_noverify, "orbax_layout": load_orbax_layout, "safe_open": load_safe_open,
+LOADERS = {"ours": load_ours, "ours_noverify": load_ours_noverify, "ours_google": load_ours_google,
+           "orbax_layout": load_orbax_layout, "safe_open": load_safe_open,
            "runai": peers.load_runai, "fastsafetensors": peers.load_fastsafetensors}
-PACKAGES = {"ours": "orbax_safetensors", "ours_noverify": "orbax_safetensors",
+PACKAGES = {"ours": "orbax_safetensors", "ours_noverify": "orbax_safetensors", "ours_google": "orbax_safetensors",
             "orbax_layout": "orbax.checkpoint.experimental.v1._src.layout.safetensors_layout",
             "safe_open": "safetensors"}
 CONTENDER_NOTES.update({c: peers.CONTENDER_NOTES[c] for c in ("runai", "fastsafetensors")})
@@ -271,6 +279,8 @@ def prepare(contender: str) -> None:
     if contender in peers.LOADERS:
         peers.prepare(contender)
     else:
+        if contender == "ours_google":
+            common.without_crc32c_extra()
         importlib.import_module(PACKAGES[contender])
 
 
@@ -329,6 +339,7 @@ def worker(args) -> None:
     }
     if "to_json" in extra:
         report["load_stats"] = extra["to_json"]()
+        report["hasher"] = common.hasher()
     if orbax_scalars:
         report["orbax_read"] = {k.rsplit("/", 1)[1]: v for k, v in orbax_scalars.items()}
     report_result(report)

@@ -527,7 +527,8 @@ def save_worker(args) -> None:
         with ocp.StandardCheckpointer() as checkpointer:
             got = checkpointer.restore(args.url, abstract)
     else:
-        got = ost.load(args.url, {name: None for name in names}, strict=False)
+        got = ost.load(args.url, {name: jax.ShapeDtypeStruct(params[name].shape, params[name].dtype)
+                                  for name in names}, strict=False)
     for name in names:
         if not np.array_equal(np.asarray(got[name]).view(np.uint16), np.asarray(params[name]).view(np.uint16)):
             raise AssertionError(f"{name}: read back values differ from the source")

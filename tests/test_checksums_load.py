@@ -29,7 +29,16 @@ import orbax_safetensors as ost
 from orbax_safetensors.engine.catalog import open_checkpoint
 from orbax_safetensors.engine.read import Job, execute
 from orbax_safetensors.format import parse_file_bytes
-from orbax_safetensors.format.checksums import BLOCK_BYTES, RESERVED_KEYS, BlockLayout, FileChecksums
+from orbax_safetensors.format.checksums import (
+    BLOCK_BYTES,
+    BLOCK_SIZE_KEY,
+    BLOCKS_KEY,
+    LEGACY_BLOCK_SIZE_KEY,
+    LEGACY_BLOCKS_KEY,
+    RESERVED_KEYS,
+    BlockLayout,
+    FileChecksums,
+)
 from orbax_safetensors.index import dcp_metadata, distributed_file_name
 from orbax_safetensors.planning import ReadProfile, box_shape, plan_reads, plan_tensor_reads
 from orbax_safetensors.storage import Location
@@ -39,10 +48,11 @@ BLOCK = 4096  # checksum blocks of the files written here by hand
 
 
 def write_checksummed(path, tensors: dict[str, np.ndarray], *, block_bytes: int = BLOCK,
-                      metadata: dict[str, str] | None = None) -> None:
+                      metadata: dict[str, str] | None = None, legacy: bool = False) -> None:
     """``tensors`` saved by ``safetensors`` with the block checksums ``ost.save`` stores, of
-    ``block_bytes``: CRCs depend only on each tensor's bytes, so a first write gives them and
-    a second stores them."""
+    ``block_bytes`` (``legacy``: under the bare keys versions before the namespace wrote):
+    CRCs depend only on each tensor's bytes, so a first write gives them and a second stores
+    them."""
     metadata = {"format": "pt", **(metadata or {})}
     safetensors.numpy.save_file(tensors, path, metadata=metadata)
     raw = np.fromfile(path, np.uint8)
@@ -50,8 +60,10 @@ def write_checksummed(path, tensors: dict[str, np.ndarray], *, block_bytes: int 
     layout = BlockLayout.of(header.tensors.values(), 0, block_bytes)
     pieces = layout.pieces(0, [raw[header.data_start:]])
     assert [p.block for p in pieces] == list(range(layout.count))
-    crcs = FileChecksums(layout, np.array([p.crc for p in pieces], np.uint32))
-    safetensors.numpy.save_file(tensors, path, metadata={**metadata, **crcs.metadata()})
+    crcs = FileChecksums(layout, np.array([p.crc for p in pieces], np.uint32)).metadata()
+    if legacy:
+        crcs = {LEGACY_BLOCK_SIZE_KEY: crcs[BLOCK_SIZE_KEY], LEGACY_BLOCKS_KEY: crcs[BLOCKS_KEY]}
+    safetensors.numpy.save_file(tensors, path, metadata={**metadata, **crcs})
 
 
 @contextlib.contextmanager
@@ -313,20 +325,80 @@ def test_files_without_checksums_load_as_before(tmp_path):
     assert stats.bytes_verified == stats.checksum_overread == 0
 
 
-@pytest.mark.parametrize("entries, says", [
-    ({"crc32c_block_bytes": "4096", "crc32c": "AAAA"}, "holds 3 bytes, not base64 of the 4 block"),
-    ({"crc32c_block_bytes": "0", "crc32c": ""}, "is not a block size"),
-    ({"crc32c": "AAAAAA=="}, "is not a block size"),
+def _small(tmp_path, metadata: dict[str, str]) -> tuple[str, dict[str, np.ndarray]]:
+    """A 16 KiB tensor written by ``safetensors.numpy`` with ``metadata``."""
+    path = os.fspath(tmp_path / "w.safetensors")
+    values = {"w": np.arange(4096, dtype=np.float32)}
+    safetensors.numpy.save_file(values, path, metadata=metadata)
+    return path, values
+
+
+@pytest.mark.parametrize("entries", [
+    {"crc32c": "deadbeef"},  # a hex crc32c of the file, say
+    {"crc32c": "3735928559"},
+    {"crc32c": "AAAAAA==", "format": "pt"},
+    {"crc32c_block_bytes": "4096"},
+    {"crc32c_block_bytes": "4096", "crc32c": "deadbeef"},  # base64, but 6 bytes: not 4 CRCs
+    {"crc32c_block_bytes": "²", "crc32c": "AAAAAA=="},  # str.isdigit(), but not int()
+    {"crc32c_block_bytes": "4096", "crc32c": "\u00e9"},
 ])
-def test_a_malformed_checksum_entry_is_a_problem_of_its_file(tmp_path, entries, says):
-    path = os.fspath(tmp_path / "bad.safetensors")
-    safetensors.numpy.save_file({"w": np.zeros(4096, np.float32)}, path, metadata=entries)
+def test_another_tools_metadata_under_the_bare_crc32c_keys_loads_unchecked(tmp_path, entries):
+    """The bare keys are what earlier versions of ours wrote, and a name other tools use too:
+    read as ours only where both parse as ours, otherwise the file loads as any other."""
+    path, values = _small(tmp_path, entries)
+    for verify in (True, False):
+        stats = ost.LoadStats()
+        _assert_equal(ost.load(path, stats=stats,
+                               options=ost.ReadOptions(verify_checksums=verify)), values)
+        assert stats.bytes_verified == 0
+    ost.metadata(path)  # it opens
+    report = ost.verify(path, data=True)
+    assert report.ok and report.unchecked == [path], report.problems
+
+
+@pytest.mark.parametrize("entries, says", [
+    ({BLOCK_SIZE_KEY: "4096", BLOCKS_KEY: "AAAA"}, f"{BLOCKS_KEY!r}] holds 3 bytes, not the 4 of "
+                                                    "each of the 4 block checksums"),
+    ({BLOCK_SIZE_KEY: "4096", BLOCKS_KEY: "not base64!"}, f"{BLOCKS_KEY!r}] is not base64"),
+    ({BLOCK_SIZE_KEY: "4096", BLOCKS_KEY: "\u00e9"}, f"{BLOCKS_KEY!r}] is not base64"),
+    ({BLOCKS_KEY: "AAAAAA=="}, f"has {BLOCKS_KEY!r} but no {BLOCK_SIZE_KEY!r}"),
+    ({BLOCK_SIZE_KEY: "4096"}, f"has {BLOCK_SIZE_KEY!r} but no {BLOCKS_KEY!r}"),
+    # Digits other than ASCII's (superscript two, Arabic-Indic three, fullwidth 4096) pass
+    # str.isdigit(); signs, spaces and underscores pass int(); 2**40 + 1 and 5000 digits are
+    # too big (the second is past int()'s own limit).
+    *[({BLOCK_SIZE_KEY: size, BLOCKS_KEY: ""}, f"{BLOCK_SIZE_KEY!r}] = {size[:40]!r} is not a block size")
+      for size in ["0", "²", "\u0663", "\uff14\uff10\uff19\uff16", "+4096", "-4096", " 4096",
+                   "4096 ", "4_096", "4096.0", "0x1000", "04096", "1099511627777", "9" * 5000, ""]],
+])
+def test_malformed_checksums_of_ours_name_file_and_key_and_load_unchecked_on_request(
+        tmp_path, entries, says):
+    path, values = _small(tmp_path, entries)
     report = ost.verify(path)
     assert [(p.file, p.tensor) for p in report.problems] == [(path, None)]
-    assert says in report.problems[0].message
-    with pytest.raises(ost.SafetensorsError, match=says) as raised:
-        ost.load(path)
-    assert raised.value.file == path
+    assert says in report.problems[0].message, report.problems[0].message
+    for load in (lambda: ost.load(path), lambda: ost.load(path, _target(values))):
+        with pytest.raises(ost.SafetensorsError, match="verify_checksums=False") as raised:
+            load()
+        assert raised.value.file == path and says in str(raised.value), raised.value
+    stats = ost.LoadStats()
+    _assert_equal(ost.load(path, stats=stats, options=ost.ReadOptions(verify_checksums=False)), values)
+    assert stats.bytes_verified == 0
+    assert ost.metadata(path).metadata == {}  # opening it reads no checksums either
+
+
+def test_files_of_earlier_versions_are_checked_by_their_bare_keys(tmp_path):
+    values = {"w": np.random.default_rng(3).standard_normal((64, 256)).astype(np.float32)}
+    path = os.fspath(tmp_path / "old.safetensors")
+    write_checksummed(path, values, legacy=True)
+    stats = ost.LoadStats()
+    _assert_equal(ost.load(path, stats=stats), values)
+    assert stats.bytes_verified == values["w"].nbytes
+    assert ost.verify(path, data=True).unchecked == []
+    _, begin, _ = locate(path, "w")
+    with flipped(path, begin + 5000):
+        with pytest.raises(ost.ChecksumError, match=r"bytes \[4096, 8192\) of the tensor"):
+            ost.load(path)
+        assert [p.tensor for p in ost.verify(path, data=True).problems] == ["w"]
 
 
 def test_verify_data_lists_every_damaged_tensor_at_once(checkpoint, tmp_path):

@@ -8,6 +8,7 @@ byte against a single-process save in ``test_parallel_save_multiprocess``
 (checksums and index included).
 """
 
+import json
 import os
 import shutil
 
@@ -21,6 +22,7 @@ import safetensors.numpy
 
 import orbax_safetensors as ost
 from orbax_safetensors.format.checksums import BLOCK_BYTES
+from orbax_safetensors.index import FILE_CRCS_KEY
 from tests.integrity import assert_checksummed
 from tests.object_stores import object_store_server
 
@@ -87,8 +89,11 @@ def test_checksums_false_writes_what_transformers_writes(tmp_path):
         assert_checksummed(tmp_path / "plain")
 
 
-@pytest.mark.parametrize("key", ["crc32c", "crc32c_block_bytes"])
+@pytest.mark.parametrize("key", ["orbax_safetensors.crc32c", "orbax_safetensors.crc32c_block_bytes",
+                                 "crc32c", "crc32c_block_bytes"])
 def test_metadata_may_not_take_the_checksum_keys(tmp_path, key):
+    """Ours, and the bare keys earlier versions wrote (which they, still reading checkpoints,
+    take for their checksums and refuse a file where they do not parse)."""
     with pytest.raises(ValueError, match=f"{key}.*reserved"):
         ost.save(tmp_path / "x", {"a": np.zeros(3)}, metadata={key: "1"})
     assert not (tmp_path / "x").exists()
@@ -146,10 +151,54 @@ def test_a_shard_copied_in_from_another_save_is_refused_by_load_and_verify(tmp_p
     ost.save(tmp_path / "a", first, max_shard_size=700_000)
     ost.save(tmp_path / "b", second, max_shard_size=700_000)
     shutil.copy(tmp_path / "b" / "model-00001-of-00002.safetensors", tmp_path / "a")
-    for load in (lambda: ost.load(tmp_path / "a"), lambda: ost.metadata(tmp_path / "a"),
-                 lambda: ost.async_load(tmp_path / "a")):
+    # (ost.metadata reads no checksums, so it lists the shapes, which are the same.)
+    for load in (lambda: ost.load(tmp_path / "a"), lambda: ost.async_load(tmp_path / "a").result()):
         with pytest.raises(ost.SafetensorsError, match="copied in from another save") as raised:
             load()
         assert raised.value.file.endswith("model-00001-of-00002.safetensors")
     assert [p.file.rsplit("/", 1)[1] for p in ost.verify(tmp_path / "a").problems] == [
         "model-00001-of-00002.safetensors"]
+    # The comparison is a checksum check: without them the copy loads (what is there is read).
+    loaded = ost.load(tmp_path / "a", options=ost.ReadOptions(verify_checksums=False))
+    placed = json.loads((tmp_path / "a" / "model.safetensors.index.json").read_text())["weight_map"]
+    for name, value in loaded.items():
+        copied = placed[name] == "model-00001-of-00002.safetensors"
+        np.testing.assert_array_equal(value, (second if copied else first)[name])
+
+
+def test_a_distributed_file_copied_in_from_another_save_is_refused(tmp_path):
+    """The same for the distributed layout, whose index lists each file's crc32c too."""
+    first, second = _tree(), {k: v + 1 for k, v in _tree().items()}
+    for directory, tree in ((tmp_path / "a", first), (tmp_path / "b", second)):
+        ost.save(directory, _sharded(tree), layout="distributed")
+    name = sorted(p.name for p in (tmp_path / "a").glob("shard-*.safetensors"))[0]
+    shutil.copy(tmp_path / "b" / name, tmp_path / "a")
+    with pytest.raises(ost.SafetensorsError, match="copied in from another save") as raised:
+        ost.load(tmp_path / "a")
+    assert raised.value.file.endswith(name)
+    assert [p.file.rsplit("/", 1)[1] for p in ost.verify(tmp_path / "a").problems] == [name]
+
+
+def _index_crcs_under(directory, key: str, crcs) -> None:
+    """A fresh save of ``_tree()`` whose index lists ``crcs(ours)`` under ``metadata[key]``
+    instead of our whole-file crc32cs under ours."""
+    ost.save(directory, _tree(), max_shard_size=700_000, overwrite=True)
+    index = directory / "model.safetensors.index.json"
+    document = json.loads(index.read_text())
+    document["metadata"][key] = crcs(document["metadata"].pop(FILE_CRCS_KEY))
+    index.write_text(json.dumps(document))
+
+
+def test_verify_reads_the_index_crcs_earlier_versions_wrote_and_not_another_tools(tmp_path):
+    """The HF index's metadata is every tool's: ours is namespaced. The bare ``crc32c`` is read
+    as what earlier versions of ours wrote there only if every value is one of our CRCs."""
+    _index_crcs_under(tmp_path / "c", "crc32c", lambda ours: ours)
+    assert ost.verify(tmp_path / "c").ok
+    _index_crcs_under(tmp_path / "c", "crc32c", lambda ours: {**ours, next(iter(ours)): "AAAAAA=="})
+    assert [p.message.startswith("the index lists crc32c 'AAAAAA=='")
+            for p in ost.verify(tmp_path / "c").problems] == [True]
+
+    for theirs in ["deadbeef", {"model-00001-of-00002.safetensors": "deadbeef"},
+                   {"model-00001-of-00002.safetensors": 3735928559}]:
+        _index_crcs_under(tmp_path / "c", "crc32c", lambda ours: theirs)
+        assert ost.verify(tmp_path / "c").ok, theirs

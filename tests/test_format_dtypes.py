@@ -40,7 +40,7 @@ import pytest
 import safetensors
 
 import orbax_safetensors as ost
-from orbax_safetensors.format.checksums import RESERVED_KEYS
+from orbax_safetensors.format.checksums import BLOCK_SIZE_KEY, BLOCKS_KEY, RESERVED_KEYS
 from orbax_safetensors.format import DTYPES, to_bytes
 
 ALL_CODES = (
@@ -292,7 +292,7 @@ def test_ours_to_theirs_every_dtype_in_one_file(tmp_path):
         header = json.loads(f.read(n))
     assert n % 8 == 0
     assert header["__metadata__"]["format"] == "pt" and set(header["__metadata__"]) == {
-        "format", *RESERVED_KEYS}
+        "format", BLOCKS_KEY, BLOCK_SIZE_KEY}
 
 
 # --------------------------------------------------------------------------- theirs -> ours

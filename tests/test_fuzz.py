@@ -381,11 +381,12 @@ def test_fuzz_distributed_index_any_input(raw):
 def test_fuzz_distributed_index_mutated(raw):
     result = bounded(lambda: _dist(raw), len(raw))
     if not rejected_naming(result, "fuzz.distributed.json"):
-        tensors, metadata = result
+        tensors, metadata, crcs = result
         check_distributed_result(tensors)
         document = json.loads(raw)
         check_distributed_document(document)
         assert metadata == document.get("metadata", {})
+        assert crcs == document.get("crc32c", {})
         assert all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
         for name, tensor in tensors.items():
             assert tensor.dtype.code == document["tensors"][name]["dtype"]

@@ -142,7 +142,8 @@ def test_everything_fits_one_file_means_model_safetensors_and_no_index(tmp_path)
     with safetensors.safe_open(ckpt / "model.safetensors", framework="numpy") as f:
         assert set(f.keys()) == set(tree)
         assert f.metadata()["format"] == "pt"
-        assert set(f.metadata()) == {"format", "crc32c", "crc32c_block_bytes"}
+        assert set(f.metadata()) == {"format", "orbax_safetensors.crc32c",
+                                     "orbax_safetensors.crc32c_block_bytes"}
     assert_same_tree(ost.load(ckpt), tree)
     # A limit the whole file meets (and a little over) is one file; one the tensor bytes alone
     # fill is not: headers count.

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import orbax_safetensors as ost
-from orbax_safetensors.index import INDEX_NAME, decode_crc
+from orbax_safetensors.index import FILE_CRCS_KEY, INDEX_NAME, decode_crc
 from orbax_safetensors.storage import Location
 from tests.fault_proxy import FaultProxy
 from tests.object_stores import object_store_server, storage_options
@@ -189,7 +189,7 @@ def test_sent_and_stored_checksums_match_ours(proxied):
     location = Location.resolve(url, options)
     index = json.loads(location.storage.read(location.storage.join(location.path, INDEX_NAME), 0, 1 << 20))
     if protocol == "gs":
-        for name, crc in index["metadata"]["crc32c"].items():
+        for name, crc in index["metadata"][FILE_CRCS_KEY].items():
             assert location.storage.stored_crc32c(location.storage.join(location.path, name)) == decode_crc(crc)
     raw = location.storage.read(location.storage.join(location.path, INDEX_NAME), 0, 1 << 20)
     assert location.storage.stored_crc32c(location.storage.join(location.path, INDEX_NAME)) == (

@@ -32,15 +32,15 @@ import collections
 import dataclasses
 import errno
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from orbax_safetensors.engine.executor import Executor
+from orbax_safetensors.engine.integrity import StoredChecksums
 from orbax_safetensors.errors import MissingFileError, SafetensorsError
 from orbax_safetensors.format import PREFIX_SIZE, Header, checksums, header_size, parse_header
 from orbax_safetensors.index import (
     DISTRIBUTED_INDEX_NAME,
-    FILE_CRCS_KEY,
     INDEX_NAME,
     SINGLE_FILE_NAME,
     DistributedTensor,
@@ -48,11 +48,10 @@ from orbax_safetensors.index import (
     SliceEntry,
     check_slices,
     dcp_offsets,
-    decode_crc,
-    encode_crc,
     incomplete_shard_sets,
     is_distributed_file_name,
     is_shard_file_name,
+    listed_crcs,
     natural_key,
     parse_distributed_index,
     parse_index,
@@ -320,7 +319,7 @@ class Checkpoint:
     index_metadata: dict[str, str] = dataclasses.field(default_factory=dict)
     files: tuple[str, ...] = ()  # every file the checkpoint consists of, valid or not
     # file path → the block checksums its header stores (files that store none are absent)
-    checksums: dict[str, checksums.FileChecksums] = dataclasses.field(default_factory=dict)
+    checksums: Mapping[str, checksums.FileChecksums] = dataclasses.field(default_factory=dict)
 
     def unchanged(self) -> bool:
         """Whether every file read so far is still part of the committed checkpoint there."""
@@ -390,6 +389,7 @@ class _Reader:
         self.found, self.storage, self.findings = found, storage, findings
         self.files: list[str] = []
         self.raw: dict[str, bytes] = {}  # file → its header's bytes, from its first
+        self.listed: dict[str, object] = {}  # file → the whole crc32c its index lists (as written)
 
     def headers(self, files: list[str]) -> dict[str, Header]:
         """The valid headers among ``files``, in order; each invalid or missing file is a problem."""
@@ -416,16 +416,14 @@ class _Reader:
         return Checkpoint(self.storage, self.found, tensors, headers, metadata or {},
                           tuple(self.files), self.block_checksums(headers))
 
-    def block_checksums(self, headers: dict[str, Header]) -> dict[str, checksums.FileChecksums]:
-        """The block checksums each file stores; a malformed entry is a problem of its file
-        (never a silently unchecked load)."""
-        found = {}
-        for file, header in headers.items():
-            stored = self.findings.attempt(lambda: checksums.FileChecksums.of_metadata(
-                header.metadata, header.tensors.values(), header.data_start, file=file))
-            if stored is not None:
-                found[file] = stored
-        return found
+    def block_checksums(self, headers: dict[str, Header]) -> StoredChecksums:
+        """The block checksums each file stores, parsed when a check first needs them (a load
+        that does not verify never does); ``verify`` parses them now, each malformed entry a
+        problem of its file (never a silently unchecked load)."""
+        stored = StoredChecksums(headers, self.findings.attempt, self.raw, self.listed)
+        if self.findings.collect:
+            stored.parse()
+        return stored
 
     def whole_tensors(self, files: list[str], weight_map: dict[str, str] | None) -> Checkpoint:
         """Files of whole tensors: each tensor from the file ``weight_map`` places it in, or
@@ -449,6 +447,8 @@ class _Reader:
     def hf_sharded(self, index: HFIndex) -> Checkpoint:
         files = {name: self.found.path(name) for name in index.files}
         listed = {tensor: files[name] for tensor, name in index.weight_map.items()}
+        self.listed = {files[name]: crc for name, crc in listed_crcs(index.metadata).items()
+                       if name in files}
         checkpoint = self.whole_tensors(list(files.values()), listed)
         headers = checkpoint.headers
         for tensor, file in listed.items():
@@ -466,7 +466,6 @@ class _Reader:
                         "stored twice: the index places this tensor in "
                         f"{self.storage.split(listed[tensor])[1]!r}, and this file holds "
                         "another copy (which copy is the tensor?)", file, tensor)
-        self.listed_crcs(checkpoint, index.metadata.get(FILE_CRCS_KEY), files)
         total = index.metadata.get("total_size")
         stored = sum(t.nbytes for t in checkpoint.tensors.values())
         if total is not None and len(checkpoint.tensors) == len(listed) \
@@ -475,28 +474,13 @@ class _Reader:
                                     f"{stored} bytes", self.found.path(INDEX_NAME))
         return checkpoint
 
-    def listed_crcs(self, checkpoint: Checkpoint, listed: Any, files: dict[str, str]) -> None:
-        """Each file's whole crc32c (its header's bytes combined with its block checksums: no
-        data read) against the one its index lists: a file copied in from another save of
-        the same shapes would otherwise load, mixing two checkpoints."""
-        if not isinstance(listed, dict):
-            return
-        for name, file in files.items():
-            stored = checkpoint.checksums.get(file)
-            if stored is None or name not in listed or file not in self.raw:
-                continue
-            ours = stored.file_crc(self.raw[file])
-            if decode_crc(listed[name]) != ours:
-                self.findings.problem(
-                    f"the index lists crc32c {listed[name]!r} for this file, but its header and block "
-                    f"checksums give {encode_crc(ours)!r}: it is not the file the index was committed "
-                    "with (copied in from another save?)", file)
-
-    def distributed(self, entries: dict[str, DistributedTensor], metadata: dict[str, str]) -> Checkpoint:
+    def distributed(self, entries: dict[str, DistributedTensor], metadata: dict[str, str],
+                    crcs: dict[str, str]) -> Checkpoint:
         """Our distributed layout: the index says where every slice is; each file's own
         ``DCP_SHARDING_INFO`` must agree (equal-shaped slices with swapped offsets would
         otherwise load swapped)."""
         files = sorted({self.found.path(s.file) for t in entries.values() for s in t.slices})
+        self.listed = {self.found.path(name): crc for name, crc in crcs.items()}
         headers = self.headers(files)
         tensors, placed = {}, collections.defaultdict(set)
         for name, entry in entries.items():

@@ -8,18 +8,27 @@ hashes its own bytes, cut at block boundaries, in the thread that read them
 lock, recombines the pieces; a block is checked once pieces tile it. A load
 raises the first damaged block (``ChecksumError``); ``verify`` collects them
 all and reports each damaged tensor once.
+
+What the files store is parsed from their headers only when a check first
+needs it (``StoredChecksums``): a load with ``verify_checksums=False`` reads
+none of it, so no metadata, ours malformed or another tool's, keeps a file
+from loading.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
-from orbax_safetensors.errors import ChecksumError
+from orbax_safetensors.errors import ChecksumError, SafetensorsError
+from orbax_safetensors.format import Header
 from orbax_safetensors.format.checksums import FileChecksums, Tally
+from orbax_safetensors.index import decode_crc, encode_crc
 
 _LISTED = 4  # damaged byte ranges a message spells out; the rest are counted
 
@@ -59,6 +68,57 @@ def damage_message(damage: Sequence[Damage]) -> str:
             if len(ordered) == 1 else "")
     return (f"bytes {within} of the tensor (file offsets {offsets}){more} do not match their "
             f"crc32c{crcs}: the file is damaged or was changed")
+
+
+class StoredChecksums(Mapping[str, FileChecksums]):
+    """The block checksums a checkpoint's files store (a file that stores none is absent),
+    parsed from their headers' metadata on first use, and each file's whole crc32c compared
+    then with the one its index lists (``listed``): a file copied in from another save of the
+    same shapes would otherwise load, mixing two checkpoints. A header's own bytes (``raw``)
+    and block checksums give that crc32c without reading any data.
+
+    ``attempt`` runs each file's parse and comparison: a load's raises, ``verify``'s records
+    a problem of the file (a file whose checksums do not parse is left out).
+    """
+
+    def __init__(self, headers: Mapping[str, Header],
+                 attempt: Callable[[Callable[[], Any]], Any],
+                 raw: Mapping[str, bytes], listed: Mapping[str, object]):
+        self._headers, self._attempt, self._raw, self._listed = headers, attempt, raw, listed
+        self._parsed: dict[str, FileChecksums] | None = None
+
+    def parse(self) -> dict[str, FileChecksums]:
+        if self._parsed is None:
+            parsed = {}
+            for file, header in self._headers.items():
+                stored = self._attempt(functools.partial(
+                    FileChecksums.of_metadata, header.metadata, header.tensors.values(),
+                    header.data_start, file=file))
+                if stored is not None:
+                    parsed[file] = stored
+                    if file in self._listed and file in self._raw:
+                        self._attempt(functools.partial(
+                            _compare_listed, stored, self._raw[file], self._listed[file], file))
+            self._parsed = parsed
+        return self._parsed
+
+    def __getitem__(self, file: str) -> FileChecksums:
+        return self.parse()[file]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.parse())
+
+    def __len__(self) -> int:
+        return len(self.parse())
+
+
+def _compare_listed(stored: FileChecksums, raw: bytes, listed: object, file: str) -> None:
+    ours = stored.file_crc(raw)
+    if decode_crc(listed) != ours:
+        raise SafetensorsError(
+            f"the index lists crc32c {listed!r} for this file, but its header and block checksums "
+            f"give {encode_crc(ours)!r}: it is not the file the index was committed with (copied "
+            "in from another save?)", file=file)
 
 
 class Verifier:

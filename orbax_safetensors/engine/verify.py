@@ -64,8 +64,9 @@ class VerifyReport:
     bytes_checked: int = 0
     """Tensor bytes read and checked against their files' checksums (``data=True``)."""
     unchecked: list[str] = dataclasses.field(default_factory=list)
-    """Files whose data ``data=True`` could not check: they store no checksums (written by
-    another library, or saved with ``checksums=False``). Not a problem."""
+    """Files whose data ``data=True`` could not check: they store no checksums of ours (written
+    by another library, whose metadata may use a key named ``crc32c`` for its own ends, or
+    saved with ``checksums=False``). Not a problem."""
 
     @property
     def ok(self) -> bool:

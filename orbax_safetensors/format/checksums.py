@@ -1,10 +1,11 @@
 """crc32c checksums of a file's tensors in fixed-size blocks: compute, combine, store, check.
 
 Safetensors has no checksums, so ours live where every other reader ignores
-them: two string entries of the file's ``__metadata__``::
+them: two string entries of the file's ``__metadata__``, under keys named for
+this package so that no other tool's metadata is taken for them::
 
-    "crc32c_block_bytes": "262144"
-    "crc32c": base64 of one big-endian uint32 per block
+    "orbax_safetensors.crc32c_block_bytes": "262144"
+    "orbax_safetensors.crc32c": base64 of one big-endian uint32 per block
 
 Blocks are cut per tensor: each tensor's bytes are split into blocks of
 ``crc32c_block_bytes`` from its own first byte (the last block of a tensor is
@@ -13,6 +14,13 @@ order. Per tensor, not per file, so a damaged byte fails exactly the loads
 that read its tensor, and a reader of a few rows of one tensor reads (and
 checks) at most one block beyond each end of what it needs.
 
+Earlier versions wrote the same two entries under the bare keys ``crc32c`` and
+``crc32c_block_bytes``, which other tools use too (a single hex CRC of the
+file, say). Files that store no namespaced entries are read by the old keys
+only if both are there and parse as ours; otherwise the metadata is someone
+else's and the file loads unchecked. The namespaced entries are ours alone:
+malformed, they are an error naming the file and the key.
+
 The block size is a trade between three costs, measured on this project's
 2-core VM (SSE4.2): hashing speed (64 KiB blocks 10.0 GB/s, 256 KiB 11.3,
 1 MiB 12.3, with ``google-crc32c``), the checksum text every header carries
@@ -20,11 +28,6 @@ The block size is a trade between three costs, measured on this project's
 (< 2 blocks per contiguous run: a process of a 64-way FSDP load reads
 512 KiB of each 32 MiB projection, which is whole 256 KiB blocks but half of
 a 1 MiB one). 256 KiB is where none of the three dominates.
-
-Hashing uses the ``crc32c`` package: as fast as ``google-crc32c`` on one
-core (12-13 GB/s at 256 KiB), but it releases the GIL while it hashes, so the
-read and write threads hash in parallel (17-19 GB/s on two cores, where
-``google-crc32c`` stays at 11).
 
 CRCs of adjacent byte ranges combine without the bytes (``combine``, zlib's
 ``crc32_combine`` for the Castagnoli polynomial): a block written by two
@@ -37,26 +40,58 @@ import base64
 import bisect
 import dataclasses
 import functools
-from collections.abc import Iterable, Mapping, Sequence
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
-import crc32c as _crc32c
 import numpy as np
 
 from orbax_safetensors.errors import SafetensorsError
 from orbax_safetensors.format.header import TensorInfo
 
 BLOCK_BYTES = 256 << 10
-BLOCKS_KEY = "crc32c"
-BLOCK_SIZE_KEY = "crc32c_block_bytes"
-RESERVED_KEYS = (BLOCKS_KEY, BLOCK_SIZE_KEY)
+BLOCKS_KEY = "orbax_safetensors.crc32c"
+BLOCK_SIZE_KEY = "orbax_safetensors.crc32c_block_bytes"
+LEGACY_BLOCKS_KEY = "crc32c"  # what versions before the namespace wrote, still read
+LEGACY_BLOCK_SIZE_KEY = "crc32c_block_bytes"
+# A save's own metadata may not use these. The legacy keys stay reserved: earlier versions of
+# this package, still reading checkpoints, take them for their checksums and refuse a file
+# whose values are anything else.
+RESERVED_KEYS = (BLOCKS_KEY, BLOCK_SIZE_KEY, LEGACY_BLOCKS_KEY, LEGACY_BLOCK_SIZE_KEY)
+_MAX_BLOCK_BYTES = 1 << 40
+_BLOCK_SIZE = re.compile(r"[1-9][0-9]{0,12}")  # ASCII only: str.isdigit() also takes "²", "٣"
 
 _POLY = 0x82F63B78  # Castagnoli, reflected
 
 
+def _hasher() -> tuple[str, Callable[..., int]]:
+    """The crc32c function this install hashes with, and its package's name.
+
+    ``google-crc32c`` (Apache-2.0, a dependency) holds the GIL while it hashes
+    anything shorter than 1 MiB, so threads hashing 256 KiB blocks take turns.
+    The ``crc32c`` package (LGPL, the ``crc32c`` extra) releases it, so the
+    read and write threads hash in parallel and alongside their I/O: it is
+    used where installed. Both hash with the CPU's crc32c instructions.
+    """
+    try:
+        import crc32c as package
+    except ImportError:
+        import google_crc32c
+
+        def extend(data: memoryview | bytes | np.ndarray, crc: int = 0) -> int:
+            # It takes bytes and numpy arrays as they are, other buffers (memoryviews)
+            # through a numpy view of the same memory: no copy.
+            return google_crc32c.extend(crc, data if isinstance(data, (bytes, np.ndarray))
+                                        else np.frombuffer(data, np.uint8))
+        return "google-crc32c", extend
+    return "crc32c", package.crc32c
+
+
+HASHER, _extend = _hasher()
+
+
 def crc32c(data: memoryview | bytes | np.ndarray, crc: int = 0) -> int:
-    """``crc`` extended by ``data`` (SSE4.2, ~12 GB/s a core; the GIL is released while it
-    hashes, so read and write threads hash in parallel and alongside their I/O)."""
-    return _crc32c.crc32c(data, crc)
+    """``crc`` extended by ``data`` (a contiguous buffer), by ``HASHER``'s package."""
+    return _extend(data, crc)
 
 
 def _multiply(a: int, b: int) -> int:
@@ -225,24 +260,21 @@ class FileChecksums:
     @staticmethod
     def of_metadata(metadata: Mapping[str, str] | None, tensors: Iterable[TensorInfo], data_start: int,
                     *, file: str) -> FileChecksums | None:
-        """The checksums a file's ``__metadata__`` stores (``None`` if it stores none); malformed
-        entries are an error naming the file, never a silently unchecked load."""
-        if not metadata or BLOCKS_KEY not in metadata and BLOCK_SIZE_KEY not in metadata:
-            return None
-        size = metadata.get(BLOCK_SIZE_KEY, "")
-        if not size.isdigit() or not 0 < int(size) <= 1 << 40:
-            raise SafetensorsError(f"__metadata__[{BLOCK_SIZE_KEY!r}] = {size[:40]!r} is not a "
-                                   "block size", file=file)
-        layout = BlockLayout.of(tensors, data_start, int(size))
-        try:
-            raw = base64.b64decode(metadata.get(BLOCKS_KEY, "").encode("ascii"), validate=True)
-        except (ValueError, UnicodeEncodeError):
-            raw = b"?"
-        if len(raw) != 4 * layout.count:
-            raise SafetensorsError(
-                f"__metadata__[{BLOCKS_KEY!r}] holds {len(raw)} bytes, not base64 of the "
-                f"{layout.count} block checksums of this file's tensors", file=file)
-        return FileChecksums(layout, np.frombuffer(raw, ">u4").astype(np.uint32))
+        """The checksums a file's ``__metadata__`` stores, ``None`` if it stores none of ours.
+
+        Malformed namespaced entries are an error naming the file and the key (never a
+        silently unchecked load); malformed legacy ones are another tool's metadata."""
+        metadata = metadata or {}
+        if BLOCKS_KEY in metadata or BLOCK_SIZE_KEY in metadata:
+            stored = _stored(metadata, BLOCK_SIZE_KEY, BLOCKS_KEY, tensors, data_start)
+            if isinstance(stored, str):
+                raise SafetensorsError(f"{stored}; ost.ReadOptions(verify_checksums=False) loads "
+                                       "the file unchecked", file=file)
+            return stored
+        if LEGACY_BLOCKS_KEY in metadata and LEGACY_BLOCK_SIZE_KEY in metadata:
+            stored = _stored(metadata, LEGACY_BLOCK_SIZE_KEY, LEGACY_BLOCKS_KEY, tensors, data_start)
+            return None if isinstance(stored, str) else stored
+        return None
 
     def data_crc(self) -> int:
         """The crc32c of the whole data buffer, from the blocks'."""
@@ -257,6 +289,27 @@ class FileChecksums:
         bytes (length prefix included) and the blocks'."""
         total = sum(stop - start for start, stop in zip(self.layout.begins, self.layout.ends))
         return combine(crc32c(header), self.data_crc(), total)
+
+
+def _stored(metadata: Mapping[str, str], size_key: str, blocks_key: str, tensors: Iterable[TensorInfo],
+            data_start: int) -> FileChecksums | str:
+    """The checksums under ``size_key`` and ``blocks_key``, or what is wrong with them."""
+    size, blocks = metadata.get(size_key), metadata.get(blocks_key)
+    if size is None or blocks is None:
+        has, lacks = (size_key, blocks_key) if blocks is None else (blocks_key, size_key)
+        return f"__metadata__ has {has!r} but no {lacks!r}"
+    if _BLOCK_SIZE.fullmatch(size) is None or int(size) > _MAX_BLOCK_BYTES:
+        return (f"__metadata__[{size_key!r}] = {size[:40]!r} is not a block size (a number of "
+                f"bytes from 1 to 2**40 in ASCII digits)")
+    layout = BlockLayout.of(tensors, data_start, int(size))
+    try:
+        raw = base64.b64decode(blocks.encode("ascii"), validate=True)
+    except (ValueError, UnicodeEncodeError):
+        return f"__metadata__[{blocks_key!r}] is not base64"
+    if len(raw) != 4 * layout.count:
+        return (f"__metadata__[{blocks_key!r}] holds {len(raw)} bytes, not the 4 of each of the "
+                f"{layout.count} block checksums of this file's tensors")
+    return FileChecksums(layout, np.frombuffer(raw, ">u4").astype(np.uint32))
 
 
 class Tally:

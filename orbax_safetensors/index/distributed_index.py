@@ -28,8 +28,8 @@ import numpy as np
 from orbax_safetensors.errors import SafetensorsError
 from orbax_safetensors.format import DTYPES, DType
 from orbax_safetensors.index.hf_index import (
-    FILE_CRCS_KEY,
     check_file_name,
+    decode_crc,
     encode_crc,
     is_encodable,
     load_json,
@@ -41,6 +41,7 @@ DCP_SHARDING_INFO = "DCP_SHARDING_INFO"
 DCP_VERSION = "DCP_VERSION"
 DCP_VERSION_VALUE = "1.0"
 _FORMAT = "orbax_safetensors.distributed"
+_FILE_CRCS = "crc32c"  # file name → crc32c of the whole file (a document of ours alone: no namespace)
 _SHARD_FILE = re.compile(r"^shard-(\d{5,})-model-(\d{5,})-of-(\d{5,})\.safetensors$")
 _MAX_DIM = 2**63 - 1  # numpy's (and JAX's) largest dimension and element count
 # check_slices marks grid cells while there are at most this many per slice (or
@@ -275,13 +276,15 @@ def serialize_distributed_index(
         },
     }
     if file_crcs:
-        document[FILE_CRCS_KEY] = {name: encode_crc(crc) for name, crc in sorted(file_crcs.items())}
+        document[_FILE_CRCS] = {name: encode_crc(crc) for name, crc in sorted(file_crcs.items())}
     return (json.dumps(document, indent=1, sort_keys=True) + "\n").encode("utf-8")
 
 
 def parse_distributed_index(raw: bytes, *, file: str = DISTRIBUTED_INDEX_NAME) -> tuple[
-        dict[str, DistributedTensor], dict[str, str]]:
-    """Parses and validates our index; the only error it raises is a SafetensorsError.
+        dict[str, DistributedTensor], dict[str, str], dict[str, str]]:
+    """Parses and validates our index: its tensors, its metadata and each file's whole crc32c
+    (as written, ``decode_crc`` reads one; empty for a save without checksums). The only error
+    it raises is a SafetensorsError.
 
     Every field is type-checked rather than coerced, and every slice set is
     checked to tile its tensor, so a reader never plans reads from a layout
@@ -338,7 +341,12 @@ def parse_distributed_index(raw: bytes, *, file: str = DISTRIBUTED_INDEX_NAME) -
     for key, value in metadata.items():
         _text(key, "metadata key", file=file)
         _text(value, f"metadata[{short_repr(key)}]", file=file)
-    return tensors, metadata
+    crcs = document.get(_FILE_CRCS, {})
+    if not isinstance(crcs, dict) or not all(
+            isinstance(name, str) and decode_crc(crc) is not None for name, crc in crcs.items()):
+        raise SafetensorsError(f"distributed index is malformed: {_FILE_CRCS!r} is not an object "
+                               "of file names and base64 crc32c values", file=file)
+    return tensors, metadata, crcs
 
 
 def _is_count(value: object) -> bool:

@@ -22,7 +22,10 @@ from orbax_safetensors.errors import SafetensorsError
 from orbax_safetensors.format import reject_duplicate_keys
 
 INDEX_NAME = "model.safetensors.index.json"
-FILE_CRCS_KEY = "crc32c"  # index metadata: file name → crc32c of the whole file
+# Index metadata: file name → crc32c of the whole file. Other tools read and write the index's
+# metadata too, so the key is named for this package; earlier versions wrote the bare one.
+FILE_CRCS_KEY = "orbax_safetensors.crc32c"
+LEGACY_FILE_CRCS_KEY = "crc32c"
 SINGLE_FILE_NAME = "model.safetensors"
 _SHARD_NAME = re.compile(r"^model-(\d{5,})-of-(\d{5,})\.safetensors$")
 
@@ -141,9 +144,22 @@ def decode_crc(text: object) -> int | None:
     if not isinstance(text, str) or len(text) != 8:
         return None
     try:
-        return int.from_bytes(base64.b64decode(text, validate=True), "big")
+        raw = base64.b64decode(text, validate=True)
     except ValueError:
         return None
+    return int.from_bytes(raw, "big") if len(raw) == 4 else None
+
+
+def listed_crcs(metadata: Mapping[str, object]) -> dict[str, object]:
+    """Each file's whole crc32c that index ``metadata`` lists, as written (``decode_crc`` reads
+    one): ours, or under the legacy key only what earlier versions wrote there (every value an
+    ``encode_crc``), not another tool's use of the name."""
+    listed = metadata.get(FILE_CRCS_KEY)
+    if listed is None:
+        legacy = metadata.get(LEGACY_FILE_CRCS_KEY)
+        if isinstance(legacy, dict) and all(decode_crc(crc) is not None for crc in legacy.values()):
+            listed = legacy
+    return dict(listed) if isinstance(listed, dict) else {}
 
 
 def parse_index(raw: bytes, *, file: str = INDEX_NAME) -> HFIndex:
@@ -176,8 +192,9 @@ def parse_index(raw: bytes, *, file: str = INDEX_NAME) -> HFIndex:
 def serialize_index(weight_map: Mapping[str, str], total_size: int,
                     file_crcs: Mapping[str, int] | None = None) -> bytes:
     """The index bytes transformers' ``save_pretrained`` would write, plus (``file_crcs``) each
-    file's whole-object crc32c under ``metadata.crc32c``, base64 of the big-endian value as
-    GCS reports it (transformers keeps the metadata it does not know, and reads none of it)."""
+    file's whole-object crc32c under ``metadata["orbax_safetensors.crc32c"]``, base64 of the
+    big-endian value as GCS reports it (transformers keeps the metadata it does not know, and
+    reads none of it)."""
     metadata: dict[str, object] = {"total_size": int(total_size)}
     if file_crcs:
         metadata[FILE_CRCS_KEY] = {name: encode_crc(crc) for name, crc in sorted(file_crcs.items())}

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The Python interpreter of the Bazel toolchain (tools/bazel/BUILD): the project's virtualenv,
-# so py_binary/py_test targets get jax, numpy, fsspec, crc32c, ml_dtypes, ... from it and BUILD
+# so py_binary/py_test targets get jax, numpy, fsspec, google-crc32c, ml_dtypes, ... from it and BUILD
 # names no third-party repository.
 #
 # Which virtualenv: $OST_VENV if set (pass it to tests with --test_env=OST_VENV and to run/build
