@@ -46,7 +46,7 @@ import numpy as np
 from orbax_safetensors.engine.coordination import Peers
 from orbax_safetensors.engine.executor import Executor
 from orbax_safetensors.engine.operation import Operation
-from orbax_safetensors.format.checksums import FileChecksums, Piece, Tally
+from orbax_safetensors.format.checksums import FileChecksums, Piece, Pieces, Tally
 from orbax_safetensors.planning import (
     HEADER,
     FilePlan,
@@ -78,7 +78,7 @@ class Checksums:
 
     def __init__(self, files: Sequence[FilePlan]):
         self.files = {f.name: f for f in files if f.checksummed}
-        self._pieces: dict[str, list[Piece]] = collections.defaultdict(list)
+        self._pieces: dict[str, list[Pieces]] = collections.defaultdict(list)
         self._lock = threading.Lock()
 
     def add(self, file: str, offset: int, views: Sequence[memoryview | bytes]) -> None:
@@ -86,7 +86,7 @@ class Checksums:
         if file in self.files:
             pieces = self.files[file].layout.pieces(offset, views)
             with self._lock:
-                self._pieces[file].extend(pieces)
+                self._pieces[file].append(pieces)
 
     def local(self, name: str) -> np.ndarray:
         """Block CRCs of file ``name``, which this process wrote whole."""
@@ -104,9 +104,8 @@ class Checksums:
             by_file = {name: list(pieces) for name, pieces in self._pieces.items()}
         for name, pieces in by_file.items():
             tally = Tally(self.files[name].layout)
-            done = tally.add(pieces)
-            blocks = np.array([b for b, _ in done], np.int64)
-            crcs = np.array([c for _, c in done], np.uint32)
+            done = tally.add(Pieces.concatenate(pieces))
+            blocks, crcs = done[:, 0], done[:, 1].astype(np.uint32)
             document[name] = {"blocks": base64.b64encode(blocks.tobytes()).decode(),
                               "crcs": base64.b64encode(crcs.tobytes()).decode(),
                               "partial": [[p.block, p.start, p.length, p.crc] for p in tally.partial()]}
