@@ -24,9 +24,10 @@ import numpy as np
 from orbax_safetensors.engine import option_checks
 from orbax_safetensors.engine.catalog import Checkpoint, open_checkpoint
 from orbax_safetensors.engine.coordination import Peers, describe_sharding
+from orbax_safetensors.engine.gc_pause import gc_paused
 from orbax_safetensors.engine.progress import Progress
 from orbax_safetensors.engine.read import (
-    AssembledLeaf, Job, LoadStats, execute, host_job, refuse_casts, sharded_job)
+    AssembledLeaf, Job, LoadStats, execute, groupable, host_group_jobs, host_job, refuse_casts, sharded_job)
 from orbax_safetensors.engine.tree_names import flatten_with_names
 from orbax_safetensors.engine.tree_names import nest as nest_names
 from orbax_safetensors.errors import SafetensorsError, SkippedLeavesWarning
@@ -74,7 +75,7 @@ def metadata(
 
     ``storage_options``/``filesystem`` as in ``load``.
     """
-    with open_checkpoint(Location.resolve(path, storage_options, filesystem)) as checkpoint:
+    with gc_paused(), open_checkpoint(Location.resolve(path, storage_options, filesystem)) as checkpoint:
         return metadata_of(checkpoint)
 
 
@@ -242,7 +243,8 @@ def load(
     loading = _Loading(Location.resolve(path, storage_options, filesystem), target, strict,
                        options or ReadOptions(), stats if stats is not None else LoadStats(), mapping,
                        progress=progress, nest=nest)
-    return loading.run(loading.plan())
+    with gc_paused():
+        return loading.run(loading.plan())
 
 
 def async_load(
@@ -282,7 +284,8 @@ def async_load(
     loading = _Loading(Location.resolve(path, storage_options, filesystem), target, strict,
                        options, stats if stats is not None else LoadStats(), mapping,
                        abandoned=_Abandoned(), progress=progress, nest=nest)
-    planned = loading.plan()
+    with gc_paused():  # not while the reads run: the caller compiles meanwhile
+        planned = loading.plan()
     future: concurrent.futures.Future[Any] = concurrent.futures.Future()
     future.set_running_or_notify_cancel()
 
@@ -489,16 +492,23 @@ def _plan(checkpoint: Checkpoint, loading: _Loading, attempt: int) -> Callable[[
     reshard_below = thin if reshard else 0
     by_region = bool(checksums)
     jobs: list[Job] = []
-    outputs: list[int | AssembledLeaf] = []  # per wanted leaf: its job, or the leaf its jobs build
+    # Per wanted leaf: its job, its group's job and its place there, or the leaf its jobs build.
+    outputs: list[int | tuple[int, int] | AssembledLeaf] = []
+    grouped: list[tuple[int, str]] = []  # small host tensors read in groups: (output, stored name)
     for i in wanted:
         request = requests[i]
         assembly = None if assemblies is None else assemblies[i]
         if assembly is None or assembly.transform is not None:
             stored = names[i] if assembly is None else assembly.pieces[0].stored
+            transform = None if assembly is None else assembly.transform
+            if (request.sharding is None and (transform is None or transform.is_identity)
+                    and groupable(checkpoint.tensors[stored], request.dtype)):
+                grouped.append((len(outputs), stored))
+                outputs.append(-1)  # its group's job, once the groups are made
+                continue
             outputs.append(len(jobs))
             jobs.append(_job(stored, checkpoint.tensors[stored], request, read_once, reshard_below,
-                             bounce_bytes, None if assembly is None else assembly.transform,
-                             slices_by_region=by_region, casting=options.casting))
+                             bounce_bytes, transform, slices_by_region=by_region, casting=options.casting))
             continue
         sources = [checkpoint.tensors[piece.stored] for piece in assembly.pieces]
         dtype = request.dtype or assembly.pieces[0].transform.tree_dtype(sources[0].dtype.numpy)
@@ -506,6 +516,10 @@ def _plan(checkpoint: Checkpoint, loading: _Loading, attempt: int) -> Callable[[
                              slices_by_region=by_region, casting=options.casting)
         outputs.append(leaf)
         jobs.extend(leaf.jobs)
+    for job, members in host_group_jobs([(stored, checkpoint.tensors[stored]) for _, stored in grouped]):
+        for k, member in enumerate(members):
+            outputs[grouped[member][0]] = (len(jobs), k)
+        jobs.append(job)
     refuse_casts(jobs, outputs)  # float → int and the like, all at once, before any read
     if any(job.scratch for job in jobs):
         # Staging of transformed tensors is recycled between batches (Job.scratch); a small
@@ -526,7 +540,7 @@ def _plan(checkpoint: Checkpoint, loading: _Loading, attempt: int) -> Callable[[
             report.close()
         stats.seconds += time.perf_counter() - loading.started
         _LOG.debug("loaded %s: %s", checkpoint.survey.location.url, stats)
-        loaded = [values[out] if isinstance(out, int) else out.value for out in outputs]
+        loaded = [_output(out, values) for out in outputs]
         if treedef is None:
             flat = dict(zip([names[i] for i in wanted], loaded))
             return nest_names(flat) if loading.nest else flat
@@ -538,6 +552,15 @@ def _plan(checkpoint: Checkpoint, loading: _Loading, attempt: int) -> Callable[[
         return jax.tree_util.tree_unflatten(treedef, result)
 
     return read
+
+
+def _output(out: int | tuple[int, int] | AssembledLeaf, values: list[Any]) -> Any:
+    """A wanted leaf's value: its job's, its group's member's, or its assembled leaf's."""
+    if isinstance(out, int):
+        return values[out]
+    if isinstance(out, tuple):
+        return values[out[0]][out[1]]
+    return out.value
 
 
 def _job(name: str, source: TensorSource, request: _Request, read_once: bool, reshard_below: int,

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from orbax_safetensors.engine.executor import Executor
-from orbax_safetensors.engine.host_memory import carve, footprint, host_buffers, populate
+from orbax_safetensors.engine.host_memory import carve, footprint, host_buffers, populate, tensor_buffers
 from orbax_safetensors.engine.integrity import Verifier
 from orbax_safetensors.engine.progress import Progress
 from orbax_safetensors.engine.resharding import (
@@ -57,6 +57,7 @@ from orbax_safetensors.planning import (
     full_box,
     plan_byte_reads,
     plan_tensor_reads,
+    plan_whole_reads,
     bounding_box,
     intersect,
     read_once_boxes,
@@ -108,6 +109,7 @@ class Job:
     int), described; ``refuse_casts`` raises them all before anything is read.
     ``collective``: ``finish`` runs a device collective (an all-gather of a tensor read
     once, an all-to-all of row blocks) that every process must enter.
+    ``tensors``: how many tensors it reads (a ``host_group_job``'s members, else one).
     """
 
     reads: TensorReads
@@ -115,6 +117,7 @@ class Job:
     scratch: bool = False
     refused: str | None = None
     collective: bool = False
+    tensors: int = 1
 
 
 _UNSAFE_HINT = ('pass options=ost.ReadOptions(casting="unsafe") to cast as numpy astype does '
@@ -206,6 +209,51 @@ def host_job(name: str, source: TensorSource, dtype: np.dtype | None, *, bounce_
                                  slices_by_region=slices_by_region),
                lambda buffers: convert(_view(buffers[0], source.slices[0], name, source.shape)),
                scratch=transform is not None, refused=refused)
+
+
+# Whole tensors under this size read as stored into host arrays are read in groups of up to
+# ``GROUP_BYTES`` of one file (``host_group_job``); a group's arrays share one allocation.
+GROUPED_BELOW = 64 << 10
+GROUP_BYTES = 1 << 20
+
+
+def groupable(source: TensorSource, dtype: np.dtype | None) -> bool:
+    """Whether ``host_job`` of this tensor (without a transform) can be one of a
+    ``host_group_job``'s: small, stored whole, and loaded as stored (no cast)."""
+    return (source.whole is not None and not source.dtype.is_packed and source.nbytes < GROUPED_BELOW
+            and (dtype is None or dtype == source.dtype.numpy))
+
+
+def host_group_job(members: Sequence[tuple[str, TensorSource]]) -> Job:
+    """``host_job`` of several ``groupable`` tensors of one file as one job: their reads
+    planned as one (``plan_whole_reads``), their arrays made by one ``finish``, which returns
+    them in order. A job of its own per tensor costs more than its read: 100 000 tiny
+    tensors spent most of a load planning and finishing jobs."""
+    slices = [source.whole for _, source in members]
+
+    def finish(buffers: list[np.ndarray]) -> list[np.ndarray]:
+        return [_view(buffer, stored, name, source.shape)
+                for buffer, stored, (name, source) in zip(buffers, slices, members)]
+
+    return Job(plan_whole_reads(slices), finish, tensors=len(members))
+
+
+def host_group_jobs(members: Sequence[tuple[str, TensorSource]]) -> list[tuple[Job, list[int]]]:
+    """``groupable`` tensors, as few ``host_group_job``s as they make (per file, in file order,
+    up to ``GROUP_BYTES`` each), each with the indices into ``members`` of its members."""
+    order = sorted(range(len(members)), key=lambda k: (members[k][1].slices[0].file,
+                                                      members[k][1].slices[0].offset))
+    groups: list[list[int]] = []
+    size = 0
+    for k in order:
+        source = members[k][1]
+        if (not groups or size + source.nbytes > GROUP_BYTES
+                or source.slices[0].file != members[groups[-1][0]][1].slices[0].file):
+            groups.append([])
+            size = 0
+        groups[-1].append(k)
+        size += source.nbytes
+    return [(host_group_job([members[k] for k in group]), group) for group in groups]
 
 
 def sharded_job(
@@ -589,6 +637,13 @@ class _Scratch:
             self._free.append(self._lent.pop(id(views)))
 
 
+def _batch_buffers(jobs: Sequence[Job], scratch: _Scratch) -> list[list[np.ndarray]]:
+    """Each job's shard buffers: recycled staging for ``scratch`` jobs, fresh pages for the
+    others (small tensors sharing allocations: ``host_memory.tensor_buffers``)."""
+    fresh = tensor_buffers([job.reads.shard_nbytes for job in jobs if not job.scratch])[::-1]
+    return [scratch.take(job.reads.shard_nbytes) if job.scratch else fresh.pop() for job in jobs]
+
+
 def transfer(storage: Storage, file: str, request: Transfer, buffers: Sequence[np.ndarray],
              verifier: Verifier | None = None) -> None:
     """One ranged read, scattered into ``buffers``, its bytes checked by ``verifier`` when it
@@ -629,7 +684,7 @@ def execute(storage: Storage, plan: ReadPlan, jobs: Sequence[Job], *, memory_bud
     verifier = Verifier(checksums or {})
     lock = threading.Lock()
     results: list[Any] = [None] * len(jobs)
-    stats.tensors += len(jobs)
+    stats.tensors += sum(job.tensors for job in jobs)
     stats.tensors_read_once += sum(j.reads.read_once for j in jobs)
     stats.tensors_resharded += sum(j.reads.resharded for j in jobs)
     stats.bytes_needed += sum(j.reads.needed for j in jobs)
@@ -685,8 +740,7 @@ def execute(storage: Storage, plan: ReadPlan, jobs: Sequence[Job], *, memory_bud
                 break
             pool.check_cancelled()
             reserved = budget.acquire(batch.nbytes)
-            buffers = [(scratch.take if jobs[i].scratch else host_buffers)(
-                [box_size(b) * jobs[i].reads.itemsize for b in jobs[i].reads.shards]) for i in batch.tensors]
+            buffers = _batch_buffers([jobs[i] for i in batch.tensors], scratch)
             flat = [b for job_buffers in buffers for b in job_buffers]
             by_tensor = dict(zip(batch.tensors, buffers))
             reads = [pool.submit(bounce, b, by_tensor[b.tensor]) for b in batch.bounced]

@@ -31,6 +31,11 @@ class DType:
     bits: int
     numpy: np.dtype
 
+    @functools.cached_property
+    def little(self) -> np.dtype:
+        """The numpy type of the values as a file holds them: little-endian."""
+        return self.numpy.newbyteorder("<")
+
     @property
     def is_packed(self) -> bool:
         """Whether several values share a byte on disk (F4, F6_*)."""
@@ -95,7 +100,7 @@ def to_bytes(array: np.ndarray) -> memoryview:
     returned as a view, without a copy.
     """
     dtype = dtype_for_numpy(array.dtype)
-    array = np.ascontiguousarray(array, dtype=dtype.numpy.newbyteorder("<"))
+    array = np.ascontiguousarray(array, dtype=dtype.little)
     if dtype.is_packed:
         return memoryview(_pack(array, dtype))
     return memoryview(array.reshape(-1).view(np.uint8))
@@ -110,7 +115,10 @@ def from_bytes(buffer, dtype: DType, shape: Sequence[int]) -> np.ndarray:
         )
     if dtype.is_packed:
         return _unpack(raw, dtype, math.prod(shape)).reshape(shape)
-    return raw.view(dtype.numpy.newbyteorder("<")).astype(dtype.numpy, copy=False).reshape(shape)
+    values = raw.view(dtype.little)
+    if values.dtype != dtype.numpy:  # a big-endian machine
+        values = values.astype(dtype.numpy)
+    return values.reshape(shape)
 
 
 def _pack(array: np.ndarray, dtype: DType) -> np.ndarray:

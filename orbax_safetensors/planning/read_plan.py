@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from orbax_safetensors.format import DType, TensorInfo
+from orbax_safetensors.format import DTYPES, DType, TensorInfo
 from orbax_safetensors.format.checksums import BlockLayout
 from orbax_safetensors.planning.boxes import (
     Box,
@@ -50,6 +50,8 @@ from orbax_safetensors.planning.boxes import (
     tiles,
 )
 from orbax_safetensors.planning.transfers import Runs, Transfers, coalesce
+
+_BYTES = DTYPES["U8"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +69,8 @@ class StoredSlice:
 
     @property
     def box(self) -> Box:
+        if not any(self.origin):  # a whole tensor: the (shared) box of its shape
+            return full_box(self.info.shape)
         return tuple((o, o + n) for o, n in zip(self.origin, self.info.shape))
 
     def runs(self, box: Box, itemsize: int, target: int) -> Runs:
@@ -292,10 +296,26 @@ class TensorReads:
     byte_space: bool = False
     resharded: bool = False
 
-    @property
-    def nbytes(self) -> int:
-        """Host buffer bytes: every shard's."""
-        return sum(box_size(b) for b in self.shards) * self.itemsize
+    shard_nbytes: tuple[int, ...] = dataclasses.field(init=False, repr=False, compare=False)
+    nbytes: int = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        """Host buffer bytes of each shard, and of all (asked for several times per tensor
+        while planning and reading: computed once)."""
+        sizes = tuple([box_size(b) * self.itemsize for b in self.shards])
+        object.__setattr__(self, "shard_nbytes", sizes)
+        object.__setattr__(self, "nbytes", sum(sizes))
+
+    def single_run(self, read: SliceRead) -> tuple[int, int] | None:
+        """``(file offset, length)`` of ``read`` when its bytes are one run of the file known
+        without computing it (a byte range, or a whole stored slice), else ``None``."""
+        stored = self.slices[read.slice]
+        if self.byte_space:
+            (start, stop), = read.box
+            return stored.offset + start, stop - start
+        if read.box == stored.box:
+            return stored.offset, stored.info.nbytes
+        return None
 
     def runs(self, read: SliceRead, target: int) -> Runs:
         """The byte runs of ``read`` in its slice's file, landing in buffer ``target``."""
@@ -321,6 +341,11 @@ def plan_tensor_reads(source: TensorSource, shards: Sequence[Box], needed: int,
     itemsize = source.dtype.bits // 8
     shards = tuple(shards)
     if source.whole is not None:
+        if shards and shards.count(shards[0]) == len(shards):
+            # One box (a host array, a replicated tensor): a region of its own, read
+            # straight into its buffer, as ``plan_regions`` and ``plan_region_reads`` have it.
+            return TensorReads(source.slices, source.shape, itemsize, shards,
+                               (SliceRead(0, shards[0], shards[0]),), needed)
         reads = tuple(
             SliceRead(0, read.box, read.direct)
             for region in plan_regions(source.shape, shards)
@@ -365,6 +390,19 @@ def plan_byte_reads(stored: StoredSlice, boxes: Sequence[Box], needed: int, *,
     boxes = tuple(boxes)
     return TensorReads((stored,), (stored.info.nbytes,), 1, boxes,
                        tuple(SliceRead(0, b, b) for b in boxes), needed, read_once, byte_space=True)
+
+
+def plan_whole_reads(slices: Sequence[StoredSlice]) -> TensorReads:
+    """Reads of several whole stored slices of one file, each straight into its own buffer,
+    planned as one: a ``TensorReads`` in the bytes of the stretch of the file that holds them
+    (its one slice; each shard is a slice's byte range there). Many small tensors are then
+    one tensor to plan, batch and finish, not one each."""
+    first = min(s.offset for s in slices)
+    stop = max(s.offset + s.info.nbytes for s in slices)
+    stretch = StoredSlice(TensorInfo(f"{len(slices)} tensors", _BYTES, (stop - first,), 0, stop - first),
+                          slices[0].file, first, (0,))
+    boxes = [((s.offset - first, s.offset - first + s.info.nbytes),) for s in slices]
+    return plan_byte_reads(stretch, boxes, sum(s.info.nbytes for s in slices))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -435,7 +473,9 @@ class ReadPlan:
 
     @property
     def files(self) -> set[str]:
-        return {t.slices[r.slice].file for t in self.tensors for r in t.reads}
+        """The files the plan reads (every read's, from the batches: one entry per file each)."""
+        return {file for batch in self.batches for file, _ in batch.transfers} | {
+            r.file for batch in self.batches for r in batch.bounced}
 
     @property
     def nbytes(self) -> int:
@@ -481,24 +521,39 @@ def _batch(tensors: Sequence[TensorReads], group: list[int], profile: ReadProfil
                         chunk_bytes=profile.chunk_bytes, blocks=blocks.get(file))
 
     runs_by_file: dict[str, list[Runs]] = {}
+    # Reads that are one run each (whole tensors, byte ranges): gathered as ints, made arrays
+    # once per file, not four arrays per tensor (a batch can hold 100 000 tiny tensors).
+    single_by_file: dict[str, tuple[list[int], list[int], list[int]]] = {}
     bounced = []
     first_buffer = 0
     for i in group:
         tensor = tensors[i]
-        shard_index = {box: k for k, box in enumerate(tensor.shards)}
+        shards = tensor.shards
+        shard_index = {box: k for k, box in enumerate(shards)}
         shard_bounds = None
         for read in tensor.reads:
             file = tensor.slices[read.slice].file
             if read.direct is not None:
-                runs_by_file.setdefault(file, []).append(
-                    tensor.runs(read, first_buffer + shard_index[read.direct]))
+                target = first_buffer + shard_index[read.direct]
+                run = tensor.single_run(read)
+                if run is None:
+                    runs_by_file.setdefault(file, []).append(tensor.runs(read, target))
+                    continue
+                offsets, lengths, targets = single_by_file.setdefault(file, ([], [], []))
+                offsets.append(run[0])
+                lengths.append(run[1])
+                targets.append(target)
                 continue
             if shard_bounds is None:
                 shard_bounds = np.array(tensor.shards, np.int64).reshape(
                     len(tensor.shards), len(tensor.shape), 2)
             bounced.append(BounceRead(i, read.box, box_size(read.box) * tensor.itemsize, file,
                                       cut(tensor.runs(read, 0), file), shard_bounds))
-        first_buffer += len(tensor.shards)
+        first_buffer += len(shards)
+    for file, (offsets, lengths, targets) in single_by_file.items():
+        runs_by_file.setdefault(file, []).append(Runs(
+            np.array(offsets, np.int64), np.array(lengths, np.int64), np.array(targets, np.int64),
+            np.zeros(len(offsets), np.int64)))
     transfers = tuple((file, cut(Runs.concatenate(runs), file)) for file, runs in runs_by_file.items())
     return Batch(tuple(group), sum(tensors[i].nbytes for i in group), transfers, tuple(bounced))
 
