@@ -655,11 +655,14 @@ def transfer(storage: Storage, file: str, request: Transfer, buffers: Sequence[n
     checked = verifier is not None and verifier.checks(file)
     gaps = request.lengths[request.targets == GAP]
     scratch = memoryview(np.empty(int(gaps.sum() if checked else gaps.max()) if len(gaps) else 0, np.uint8))
-    views, used = [], 0
+    views: list[memoryview | np.ndarray] = []
+    used = 0
     for target, offset, length in request.segments:
         if target == GAP:
             views.append(scratch[used:used + length])
             used += length if checked else 0
+        elif offset == 0 and length == buffers[target].nbytes:  # all of it (a small tensor, say)
+            views.append(buffers[target])
         else:
             views.append(memoryview(buffers[target])[offset:offset + length])
     storage.read_scatter(file, request.offset, views)

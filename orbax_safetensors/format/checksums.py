@@ -243,7 +243,9 @@ class BlockLayout:
         part, extending the crc of a block a view boundary cut: a read of many tiny
         tensors costs a crc32c call per tensor, not a walk through the layout.
         """
-        data = [view if type(view) is memoryview else _bytes_of(view) for view in views]
+        # Hashed as they are: a byte view of each costs more than hashing a small tensor.
+        data = [view if type(view) is memoryview or type(view) is np.ndarray and view.flags.c_contiguous
+                else _bytes_of(view) for view in views]
         lengths = np.fromiter((view.nbytes for view in data), np.int64, len(data))
         view_starts = offset + np.cumsum(lengths) - lengths
         end = offset + int(lengths.sum())

@@ -106,9 +106,13 @@ def to_bytes(array: np.ndarray) -> memoryview:
     return memoryview(array.reshape(-1).view(np.uint8))
 
 
+_BYTE = np.dtype(np.uint8)
+
+
 def from_bytes(buffer, dtype: DType, shape: Sequence[int]) -> np.ndarray:
     """An array of ``shape`` viewing (or, if packed, unpacking) ``buffer``."""
-    raw = np.frombuffer(buffer, dtype=np.uint8)
+    raw = (buffer if type(buffer) is np.ndarray and buffer.dtype is _BYTE and buffer.ndim == 1
+           else np.frombuffer(buffer, dtype=np.uint8))  # a byte array already: no second view
     if raw.size != dtype.nbytes(shape):
         raise ValueError(
             f"{raw.size} bytes cannot hold {dtype.code} of shape {tuple(shape)}"

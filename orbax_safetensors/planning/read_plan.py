@@ -32,6 +32,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -262,13 +263,13 @@ def box_runs(box: Box, shape: Sequence[int], itemsize: int, base: int, target: i
     return Runs.of(offsets + base, run_length, target)
 
 
-@dataclasses.dataclass(frozen=True)
-class SliceRead:
+class SliceRead(NamedTuple):
     """Read ``box`` (global coordinates) from stored slice ``slice``.
 
     ``direct`` names the shard whose buffer the bytes land in, in order (the
     box is that shard); without it the box goes through a bounce buffer and
-    every shard it intersects copies its part out.
+    every shard it intersects copies its part out. A named tuple, as ``Segment``:
+    a tensor read as many byte ranges has one per range.
     """
 
     slice: int
@@ -302,7 +303,8 @@ class TensorReads:
     def __post_init__(self) -> None:
         """Host buffer bytes of each shard, and of all (asked for several times per tensor
         while planning and reading: computed once)."""
-        sizes = tuple([box_size(b) * self.itemsize for b in self.shards])
+        sizes = (tuple([stop - start for ((start, stop),) in self.shards]) if self.byte_space
+                 else tuple([box_size(b) * self.itemsize for b in self.shards]))
         object.__setattr__(self, "shard_nbytes", sizes)
         object.__setattr__(self, "nbytes", sum(sizes))
 
