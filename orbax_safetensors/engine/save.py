@@ -293,8 +293,9 @@ def prepare_save(location: Location, tree: Any, options: SaveOptions, *, copy: b
         raise
     # Every process saves the same tree the same way, or none starts: plans made from
     # different trees or options would write different files over each other.
-    peers.check_same("tree", [_describe(spec, arrays[spec.name]) for spec in tree_specs]
-                     + [f"options {dataclasses.replace(options, progress=False)!r}"], "the tree or options")
+    if peers.is_collective:  # a line per leaf: described only where there are others to compare
+        peers.check_same("tree", [_describe(spec, arrays[spec.name]) for spec in tree_specs]
+                         + [f"options {dataclasses.replace(options, progress=False)!r}"], "the tree or options")
     commit = take_location(location, peers, overwrite=options.overwrite, fresh=new_directory)
     # Several processes writing one hf file: thin strips are written as row blocks instead.
     several_writers = peers.is_collective and options.layout == "hf" and assemblies is None

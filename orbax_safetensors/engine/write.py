@@ -188,7 +188,11 @@ def _begin(op: Operation, commit: Commit, files: Sequence[str]) -> None:
 
 
 def _views(segments: Iterable[Segment], payloads: Payloads, header: bytes = b"") -> list[memoryview]:
-    return [memoryview(header) if target == HEADER else payloads[target][offset:offset + length]
+    """The bytes of ``segments``; one that is all of a payload is that payload (a slice of
+    each costs more than writing a small tensor)."""
+    return [memoryview(header) if target == HEADER
+            else payloads[target] if offset == 0 and length == len(payloads[target])
+            else payloads[target][offset:offset + length]
             for target, offset, length in segments]
 
 

@@ -312,13 +312,17 @@ class FileChecksums:
     def metadata(self) -> dict[str, str]:
         """The ``__metadata__`` entries that store these checksums (fixed length: a plan's
         header holds zeros there until the data is written, then the same bytes change)."""
-        raw = self.crcs.astype(">u4").tobytes()
-        return {BLOCK_SIZE_KEY: str(self.layout.block_bytes),
-                BLOCKS_KEY: base64.b64encode(raw).decode("ascii")}
+        return _stored(self.layout.block_bytes, self.crcs)
 
     @staticmethod
     def zeros(layout: BlockLayout) -> FileChecksums:
         return FileChecksums(layout, np.zeros(layout.count, np.uint32))
+
+    @staticmethod
+    def placeholder(count: int, block_bytes: int = BLOCK_BYTES) -> dict[str, str]:
+        """``metadata()`` of ``count`` zero checksums, known before the layout: what a planned
+        header holds until its data is written."""
+        return _stored(block_bytes, np.zeros(count, np.uint32))
 
     @staticmethod
     def of_metadata(metadata: Mapping[str, str] | None, tensors: Iterable[TensorInfo], data_start: int,
@@ -352,6 +356,11 @@ class FileChecksums:
         bytes (length prefix included) and the blocks'."""
         begins, ends, _ = self.layout._arrays
         return combine(crc32c(header), self.data_crc(), int((ends - begins).sum()))
+
+
+def _stored(block_bytes: int, crcs: np.ndarray) -> dict[str, str]:
+    return {BLOCK_SIZE_KEY: str(block_bytes),
+            BLOCKS_KEY: base64.b64encode(crcs.astype(">u4").tobytes()).decode("ascii")}
 
 
 class Tally:

@@ -83,6 +83,8 @@ _BY_NUMPY: dict[np.dtype, DType] = {d.numpy: d for d in _TABLE}
 
 def dtype_for_numpy(dtype: np.dtype | type) -> DType:
     """The safetensors dtype that stores ``dtype``; ValueError if none does."""
+    if isinstance(dtype, np.dtype) and dtype in _BY_NUMPY:  # an array's, as a rule: no conversion
+        return _BY_NUMPY[dtype]
     np_dtype = np.dtype(dtype)
     found = _BY_NUMPY.get(np_dtype.newbyteorder("=")) or _BY_NUMPY.get(np_dtype)
     if found is None:

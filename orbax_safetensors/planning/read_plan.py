@@ -50,7 +50,7 @@ from orbax_safetensors.planning.boxes import (
     relative_slices,
     tiles,
 )
-from orbax_safetensors.planning.transfers import Runs, Transfers, coalesce
+from orbax_safetensors.planning.transfers import Runs, Transfers, WholeRuns, coalesce
 
 _BYTES = DTYPES["U8"]
 
@@ -522,10 +522,9 @@ def _batch(tensors: Sequence[TensorReads], group: list[int], profile: ReadProfil
         return coalesce(runs, max_gap=profile.max_gap, max_overread=profile.max_overread,
                         chunk_bytes=profile.chunk_bytes, blocks=blocks.get(file))
 
-    runs_by_file: dict[str, list[Runs]] = {}
-    # Reads that are one run each (whole tensors, byte ranges): gathered as ints, made arrays
-    # once per file, not four arrays per tensor (a batch can hold 100 000 tiny tensors).
-    single_by_file: dict[str, tuple[list[int], list[int], list[int]]] = {}
+    # Per file, in the order files first appear: runs, and reads that are one run each (whole
+    # slices, byte ranges).
+    by_file: dict[str, tuple[list[Runs], WholeRuns]] = {}
     bounced = []
     first_buffer = 0
     for i in group:
@@ -537,14 +536,14 @@ def _batch(tensors: Sequence[TensorReads], group: list[int], profile: ReadProfil
             file = tensor.slices[read.slice].file
             if read.direct is not None:
                 target = first_buffer + shard_index[read.direct]
+                if file not in by_file:
+                    by_file[file] = ([], WholeRuns())
+                runs, whole = by_file[file]
                 run = tensor.single_run(read)
                 if run is None:
-                    runs_by_file.setdefault(file, []).append(tensor.runs(read, target))
-                    continue
-                offsets, lengths, targets = single_by_file.setdefault(file, ([], [], []))
-                offsets.append(run[0])
-                lengths.append(run[1])
-                targets.append(target)
+                    runs.append(tensor.runs(read, target))
+                else:
+                    whole.add(*run, target)
                 continue
             if shard_bounds is None:
                 shard_bounds = np.array(tensor.shards, np.int64).reshape(
@@ -552,11 +551,8 @@ def _batch(tensors: Sequence[TensorReads], group: list[int], profile: ReadProfil
             bounced.append(BounceRead(i, read.box, box_size(read.box) * tensor.itemsize, file,
                                       cut(tensor.runs(read, 0), file), shard_bounds))
         first_buffer += len(shards)
-    for file, (offsets, lengths, targets) in single_by_file.items():
-        runs_by_file.setdefault(file, []).append(Runs(
-            np.array(offsets, np.int64), np.array(lengths, np.int64), np.array(targets, np.int64),
-            np.zeros(len(offsets), np.int64)))
-    transfers = tuple((file, cut(Runs.concatenate(runs), file)) for file, runs in runs_by_file.items())
+    transfers = tuple((file, cut(Runs.concatenate([*runs, whole.runs()]), file))
+                      for file, (runs, whole) in by_file.items())
     return Batch(tuple(group), sum(tensors[i].nbytes for i in group), transfers, tuple(bounced))
 
 
