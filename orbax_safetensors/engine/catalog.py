@@ -385,10 +385,11 @@ class _Reader:
         headers = self.headers(files)
         tensors: dict[str, TensorSource] = {}
         for file, header in headers.items():
+            start = header.data_start
             for name, info in header.tensors.items():
                 if weight_map is not None and weight_map.get(name) != file:
                     continue  # the index decides which file's copy is the tensor
-                stored = StoredSlice(info, file, header.data_start + info.begin, (0,) * len(info.shape))
+                stored = StoredSlice(info, file, start + info.begin, (0,) * len(info.shape))
                 tensors[name] = TensorSource(info.dtype, info.shape, (stored,))
         return self.checkpoint(tensors, headers)
 

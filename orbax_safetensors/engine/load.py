@@ -80,17 +80,30 @@ def metadata(
 
 
 def metadata_of(checkpoint: Checkpoint) -> CheckpointMetadata:
-    """What ``metadata`` returns, of a checkpoint already open."""
+    """What ``metadata`` returns, of a checkpoint already open.
+
+    Tensors of one shape and dtype share one ``ShapeDtypeStruct`` (it is immutable, and
+    building 100 000 took most of the call), and a file's name is split off its path once.
+    """
+    structs: dict[tuple[tuple[int, ...], str], jax.ShapeDtypeStruct] = {}
+    file_names: dict[str, str] = {}
+
+    def struct(t: TensorSource) -> jax.ShapeDtypeStruct:
+        key = (t.shape, t.dtype.code)
+        if key not in structs:
+            structs[key] = jax.ShapeDtypeStruct(t.shape, t.dtype.numpy)
+        return structs[key]
+
+    def file_name(path: str) -> str:
+        if path not in file_names:
+            file_names[path] = checkpoint.storage.split(path)[1]
+        return file_names[path]
+
+    ordered = sorted(checkpoint.tensors.items())
     return CheckpointMetadata(
-        tensors={
-            name: jax.ShapeDtypeStruct(t.shape, t.dtype.numpy)
-            for name, t in sorted(checkpoint.tensors.items())
-        },
+        tensors={name: struct(t) for name, t in ordered},
         metadata=checkpoint.metadata,
-        files={
-            name: tuple(checkpoint.storage.split(s.file)[1] for s in t.slices)
-            for name, t in sorted(checkpoint.tensors.items())
-        },
+        files={name: tuple(file_name(s.file) for s in t.slices) for name, t in ordered},
     )
 
 

@@ -55,12 +55,12 @@ from orbax_safetensors.planning.transfers import Runs, Transfers, WholeRuns, coa
 _BYTES = DTYPES["U8"]
 
 
-@dataclasses.dataclass(frozen=True)
-class StoredSlice:
+class StoredSlice(NamedTuple):
     """One stored part of a tensor: the whole of it (hf) or one slice (distributed, DCP).
 
     ``offset`` is the absolute byte offset of its data in ``file``; ``origin``
-    is where it starts in the global tensor.
+    is where it starts in the global tensor. A named tuple, as ``TensorSource``: a
+    checkpoint opened has one per tensor, and can hold 100 000 tensors.
     """
 
     info: TensorInfo
@@ -80,8 +80,7 @@ class StoredSlice:
         return box_runs(relative, self.info.shape, itemsize, self.offset, target)
 
 
-@dataclasses.dataclass(frozen=True)
-class TensorSource:
+class TensorSource(NamedTuple):
     """A tensor of a checkpoint and the slices it is stored in."""
 
     dtype: DType
