@@ -27,7 +27,7 @@ from orbax_safetensors.engine.coordination import Peers, describe_sharding
 from orbax_safetensors.engine.gc_pause import gc_paused
 from orbax_safetensors.engine.progress import Progress
 from orbax_safetensors.engine.read import (
-    AssembledLeaf, Job, LoadStats, execute, groupable, host_group_jobs, host_job, refuse_casts, sharded_job)
+    AssembledLeaf, Job, LoadStats, execute, group_jobs, groupable, host_job, refuse_casts, sharded_job)
 from orbax_safetensors.engine.tree_names import flatten_with_names
 from orbax_safetensors.engine.tree_names import nest as nest_names
 from orbax_safetensors.errors import SafetensorsError, SkippedLeavesWarning
@@ -507,16 +507,16 @@ def _plan(checkpoint: Checkpoint, loading: _Loading, attempt: int) -> Callable[[
     jobs: list[Job] = []
     # Per wanted leaf: its job, its group's job and its place there, or the leaf its jobs build.
     outputs: list[int | tuple[int, int] | AssembledLeaf] = []
-    grouped: list[tuple[int, str]] = []  # small host tensors read in groups: (output, stored name)
+    grouped: list[tuple[int, str, Any]] = []  # small tensors read in groups: (output, stored, sharding)
     for i in wanted:
         request = requests[i]
         assembly = None if assemblies is None else assemblies[i]
         if assembly is None or assembly.transform is not None:
             stored = names[i] if assembly is None else assembly.pieces[0].stored
             transform = None if assembly is None else assembly.transform
-            if (request.sharding is None and (transform is None or transform.is_identity)
-                    and groupable(checkpoint.tensors[stored], request.dtype)):
-                grouped.append((len(outputs), stored))
+            if ((transform is None or transform.is_identity)
+                    and groupable(checkpoint.tensors[stored], request.dtype, request.sharding)):
+                grouped.append((len(outputs), stored, request.sharding))
                 outputs.append(-1)  # its group's job, once the groups are made
                 continue
             outputs.append(len(jobs))
@@ -529,7 +529,8 @@ def _plan(checkpoint: Checkpoint, loading: _Loading, attempt: int) -> Callable[[
                              slices_by_region=by_region, casting=options.casting)
         outputs.append(leaf)
         jobs.extend(leaf.jobs)
-    for job, members in host_group_jobs([(stored, checkpoint.tensors[stored]) for _, stored in grouped]):
+    for job, members in group_jobs([(stored, checkpoint.tensors[stored], sharding)
+                                    for _, stored, sharding in grouped]):
         for k, member in enumerate(members):
             outputs[grouped[member][0]] = (len(jobs), k)
         jobs.append(job)

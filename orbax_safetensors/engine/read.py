@@ -109,7 +109,7 @@ class Job:
     int), described; ``refuse_casts`` raises them all before anything is read.
     ``collective``: ``finish`` runs a device collective (an all-gather of a tensor read
     once, an all-to-all of row blocks) that every process must enter.
-    ``tensors``: how many tensors it reads (a ``host_group_job``'s members, else one).
+    ``tensors``: how many tensors it reads (a ``group_job``'s members, else one).
     """
 
     reads: TensorReads
@@ -211,49 +211,69 @@ def host_job(name: str, source: TensorSource, dtype: np.dtype | None, *, bounce_
                scratch=transform is not None, refused=refused)
 
 
-# Whole tensors under this size read as stored into host arrays are read in groups of up to
-# ``GROUP_BYTES`` of one file (``host_group_job``); a group's arrays share one allocation.
+# Whole tensors under this size, loaded as stored, are read in groups of up to ``GROUP_BYTES``
+# of one file (``group_job``); a group's host arrays share one allocation.
 GROUPED_BELOW = 64 << 10
 GROUP_BYTES = 1 << 20
 
 
-def groupable(source: TensorSource, dtype: np.dtype | None) -> bool:
-    """Whether ``host_job`` of this tensor (without a transform) can be one of a
-    ``host_group_job``'s: small, stored whole, and loaded as stored (no cast)."""
-    return (source.whole is not None and not source.dtype.is_packed and source.nbytes < GROUPED_BELOW
-            and (dtype is None or dtype == source.dtype.numpy))
+def groupable(source: TensorSource, dtype: np.dtype | None,
+              sharding: jax.sharding.Sharding | None = None) -> bool:
+    """Whether this tensor (without a transform) can be one of a ``group_job``'s: small,
+    stored whole and loaded as stored (no cast), into a host array or onto devices of this
+    process that each hold all of it (replicated: ``device_put`` of the host array does it)."""
+    if source.whole is None or source.dtype.is_packed or source.nbytes >= GROUPED_BELOW:
+        return False
+    if sharding is None:
+        return dtype is None or dtype == source.dtype.numpy
+    if _device_dtype(dtype) != source.dtype.numpy or not sharding.is_fully_addressable:
+        return False
+    try:
+        local, _ = device_boxes(sharding, source.shape)
+    except Exception:  # a sharding that does not fit: sharded_job says so
+        return False
+    return list(local) == [full_box(source.shape)]
 
 
-def host_group_job(members: Sequence[tuple[str, TensorSource]]) -> Job:
-    """``host_job`` of several ``groupable`` tensors of one file as one job: their reads
-    planned as one (``plan_whole_reads``), their arrays made by one ``finish``, which returns
-    them in order. A job of its own per tensor costs more than its read: 100 000 tiny
-    tensors spent most of a load planning and finishing jobs."""
-    slices = [source.whole for _, source in members]
+def group_job(members: Sequence[tuple[str, TensorSource, jax.sharding.Sharding | None]]) -> Job:
+    """Several ``groupable`` tensors of one file as one job: their reads planned as one
+    (``plan_whole_reads``), their arrays made by one ``finish``, which returns them in order
+    (host arrays, or, with shardings, ``jax.Array``s put on their devices by one
+    ``device_put``). A job of its own per tensor costs more than its read: 100 000 tiny
+    tensors spent most of a load planning and finishing jobs, and a ``device_put`` per
+    tensor costs more than one for many."""
+    slices = [source.whole for _, source, _ in members]
+    shardings = [sharding for _, _, sharding in members]
 
-    def finish(buffers: list[np.ndarray]) -> list[np.ndarray]:
-        return [_view(buffer, stored, name, source.shape)
-                for buffer, stored, (name, source) in zip(buffers, slices, members)]
+    def finish(buffers: list[np.ndarray]) -> list[Any]:
+        arrays = [_view(buffer, stored, name, source.shape)
+                  for buffer, stored, (name, source, _) in zip(buffers, slices, members)]
+        if shardings[0] is None:
+            return arrays
+        return jax.block_until_ready(jax.device_put(arrays, shardings))  # host buffers go once copied
 
     return Job(plan_whole_reads(slices), finish, tensors=len(members))
 
 
-def host_group_jobs(members: Sequence[tuple[str, TensorSource]]) -> list[tuple[Job, list[int]]]:
-    """``groupable`` tensors, as few ``host_group_job``s as they make (per file, in file order,
-    up to ``GROUP_BYTES`` each), each with the indices into ``members`` of its members."""
-    order = sorted(range(len(members)), key=lambda k: (members[k][1].slices[0].file,
-                                                      members[k][1].slices[0].offset))
+def group_jobs(members: Sequence[tuple[str, TensorSource, jax.sharding.Sharding | None]]
+               ) -> list[tuple[Job, list[int]]]:
+    """``groupable`` tensors, as few ``group_job``s as they make (per file, host arrays and
+    device arrays apart, in file order, up to ``GROUP_BYTES`` each), each with the indices
+    into ``members`` of its members."""
+    def kind(k: int) -> tuple[str, bool]:
+        return members[k][1].slices[0].file, members[k][2] is None
+
+    order = sorted(range(len(members)), key=lambda k: (*kind(k), members[k][1].slices[0].offset))
     groups: list[list[int]] = []
     size = 0
     for k in order:
-        source = members[k][1]
-        if (not groups or size + source.nbytes > GROUP_BYTES
-                or source.slices[0].file != members[groups[-1][0]][1].slices[0].file):
+        nbytes = members[k][1].nbytes
+        if not groups or size + nbytes > GROUP_BYTES or kind(k) != kind(groups[-1][0]):
             groups.append([])
             size = 0
         groups[-1].append(k)
-        size += source.nbytes
-    return [(host_group_job([members[k] for k in group]), group) for group in groups]
+        size += nbytes
+    return [(group_job([members[k] for k in group]), group) for group in groups]
 
 
 def sharded_job(
