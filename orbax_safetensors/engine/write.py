@@ -65,6 +65,7 @@ _WRITE_THREADS = 8
 _MAX_OBJECTS_PER_FILE = 64  # beyond this a process packs its small ranges of a file into one object
 _SMALL_OBJECT = 4 << 20  # an object smaller than this costs more in requests than it moves
 _VIEWS_PER_WRITE = 1024  # buffers per pwritev (Linux's IOV_MAX)
+_SUMMED_CHUNKS, _SUMMED_BYTES = 1024, 4 << 20  # a streamed file's chunks held back to be summed at once
 
 Payloads = Sequence[memoryview]  # the bytes of each shard a process writes, by Segment.target
 Chunks = Callable[[FilePlan], Iterable[memoryview | bytes]]  # a file's data, front to back
@@ -399,15 +400,21 @@ class Streamed(Strategy):
 
         def counted(file: FilePlan) -> Replayable:
             # Replayed whole when an upload is retried: the same bytes are summed again,
-            # which completes the same blocks with the same CRCs.
+            # which completes the same blocks with the same CRCs. Chunks are summed a few
+            # at a time (a chunk per tiny tensor summed alone costs more than its bytes),
+            # all of them before the stream ends.
             def stream() -> Iterator[memoryview | bytes]:
-                offset = file.data_start
+                offset, pending, pending_bytes = file.data_start, [], 0
                 for chunk in self.chunks(file):
                     op.check_cancelled()
-                    checksums.add(file.name, offset, [chunk])
-                    offset += len(chunk)
+                    pending.append(chunk)
+                    pending_bytes += len(chunk)
+                    if len(pending) >= _SUMMED_CHUNKS or pending_bytes >= _SUMMED_BYTES:
+                        checksums.add(file.name, offset, pending)
+                        offset, pending, pending_bytes = offset + pending_bytes, [], 0
                     op.wrote(len(chunk))
                     yield chunk
+                checksums.add(file.name, offset, pending)
             return Replayable(stream)
 
         def write_all() -> None:
