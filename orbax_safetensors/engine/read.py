@@ -260,15 +260,14 @@ def group_jobs(members: Sequence[tuple[str, TensorSource, jax.sharding.Sharding 
     """``groupable`` tensors, as few ``group_job``s as they make (per file, host arrays and
     device arrays apart, in file order, up to ``GROUP_BYTES`` each), each with the indices
     into ``members`` of its members."""
-    def kind(k: int) -> tuple[str, bool]:
-        return members[k][1].slices[0].file, members[k][2] is None
-
-    order = sorted(range(len(members)), key=lambda k: (*kind(k), members[k][1].slices[0].offset))
+    where = [(source.slices[0].file, sharding is None, source.slices[0].offset)
+             for _, source, sharding in members]
+    order = sorted(range(len(members)), key=where.__getitem__)
     groups: list[list[int]] = []
     size = 0
     for k in order:
         nbytes = members[k][1].nbytes
-        if not groups or size + nbytes > GROUP_BYTES or kind(k) != kind(groups[-1][0]):
+        if not groups or size + nbytes > GROUP_BYTES or where[k][:2] != where[groups[-1][0]][:2]:
             groups.append([])
             size = 0
         groups[-1].append(k)

@@ -43,6 +43,8 @@ class DType:
 
     def nbytes(self, shape: Sequence[int]) -> int:
         """On-disk size of a tensor of ``shape``; ValueError if not whole bytes."""
+        if self.bits >= 8:
+            return math.prod(shape) * (self.bits // 8)
         nbits = math.prod(shape) * self.bits
         if nbits % 8:
             raise ValueError(

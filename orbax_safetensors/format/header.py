@@ -177,7 +177,7 @@ def serialize_header(
         if name in infos or name == METADATA_KEY:
             raise SafetensorsError("name used twice or reserved", tensor=name)
         check_name(name)
-        shape = tuple(int(d) for d in shape)
+        shape = tuple(map(int, shape))
         try:
             size = dtype.nbytes(shape)
         except ValueError as e:

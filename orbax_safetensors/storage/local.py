@@ -323,7 +323,7 @@ def _vectored(call, fd: int, buffers: Sequence[memoryview], offset: int, path: s
     from ``offset``, resuming after short transfers. The buffers go to the call as they are:
     a byte view of each costs more than reading a small tensor."""
     views = list(buffers)
-    sizes = [view.nbytes if hasattr(view, "nbytes") else len(view) for view in views]
+    sizes = [len(view) if isinstance(view, (bytes, bytearray)) else view.nbytes for view in views]
     position, start = offset, 0
     while start < len(views):
         batch = views[start:start + _IOV_MAX]
