@@ -157,7 +157,9 @@ def run_ours(operation: str, home: Path, ready: dict):
         return ost.save(str(ready["out"] / "checkpoint"), ready["tree"])
     if operation == "load":
         return ost.load(str(home / "ours"))
-    if operation in ("load_host", "load_sharded"):
+    if operation == "load_host":  # numpy arrays: nothing to wait for
+        return ost.load(str(home / "ours"), ready["target"])
+    if operation == "load_sharded":
         return jax.block_until_ready(ost.load(str(home / "ours"), ready["target"]))
     if operation == "metadata":
         return ost.metadata(str(home / "ours"))

@@ -215,7 +215,7 @@ def test_a_distributed_checkpoint_of_many_slices_opens_in_linear_time(tmp_path):
         assert len(meta.tensors) == count
         per_slice.append(calls[0] / count)
         loaded = ost.load(path)
-        for name in (f"layers.0.w", f"layers.{count - 1}.w"):
+        for name in ("layers.0.w", f"layers.{count - 1}.w"):
             _same(loaded[name], tree[name])
     print(f"calls per slice: {per_slice}")
     assert per_slice[1] <= 1.2 * per_slice[0] + 5, per_slice

@@ -659,8 +659,8 @@ class _Scratch:
 def _batch_buffers(jobs: Sequence[Job], scratch: _Scratch) -> list[list[np.ndarray]]:
     """Each job's shard buffers: recycled staging for ``scratch`` jobs, fresh pages for the
     others (small tensors sharing allocations: ``host_memory.tensor_buffers``)."""
-    fresh = tensor_buffers([job.reads.shard_nbytes for job in jobs if not job.scratch])[::-1]
-    return [scratch.take(job.reads.shard_nbytes) if job.scratch else fresh.pop() for job in jobs]
+    fresh = iter(tensor_buffers([job.reads.shard_nbytes for job in jobs if not job.scratch]))
+    return [scratch.take(job.reads.shard_nbytes) if job.scratch else next(fresh) for job in jobs]
 
 
 def transfer(storage: Storage, file: str, request: Transfer, buffers: Sequence[np.ndarray],
@@ -676,7 +676,8 @@ def transfer(storage: Storage, file: str, request: Transfer, buffers: Sequence[n
     scratch = memoryview(np.empty(int(gaps.sum() if checked else gaps.max()) if len(gaps) else 0, np.uint8))
     views: list[memoryview | np.ndarray] = []
     used = 0
-    for target, offset, length in request.segments:
+    for target, offset, length in zip(request.targets.tolist(), request.offsets.tolist(),
+                                      request.lengths.tolist()):  # no Segment per tiny tensor
         if target == GAP:
             views.append(scratch[used:used + length])
             used += length if checked else 0

@@ -31,7 +31,7 @@ def key_name(key: Any) -> str:
 
 
 def path_name(path: tuple[Any, ...]) -> str:
-    return ".".join(key_name(k) for k in path)
+    return ".".join([key_name(k) for k in path])
 
 
 def flatten_with_names(

@@ -219,6 +219,12 @@ class BlockLayout:
         return (np.asarray(self.begins, np.int64).reshape(-1), np.asarray(self.ends, np.int64).reshape(-1),
                 np.asarray(self.firsts, np.int64).reshape(-1))
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes the blocks cover: every tensor's."""
+        begins, ends, _ = self._arrays
+        return int((ends - begins).sum())
+
     def block(self, index: int) -> tuple[str, int, int]:
         """``(tensor, start, stop)`` of block ``index`` (file offsets)."""
         t = bisect.bisect_right(self.firsts, index) - 1
@@ -262,7 +268,8 @@ class BlockLayout:
         starts, stops, span = starts[inside], stops[inside], span[inside]
         view = np.searchsorted(view_starts, starts, side="right") - 1
         within = starts - view_starts[view]
-        cut = (within > 0) | (stops - starts < lengths[view])  # slicing a memoryview costs more than hashing 64 bytes
+        # Only parts that are not a whole view are sliced (a slice costs more than 64 bytes' hash).
+        cut = (within > 0) | (stops - starts < lengths[view])
         crcs = [0] * len(blocks)
         for k, v, part, a, b in zip(span.tolist(), view.tolist(), cut.tolist(), within.tolist(),
                                     (stops - starts + within).tolist()):
@@ -354,8 +361,7 @@ class FileChecksums:
     def file_crc(self, header: bytes) -> int:
         """The crc32c of the whole file (what GCS reports for the object), from its header
         bytes (length prefix included) and the blocks'."""
-        begins, ends, _ = self.layout._arrays
-        return combine(crc32c(header), self.data_crc(), int((ends - begins).sum()))
+        return combine(crc32c(header), self.data_crc(), self.layout.nbytes)
 
 
 def _stored(block_bytes: int, crcs: np.ndarray) -> dict[str, str]:

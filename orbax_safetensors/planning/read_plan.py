@@ -390,7 +390,7 @@ def plan_byte_reads(stored: StoredSlice, boxes: Sequence[Box], needed: int, *,
     (packed dtypes, read whole; read-once parts of a replicated tensor)."""
     boxes = tuple(boxes)
     return TensorReads((stored,), (stored.info.nbytes,), 1, boxes,
-                       tuple(SliceRead(0, b, b) for b in boxes), needed, read_once, byte_space=True)
+                       tuple([SliceRead(0, b, b) for b in boxes]), needed, read_once, byte_space=True)
 
 
 def plan_whole_reads(slices: Sequence[StoredSlice]) -> TensorReads:
@@ -398,12 +398,13 @@ def plan_whole_reads(slices: Sequence[StoredSlice]) -> TensorReads:
     planned as one: a ``TensorReads`` in the bytes of the stretch of the file that holds them
     (its one slice; each shard is a slice's byte range there). Many small tensors are then
     one tensor to plan, batch and finish, not one each."""
-    first = min(s.offset for s in slices)
-    stop = max(s.offset + s.info.nbytes for s in slices)
+    offsets = [s.offset for s in slices]
+    stops = [s.offset + s.info.nbytes for s in slices]
+    first, stop = min(offsets), max(stops)
     stretch = StoredSlice(TensorInfo(f"{len(slices)} tensors", _BYTES, (stop - first,), 0, stop - first),
                           slices[0].file, first, (0,))
-    boxes = [((s.offset - first, s.offset - first + s.info.nbytes),) for s in slices]
-    return plan_byte_reads(stretch, boxes, sum(s.info.nbytes for s in slices))
+    boxes = [((a - first, b - first),) for a, b in zip(offsets, stops)]
+    return plan_byte_reads(stretch, boxes, sum(stops) - sum(offsets))
 
 
 @dataclasses.dataclass(frozen=True)
