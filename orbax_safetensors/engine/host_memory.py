@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import itertools
 import os
 from collections.abc import Sequence
 
@@ -56,14 +57,18 @@ except ImportError:  # NumPy 1.x
     _byte_bounds = np.byte_bounds
 
 
+def _aligned(n: int) -> int:
+    return -(-n // XLA_ALIGNMENT) * XLA_ALIGNMENT
+
+
 def _starts(sizes: Sequence[int]) -> list[int]:
     """Offsets of ``sizes`` bytes laid out 64-byte aligned, and (last) the bytes they span."""
-    return [int(k) for k in np.cumsum([0] + [-(-n // XLA_ALIGNMENT) * XLA_ALIGNMENT for n in sizes])]
+    return list(itertools.accumulate(map(_aligned, sizes), initial=0))
 
 
 def footprint(sizes: Sequence[int]) -> int:
     """The bytes ``carve`` needs for buffers of ``sizes``."""
-    return _starts(sizes)[-1]
+    return sum(map(_aligned, sizes))
 
 
 def carve(arena: np.ndarray, sizes: Sequence[int]) -> list[np.ndarray]:
@@ -81,6 +86,43 @@ def host_buffers(sizes: Sequence[int]) -> list[np.ndarray]:
     if _advise is not None and total >= _PAGE:
         _advise(raw.ctypes.data + base, total - total % _PAGE, _MADV_NOHUGEPAGE)
     return carve(raw[base:base + total], sizes)
+
+
+# A tensor whose buffers take less than this shares an allocation with its neighbours: alone,
+# 64 bytes cost a page and a page of alignment (100 000 tiny tensors: 800 MB for 6.4 MB),
+# and an allocation each. An arena lives as long as any array carved from it, so arenas stay
+# small: one kept tiny tensor holds at most ``SHARED_ARENA`` bytes.
+SHARED_BELOW = 64 << 10
+SHARED_ARENA = 1 << 20
+
+
+def tensor_buffers(sizes: Sequence[Sequence[int]]) -> list[list[np.ndarray]]:
+    """``host_buffers`` for each of several tensors (``sizes[k]``: the bytes of tensor ``k``'s
+    shards): one allocation per tensor, except that small tensors (under ``SHARED_BELOW``)
+    share allocations of up to ``SHARED_ARENA`` bytes, in order."""
+    result: list[list[np.ndarray]] = [[] for _ in sizes]
+    shared: list[int] = []  # small tensors waiting for their arena
+    shared_bytes = 0
+
+    def allocate_shared() -> None:
+        buffers = iter(host_buffers([n for k in shared for n in sizes[k]]))
+        for k in shared:
+            result[k] = [next(buffers) for _ in sizes[k]]
+        shared.clear()
+
+    for k, tensor in enumerate(sizes):
+        total = footprint(tensor)
+        if total >= SHARED_BELOW:
+            result[k] = host_buffers(tensor)
+            continue
+        if shared_bytes + total > SHARED_ARENA:
+            allocate_shared()
+            shared_bytes = 0
+        shared.append(k)
+        shared_bytes += total
+    if shared:
+        allocate_shared()
+    return result
 
 
 def populate(view: np.ndarray) -> None:

@@ -143,10 +143,8 @@ class Verifier:
         pieces = checksums.layout.pieces(offset, views)
         with self._lock:
             done = self._tallies[file].add(pieces)
-            self.bytes_verified += sum(p.length for p in pieces)
-        if not done:
-            return []
-        blocks, crcs = np.array(done, np.int64).T
+            self.bytes_verified += int(pieces.lengths.sum())
+        blocks, crcs = done.T
         bad = np.flatnonzero(checksums.crcs[blocks] != crcs)
         return [self._damage(file, int(blocks[k]), int(crcs[k])) for k in bad.tolist()]
 

@@ -24,9 +24,10 @@ import numpy as np
 from orbax_safetensors.engine import option_checks
 from orbax_safetensors.engine.catalog import Checkpoint, open_checkpoint
 from orbax_safetensors.engine.coordination import Peers, describe_sharding
+from orbax_safetensors.engine.gc_pause import gc_paused
 from orbax_safetensors.engine.progress import Progress
 from orbax_safetensors.engine.read import (
-    AssembledLeaf, Job, LoadStats, execute, host_job, refuse_casts, sharded_job)
+    AssembledLeaf, Job, LoadStats, execute, group_jobs, groupable, host_job, refuse_casts, sharded_job)
 from orbax_safetensors.engine.tree_names import flatten_with_names
 from orbax_safetensors.engine.tree_names import nest as nest_names
 from orbax_safetensors.errors import MissingTensorError, SafetensorsError, SkippedLeavesWarning
@@ -74,22 +75,35 @@ def metadata(
 
     ``storage_options``/``filesystem`` as in ``load``.
     """
-    with open_checkpoint(Location.resolve(path, storage_options, filesystem)) as checkpoint:
+    with gc_paused(), open_checkpoint(Location.resolve(path, storage_options, filesystem)) as checkpoint:
         return metadata_of(checkpoint)
 
 
 def metadata_of(checkpoint: Checkpoint) -> CheckpointMetadata:
-    """What ``metadata`` returns, of a checkpoint already open."""
+    """What ``metadata`` returns, of a checkpoint already open.
+
+    Tensors of one shape and dtype share one ``ShapeDtypeStruct`` (it is immutable, and
+    building 100 000 took most of the call), and a file's name is split off its path once.
+    """
+    structs: dict[tuple[tuple[int, ...], str], jax.ShapeDtypeStruct] = {}
+    file_names: dict[str, str] = {}
+
+    def struct(t: TensorSource) -> jax.ShapeDtypeStruct:
+        key = (t.shape, t.dtype.code)
+        if key not in structs:
+            structs[key] = jax.ShapeDtypeStruct(t.shape, t.dtype.numpy)
+        return structs[key]
+
+    def file_name(path: str) -> str:
+        if path not in file_names:
+            file_names[path] = checkpoint.storage.split(path)[1]
+        return file_names[path]
+
+    ordered = sorted(checkpoint.tensors.items())
     return CheckpointMetadata(
-        tensors={
-            name: jax.ShapeDtypeStruct(t.shape, t.dtype.numpy)
-            for name, t in sorted(checkpoint.tensors.items())
-        },
+        tensors={name: struct(t) for name, t in ordered},
         metadata=checkpoint.metadata,
-        files={
-            name: tuple(checkpoint.storage.split(s.file)[1] for s in t.slices)
-            for name, t in sorted(checkpoint.tensors.items())
-        },
+        files={name: tuple(file_name(s.file) for s in t.slices) for name, t in ordered},
     )
 
 
@@ -250,7 +264,8 @@ def load(
     loading = _Loading(Location.resolve(path, storage_options, filesystem), target, strict,
                        options or ReadOptions(), stats if stats is not None else LoadStats(), mapping,
                        progress=progress, nest=nest)
-    return loading.run(loading.plan())
+    with gc_paused():
+        return loading.run(loading.plan())
 
 
 def async_load(
@@ -290,7 +305,8 @@ def async_load(
     loading = _Loading(Location.resolve(path, storage_options, filesystem), target, strict,
                        options, stats if stats is not None else LoadStats(), mapping,
                        abandoned=_Abandoned(), progress=progress, nest=nest)
-    planned = loading.plan()
+    with gc_paused():  # not while the reads run: the caller compiles meanwhile
+        planned = loading.plan()
     future: concurrent.futures.Future[Any] = concurrent.futures.Future()
     future.set_running_or_notify_cancel()
 
@@ -497,16 +513,23 @@ def _plan(checkpoint: Checkpoint, loading: _Loading, attempt: int) -> Callable[[
     reshard_below = thin if reshard else 0
     by_region = bool(checksums)
     jobs: list[Job] = []
-    outputs: list[int | AssembledLeaf] = []  # per wanted leaf: its job, or the leaf its jobs build
+    # Per wanted leaf: its job, its group's job and its place there, or the leaf its jobs build.
+    outputs: list[int | tuple[int, int] | AssembledLeaf] = []
+    grouped: list[tuple[int, str, Any]] = []  # small tensors read in groups: (output, stored, sharding)
     for i in wanted:
         request = requests[i]
         assembly = None if assemblies is None else assemblies[i]
         if assembly is None or assembly.transform is not None:
             stored = names[i] if assembly is None else assembly.pieces[0].stored
+            transform = None if assembly is None else assembly.transform
+            if ((transform is None or transform.is_identity)
+                    and groupable(checkpoint.tensors[stored], request.dtype, request.sharding)):
+                grouped.append((len(outputs), stored, request.sharding))
+                outputs.append(-1)  # its group's job, once the groups are made
+                continue
             outputs.append(len(jobs))
             jobs.append(_job(stored, checkpoint.tensors[stored], request, read_once, reshard_below,
-                             bounce_bytes, None if assembly is None else assembly.transform,
-                             slices_by_region=by_region, casting=options.casting))
+                             bounce_bytes, transform, slices_by_region=by_region, casting=options.casting))
             continue
         sources = [checkpoint.tensors[piece.stored] for piece in assembly.pieces]
         dtype = request.dtype or assembly.pieces[0].transform.tree_dtype(sources[0].dtype.numpy)
@@ -514,6 +537,11 @@ def _plan(checkpoint: Checkpoint, loading: _Loading, attempt: int) -> Callable[[
                              slices_by_region=by_region, casting=options.casting)
         outputs.append(leaf)
         jobs.extend(leaf.jobs)
+    for job, members in group_jobs([(stored, checkpoint.tensors[stored], sharding)
+                                    for _, stored, sharding in grouped]):
+        for k, member in enumerate(members):
+            outputs[grouped[member][0]] = (len(jobs), k)
+        jobs.append(job)
     refuse_casts(jobs, outputs)  # float → int and the like, all at once, before any read
     if any(job.scratch for job in jobs):
         # Staging of transformed tensors is recycled between batches (Job.scratch); a small
@@ -534,7 +562,7 @@ def _plan(checkpoint: Checkpoint, loading: _Loading, attempt: int) -> Callable[[
             report.close()
         stats.seconds += time.perf_counter() - loading.started
         _LOG.debug("loaded %s: %s", checkpoint.survey.location.url, stats)
-        loaded = [values[out] if isinstance(out, int) else out.value for out in outputs]
+        loaded = [_output(out, values) for out in outputs]
         if treedef is None:
             flat = dict(zip([names[i] for i in wanted], loaded))
             return nest_names(flat) if loading.nest else flat
@@ -546,6 +574,15 @@ def _plan(checkpoint: Checkpoint, loading: _Loading, attempt: int) -> Callable[[
         return jax.tree_util.tree_unflatten(treedef, result)
 
     return read
+
+
+def _output(out: int | tuple[int, int] | AssembledLeaf, values: list[Any]) -> Any:
+    """A wanted leaf's value: its job's, its group's member's, or its assembled leaf's."""
+    if isinstance(out, int):
+        return values[out]
+    if isinstance(out, tuple):
+        return values[out[0]][out[1]]
+    return out.value
 
 
 def _job(name: str, source: TensorSource, request: _Request, read_once: bool, reshard_below: int,

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from orbax_safetensors.engine.executor import Executor
-from orbax_safetensors.engine.host_memory import carve, footprint, host_buffers, populate
+from orbax_safetensors.engine.host_memory import carve, footprint, host_buffers, populate, tensor_buffers
 from orbax_safetensors.engine.integrity import Verifier
 from orbax_safetensors.engine.progress import Progress
 from orbax_safetensors.engine.resharding import (
@@ -57,6 +57,7 @@ from orbax_safetensors.planning import (
     full_box,
     plan_byte_reads,
     plan_tensor_reads,
+    plan_whole_reads,
     bounding_box,
     intersect,
     read_once_boxes,
@@ -108,6 +109,7 @@ class Job:
     int), described; ``refuse_casts`` raises them all before anything is read.
     ``collective``: ``finish`` runs a device collective (an all-gather of a tensor read
     once, an all-to-all of row blocks) that every process must enter.
+    ``tensors``: how many tensors it reads (a ``group_job``'s members, else one).
     """
 
     reads: TensorReads
@@ -115,6 +117,7 @@ class Job:
     scratch: bool = False
     refused: str | None = None
     collective: bool = False
+    tensors: int = 1
 
 
 _UNSAFE_HINT = ('pass options=ost.ReadOptions(casting="unsafe") to cast as numpy astype does '
@@ -206,6 +209,70 @@ def host_job(name: str, source: TensorSource, dtype: np.dtype | None, *, bounce_
                                  slices_by_region=slices_by_region),
                lambda buffers: convert(_view(buffers[0], source.slices[0], name, source.shape)),
                scratch=transform is not None, refused=refused)
+
+
+# Whole tensors under this size, loaded as stored, are read in groups of up to ``GROUP_BYTES``
+# of one file (``group_job``); a group's host arrays share one allocation.
+GROUPED_BELOW = 64 << 10
+GROUP_BYTES = 1 << 20
+
+
+def groupable(source: TensorSource, dtype: np.dtype | None,
+              sharding: jax.sharding.Sharding | None = None) -> bool:
+    """Whether this tensor (without a transform) can be one of a ``group_job``'s: small,
+    stored whole and loaded as stored (no cast), into a host array or onto devices of this
+    process that each hold all of it (replicated: ``device_put`` of the host array does it)."""
+    if source.whole is None or source.dtype.is_packed or source.nbytes >= GROUPED_BELOW:
+        return False
+    if sharding is None:
+        return dtype is None or dtype == source.dtype.numpy
+    if _device_dtype(dtype) != source.dtype.numpy or not sharding.is_fully_addressable:
+        return False
+    try:
+        local, _ = device_boxes(sharding, source.shape)
+    except Exception:  # a sharding that does not fit: sharded_job says so
+        return False
+    return list(local) == [full_box(source.shape)]
+
+
+def group_job(members: Sequence[tuple[str, TensorSource, jax.sharding.Sharding | None]]) -> Job:
+    """Several ``groupable`` tensors of one file as one job: their reads planned as one
+    (``plan_whole_reads``), their arrays made by one ``finish``, which returns them in order
+    (host arrays, or, with shardings, ``jax.Array``s put on their devices by one
+    ``device_put``). A job of its own per tensor costs more than its read: 100 000 tiny
+    tensors spent most of a load planning and finishing jobs, and a ``device_put`` per
+    tensor costs more than one for many."""
+    slices = [source.whole for _, source, _ in members]
+    shardings = [sharding for _, _, sharding in members]
+
+    def finish(buffers: list[np.ndarray]) -> list[Any]:
+        arrays = [_view(buffer, stored, name, source.shape)
+                  for buffer, stored, (name, source, _) in zip(buffers, slices, members)]
+        if shardings[0] is None:
+            return arrays
+        return jax.block_until_ready(jax.device_put(arrays, shardings))  # host buffers go once copied
+
+    return Job(plan_whole_reads(slices), finish, tensors=len(members))
+
+
+def group_jobs(members: Sequence[tuple[str, TensorSource, jax.sharding.Sharding | None]]
+               ) -> list[tuple[Job, list[int]]]:
+    """``groupable`` tensors, as few ``group_job``s as they make (per file, host arrays and
+    device arrays apart, in file order, up to ``GROUP_BYTES`` each), each with the indices
+    into ``members`` of its members."""
+    where = [(source.slices[0].file, sharding is None, source.slices[0].offset)
+             for _, source, sharding in members]
+    order = sorted(range(len(members)), key=where.__getitem__)
+    groups: list[list[int]] = []
+    size = 0
+    for k in order:
+        nbytes = members[k][1].nbytes
+        if not groups or size + nbytes > GROUP_BYTES or where[k][:2] != where[groups[-1][0]][:2]:
+            groups.append([])
+            size = 0
+        groups[-1].append(k)
+        size += nbytes
+    return [(group_job([members[k] for k in group]), group) for group in groups]
 
 
 def sharded_job(
@@ -589,6 +656,13 @@ class _Scratch:
             self._free.append(self._lent.pop(id(views)))
 
 
+def _batch_buffers(jobs: Sequence[Job], scratch: _Scratch) -> list[list[np.ndarray]]:
+    """Each job's shard buffers: recycled staging for ``scratch`` jobs, fresh pages for the
+    others (small tensors sharing allocations: ``host_memory.tensor_buffers``)."""
+    fresh = iter(tensor_buffers([job.reads.shard_nbytes for job in jobs if not job.scratch]))
+    return [scratch.take(job.reads.shard_nbytes) if job.scratch else next(fresh) for job in jobs]
+
+
 def transfer(storage: Storage, file: str, request: Transfer, buffers: Sequence[np.ndarray],
              verifier: Verifier | None = None) -> None:
     """One ranged read, scattered into ``buffers``, its bytes checked by ``verifier`` when it
@@ -600,11 +674,15 @@ def transfer(storage: Storage, file: str, request: Transfer, buffers: Sequence[n
     checked = verifier is not None and verifier.checks(file)
     gaps = request.lengths[request.targets == GAP]
     scratch = memoryview(np.empty(int(gaps.sum() if checked else gaps.max()) if len(gaps) else 0, np.uint8))
-    views, used = [], 0
-    for target, offset, length in request.segments:
+    views: list[memoryview | np.ndarray] = []
+    used = 0
+    for target, offset, length in zip(request.targets.tolist(), request.offsets.tolist(),
+                                      request.lengths.tolist()):  # no Segment per tiny tensor
         if target == GAP:
             views.append(scratch[used:used + length])
             used += length if checked else 0
+        elif offset == 0 and length == buffers[target].nbytes:  # all of it (a small tensor, say)
+            views.append(buffers[target])
         else:
             views.append(memoryview(buffers[target])[offset:offset + length])
     storage.read_scatter(file, request.offset, views)
@@ -629,7 +707,7 @@ def execute(storage: Storage, plan: ReadPlan, jobs: Sequence[Job], *, memory_bud
     verifier = Verifier(checksums or {})
     lock = threading.Lock()
     results: list[Any] = [None] * len(jobs)
-    stats.tensors += len(jobs)
+    stats.tensors += sum(job.tensors for job in jobs)
     stats.tensors_read_once += sum(j.reads.read_once for j in jobs)
     stats.tensors_resharded += sum(j.reads.resharded for j in jobs)
     stats.bytes_needed += sum(j.reads.needed for j in jobs)
@@ -685,8 +763,7 @@ def execute(storage: Storage, plan: ReadPlan, jobs: Sequence[Job], *, memory_bud
                 break
             pool.check_cancelled()
             reserved = budget.acquire(batch.nbytes)
-            buffers = [(scratch.take if jobs[i].scratch else host_buffers)(
-                [box_size(b) * jobs[i].reads.itemsize for b in jobs[i].reads.shards]) for i in batch.tensors]
+            buffers = _batch_buffers([jobs[i] for i in batch.tensors], scratch)
             flat = [b for job_buffers in buffers for b in job_buffers]
             by_tensor = dict(zip(batch.tensors, buffers))
             reads = [pool.submit(bounce, b, by_tensor[b.tensor]) for b in batch.bounced]

@@ -33,6 +33,7 @@ import numpy as np
 
 from orbax_safetensors.engine import catalog, write
 from orbax_safetensors.engine.coordination import Peers, describe_sharding
+from orbax_safetensors.engine.gc_pause import gc_paused
 from orbax_safetensors.engine.operation import Operation
 from orbax_safetensors.engine.pending import SaveFuture
 from orbax_safetensors.engine.progress import Progress
@@ -200,10 +201,11 @@ def save(
         time left; process 0 only): one updating line on a terminal, as the CLI
         draws it, else a plain line every 10 s and one at the end.
     """
-    job = prepare_save(Location.resolve(path, storage_options, filesystem), tree,
-                       SaveOptions(layout, max_shard_size, metadata, overwrite, mapping, checksums, progress),
-                       copy=False)
-    return wait_interruptibly(job, job.start())
+    with gc_paused():
+        job = prepare_save(Location.resolve(path, storage_options, filesystem), tree,
+                           SaveOptions(layout, max_shard_size, metadata, overwrite, mapping, checksums,
+                                       progress), copy=False)
+        return wait_interruptibly(job, job.start())
 
 
 def wait_interruptibly(job: SaveJob, future: SaveFuture) -> SaveStats:
@@ -256,9 +258,11 @@ def async_save(
     the exit status is 1. ``future.cancel()`` stops a save still writing and
     returns once it has rolled back (``engine.pending.SaveFuture``).
     """
-    return prepare_save(Location.resolve(path, storage_options, filesystem), tree,
-                        SaveOptions(layout, max_shard_size, metadata, overwrite, mapping, checksums, progress),
-                        copy=True).start()
+    with gc_paused():  # not while the background writes run: the caller trains meanwhile
+        job = prepare_save(Location.resolve(path, storage_options, filesystem), tree,
+                           SaveOptions(layout, max_shard_size, metadata, overwrite, mapping, checksums,
+                                       progress), copy=True)
+    return job.start()
 
 
 def prepare_save(location: Location, tree: Any, options: SaveOptions, *, copy: bool,
@@ -294,8 +298,9 @@ def prepare_save(location: Location, tree: Any, options: SaveOptions, *, copy: b
         raise
     # Every process saves the same tree the same way, or none starts: plans made from
     # different trees or options would write different files over each other.
-    peers.check_same("tree", [_describe(spec, arrays[spec.name]) for spec in tree_specs]
-                     + [f"options {dataclasses.replace(options, progress=False)!r}"], "the tree or options")
+    if peers.is_collective:  # a line per leaf: described only where there are others to compare
+        peers.check_same("tree", [_describe(spec, arrays[spec.name]) for spec in tree_specs]
+                         + [f"options {dataclasses.replace(options, progress=False)!r}"], "the tree or options")
     commit = take_location(location, peers, overwrite=options.overwrite, fresh=new_directory)
     # Several processes writing one hf file: thin strips are written as row blocks instead.
     several_writers = peers.is_collective and options.layout == "hf" and assemblies is None

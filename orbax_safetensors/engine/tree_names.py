@@ -15,8 +15,15 @@ from typing import Any
 import jax
 
 
+_NAMED_BY = {jax.tree_util.DictKey: "key", jax.tree_util.SequenceKey: "idx",
+             jax.tree_util.FlattenedIndexKey: "key", jax.tree_util.GetAttrKey: "name"}
+
+
 def key_name(key: Any) -> str:
     """One path element as text."""
+    attribute = _NAMED_BY.get(type(key))  # JAX's own keys (a tree of 100 000 leaves has as many)
+    if attribute is not None:
+        return str(getattr(key, attribute))
     for attribute in ("key", "idx", "name"):  # DictKey, SequenceKey/FlattenedIndexKey, GetAttrKey
         if hasattr(key, attribute):
             return str(getattr(key, attribute))
@@ -24,7 +31,7 @@ def key_name(key: Any) -> str:
 
 
 def path_name(path: tuple[Any, ...]) -> str:
-    return ".".join(key_name(k) for k in path)
+    return ".".join([key_name(k) for k in path])
 
 
 def flatten_with_names(

@@ -46,7 +46,7 @@ import numpy as np
 from orbax_safetensors.engine.coordination import Peers
 from orbax_safetensors.engine.executor import Executor
 from orbax_safetensors.engine.operation import Operation
-from orbax_safetensors.format.checksums import FileChecksums, Piece, Tally
+from orbax_safetensors.format.checksums import FileChecksums, Piece, Pieces, Tally
 from orbax_safetensors.planning import (
     HEADER,
     FilePlan,
@@ -65,6 +65,7 @@ _WRITE_THREADS = 8
 _MAX_OBJECTS_PER_FILE = 64  # beyond this a process packs its small ranges of a file into one object
 _SMALL_OBJECT = 4 << 20  # an object smaller than this costs more in requests than it moves
 _VIEWS_PER_WRITE = 1024  # buffers per pwritev (Linux's IOV_MAX)
+_SUMMED_CHUNKS, _SUMMED_BYTES = 1024, 4 << 20  # a streamed file's chunks held back to be summed at once
 
 Payloads = Sequence[memoryview]  # the bytes of each shard a process writes, by Segment.target
 Chunks = Callable[[FilePlan], Iterable[memoryview | bytes]]  # a file's data, front to back
@@ -78,7 +79,7 @@ class Checksums:
 
     def __init__(self, files: Sequence[FilePlan]):
         self.files = {f.name: f for f in files if f.checksummed}
-        self._pieces: dict[str, list[Piece]] = collections.defaultdict(list)
+        self._pieces: dict[str, list[Pieces]] = collections.defaultdict(list)
         self._lock = threading.Lock()
 
     def add(self, file: str, offset: int, views: Sequence[memoryview | bytes]) -> None:
@@ -86,7 +87,7 @@ class Checksums:
         if file in self.files:
             pieces = self.files[file].layout.pieces(offset, views)
             with self._lock:
-                self._pieces[file].extend(pieces)
+                self._pieces[file].append(pieces)
 
     def local(self, name: str) -> np.ndarray:
         """Block CRCs of file ``name``, which this process wrote whole."""
@@ -104,9 +105,8 @@ class Checksums:
             by_file = {name: list(pieces) for name, pieces in self._pieces.items()}
         for name, pieces in by_file.items():
             tally = Tally(self.files[name].layout)
-            done = tally.add(pieces)
-            blocks = np.array([b for b, _ in done], np.int64)
-            crcs = np.array([c for _, c in done], np.uint32)
+            done = tally.add(Pieces.concatenate(pieces))
+            blocks, crcs = done[:, 0], done[:, 1].astype(np.uint32)
             document[name] = {"blocks": base64.b64encode(blocks.tobytes()).decode(),
                               "crcs": base64.b64encode(crcs.tobytes()).decode(),
                               "partial": [[p.block, p.start, p.length, p.crc] for p in tally.partial()]}
@@ -189,7 +189,11 @@ def _begin(op: Operation, commit: Commit, files: Sequence[str]) -> None:
 
 
 def _views(segments: Iterable[Segment], payloads: Payloads, header: bytes = b"") -> list[memoryview]:
-    return [memoryview(header) if target == HEADER else payloads[target][offset:offset + length]
+    """The bytes of ``segments``; one that is all of a payload is that payload (a slice of
+    each costs more than writing a small tensor)."""
+    return [memoryview(header) if target == HEADER
+            else payloads[target] if offset == 0 and length == len(payloads[target])
+            else payloads[target][offset:offset + length]
             for target, offset, length in segments]
 
 
@@ -396,15 +400,21 @@ class Streamed(Strategy):
 
         def counted(file: FilePlan) -> Replayable:
             # Replayed whole when an upload is retried: the same bytes are summed again,
-            # which completes the same blocks with the same CRCs.
+            # which completes the same blocks with the same CRCs. Chunks are summed a few
+            # at a time (a chunk per tiny tensor summed alone costs more than its bytes),
+            # all of them before the stream ends.
             def stream() -> Iterator[memoryview | bytes]:
-                offset = file.data_start
+                offset, pending, pending_bytes = file.data_start, [], 0
                 for chunk in self.chunks(file):
                     op.check_cancelled()
-                    checksums.add(file.name, offset, [chunk])
-                    offset += len(chunk)
+                    pending.append(chunk)
+                    pending_bytes += len(chunk)
+                    if len(pending) >= _SUMMED_CHUNKS or pending_bytes >= _SUMMED_BYTES:
+                        checksums.add(file.name, offset, pending)
+                        offset, pending, pending_bytes = offset + pending_bytes, [], 0
                     op.wrote(len(chunk))
                     yield chunk
+                checksums.add(file.name, offset, pending)
             return Replayable(stream)
 
         def write_all() -> None:

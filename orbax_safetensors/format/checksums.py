@@ -41,7 +41,7 @@ import bisect
 import dataclasses
 import functools
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -136,6 +136,41 @@ def _shift(length: int) -> int:
     return p
 
 
+_TABLE_FROM = 64  # pieces of one length that pay for a table (its 32 multiplications and 1024 XORs)
+
+
+@functools.lru_cache(maxsize=64)
+def _shift_table(length: int) -> tuple[tuple[int, ...], ...]:
+    """Multiplication by ``_shift(length)`` as four tables, one per byte of the other factor:
+    the product is linear in it, so it is the XOR of the products of its bytes."""
+    shift = _shift(length)
+    images = [_multiply(shift, 1 << bit) for bit in range(32)]
+    tables = []
+    for byte in range(4):
+        table = [0] * 256
+        for j in range(1, 256):
+            table[j] = table[j & (j - 1)] ^ images[8 * byte + (j & -j).bit_length() - 1]
+        tables.append(tuple(table))
+    return tuple(tables)
+
+
+def combine_all(crcs: np.ndarray, lengths: np.ndarray, crc: int = 0) -> int:
+    """``crc`` extended by consecutive pieces, from each one's crc32c and length (``combine``
+    in turn). A length that recurs (a file's blocks are mostly full, a model's tensors come in a
+    few shapes) multiplies by table lookups instead of bit by bit: 100 000 blocks in a
+    tenth of a second rather than in seconds."""
+    values, counts = np.unique(lengths, return_counts=True)
+    tables = {n: _shift_table(n) for n in values[counts >= _TABLE_FROM].tolist()}
+    for value, length in zip(np.asarray(crcs).tolist(), np.asarray(lengths).tolist()):
+        table = tables.get(length)
+        if table is None:
+            crc = _multiply(_shift(length), crc) ^ value
+        else:
+            low, second, third, high = table
+            crc = low[crc & 255] ^ second[(crc >> 8) & 255] ^ third[(crc >> 16) & 255] ^ high[crc >> 24] ^ value
+    return crc
+
+
 @dataclasses.dataclass(frozen=True)
 class Piece:
     """The crc32c of bytes ``[start, start + length)`` (file offsets) inside block ``block``."""
@@ -144,6 +179,48 @@ class Piece:
     start: int
     length: int
     crc: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Pieces:
+    """Pieces as parallel int64 arrays (piece ``k``: ``blocks[k]``, ``starts[k]``,
+    ``lengths[k]``, ``crcs[k]``); iterating gives ``Piece``s. Arrays rather than objects: a
+    read of 100 000 tiny tensors delivers a piece per tensor."""
+
+    blocks: np.ndarray
+    starts: np.ndarray
+    lengths: np.ndarray
+    crcs: np.ndarray
+
+    @staticmethod
+    def of(pieces: Iterable[Piece]) -> Pieces:
+        rows = [(p.block, p.start, p.length, p.crc) for p in pieces]
+        return Pieces(*np.array(rows, np.int64).reshape(len(rows), 4).T)
+
+    @staticmethod
+    def concatenate(parts: Sequence[Pieces]) -> Pieces:
+        if not parts:
+            return Pieces.of(())
+        return Pieces(*(np.concatenate([getattr(p, f.name) for p in parts])
+                        for f in dataclasses.fields(Pieces)))
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __iter__(self) -> Iterator[Piece]:
+        return map(Piece, self.blocks.tolist(), self.starts.tolist(), self.lengths.tolist(),
+                   self.crcs.tolist())
+
+
+def _data_order(tensor: TensorInfo) -> tuple[int, int]:
+    return tensor.begin, tensor.end
+
+
+def _bytes_of(view: memoryview | np.ndarray) -> memoryview:
+    """A flat byte view of ``view``'s data."""
+    if isinstance(view, np.ndarray):
+        return memoryview(view.reshape(-1).view(np.uint8))
+    return view if view.format == "B" and view.ndim == 1 else memoryview(view).cast("B")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,17 +240,25 @@ class BlockLayout:
 
     @staticmethod
     def of(tensors: Iterable[TensorInfo], data_start: int, block_bytes: int = BLOCK_BYTES) -> BlockLayout:
-        ordered = sorted(tensors, key=lambda t: (t.begin, t.end))
-        firsts, count = [], 0
-        for t in ordered:
-            firsts.append(count)
-            count += -(-t.nbytes // block_bytes)
-        return BlockLayout(block_bytes, tuple(t.name for t in ordered),
-                           tuple(data_start + t.begin for t in ordered),
-                           tuple(data_start + t.end for t in ordered), tuple(firsts), count)
+        ordered = sorted(tensors, key=_data_order)
+        begins = np.fromiter((t.begin for t in ordered), np.int64, len(ordered)) + data_start
+        ends = np.fromiter((t.end for t in ordered), np.int64, len(ordered)) + data_start
+        counts = -(-(ends - begins) // block_bytes)
+        firsts = np.cumsum(counts) - counts
+        return BlockLayout(block_bytes, tuple(t.name for t in ordered), tuple(begins.tolist()),
+                           tuple(ends.tolist()), tuple(firsts.tolist()), int(counts.sum()))
 
-    def _tensor_at(self, offset: int) -> int:
-        return bisect.bisect_right(self.begins, offset) - 1
+    @functools.cached_property
+    def _arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``begins``, ``ends`` and ``firsts`` as arrays, for the vectorised questions."""
+        return (np.asarray(self.begins, np.int64).reshape(-1), np.asarray(self.ends, np.int64).reshape(-1),
+                np.asarray(self.firsts, np.int64).reshape(-1))
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes the blocks cover: every tensor's."""
+        begins, ends, _ = self._arrays
+        return int((ends - begins).sum())
 
     def block(self, index: int) -> tuple[str, int, int]:
         """``(tensor, start, stop)`` of block ``index`` (file offsets)."""
@@ -183,43 +268,63 @@ class BlockLayout:
         start = self.begins[t] + (index - self.firsts[t]) * self.block_bytes
         return self.names[t], start, min(start + self.block_bytes, self.ends[t])
 
-    def pieces(self, offset: int, views: Sequence[memoryview | np.ndarray]) -> list[Piece]:
-        """The CRCs of the bytes ``views`` hold back to back from file ``offset``, cut at block
-        boundaries (bytes outside every tensor, a header, are skipped)."""
-        pieces: list[Piece] = []
-        position, t = offset, self._tensor_at(offset)
-        current: list = []  # [block, start, length, crc] being extended
+    def block_bounds(self, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(starts, stops)`` of each of ``blocks`` (file offsets), as ``block`` gives them (the
+        last tensor whose first block is at most the index is never an empty one)."""
+        begins, ends, firsts = self._arrays
+        t = np.searchsorted(firsts, blocks, side="right") - 1
+        starts = begins[t] + (blocks - firsts[t]) * self.block_bytes
+        return starts, np.minimum(starts + self.block_bytes, ends[t])
 
-        for view in views:
-            data = memoryview(view.reshape(-1).view(np.uint8) if isinstance(view, np.ndarray) else view).cast("B")
-            used = 0
-            while used < len(data):
-                while t + 1 < len(self.begins) and position >= self.begins[t + 1]:
-                    t += 1
-                if t < 0 or position >= self.ends[t]:  # the header, or past the data: no block
-                    gap = (self.begins[t + 1] - position if t + 1 < len(self.begins)
-                           else len(data) - used)
-                    take = min(gap, len(data) - used)
-                    used += take
-                    position += take
-                    continue
-                within = position - self.begins[t]
-                block = self.firsts[t] + within // self.block_bytes
-                block_stop = min(self.begins[t] + (within // self.block_bytes + 1) * self.block_bytes,
-                                 self.ends[t])
-                take = min(block_stop - position, len(data) - used)
-                if current and current[0] == block and current[1] + current[2] == position:
-                    current[3] = crc32c(data[used:used + take], current[3])
-                    current[2] += take
-                else:
-                    if current:
-                        pieces.append(Piece(*current))
-                    current = [block, position, take, crc32c(data[used:used + take])]
-                used += take
-                position += take
-        if current:
-            pieces.append(Piece(*current))
-        return pieces
+    def pieces(self, offset: int, views: Sequence[memoryview | np.ndarray]) -> Pieces:
+        """The CRCs of the bytes ``views`` hold back to back from file ``offset``, one piece per
+        block they touch (bytes outside every tensor, a header, are skipped).
+
+        Where views and blocks cut each other is found with numpy; Python only hashes each
+        part, extending the crc of a block a view boundary cut: a read of many tiny
+        tensors costs a crc32c call per tensor, not a walk through the layout.
+        """
+        # Hashed as they are: a byte view of each costs more than hashing a small tensor.
+        data = [view if type(view) is memoryview or type(view) is np.ndarray and view.flags.c_contiguous
+                else _bytes_of(view) for view in views]
+        lengths = np.fromiter((view.nbytes for view in data), np.int64, len(data))
+        view_starts = offset + np.cumsum(lengths) - lengths
+        end = offset + int(lengths.sum())
+        blocks, low, high = self._spans(offset, end)
+        if not len(blocks):
+            return Pieces.of(())
+        # The elementary parts between consecutive cuts each lie in one view and one block
+        # (or outside every block).
+        cuts = np.sort(np.concatenate([view_starts, [end], low, high]))
+        cuts = cuts[np.append(True, cuts[1:] != cuts[:-1])]
+        starts, stops = cuts[:-1], cuts[1:]
+        span = np.searchsorted(low, starts, side="right") - 1
+        inside = (span >= 0) & (stops <= high[np.maximum(span, 0)])
+        starts, stops, span = starts[inside], stops[inside], span[inside]
+        view = np.searchsorted(view_starts, starts, side="right") - 1
+        within = starts - view_starts[view]
+        # Only parts that are not a whole view are sliced (a slice costs more than 64 bytes' hash).
+        cut = (within > 0) | (stops - starts < lengths[view])
+        crcs = [0] * len(blocks)
+        for k, v, part, a, b in zip(span.tolist(), view.tolist(), cut.tolist(), within.tolist(),
+                                    (stops - starts + within).tolist()):
+            crcs[k] = crc32c(_bytes_of(data[v])[a:b] if part else data[v], crcs[k])
+        return Pieces(blocks, low, high - low, np.array(crcs, np.int64))
+
+    def _spans(self, offset: int, end: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The blocks that bytes ``[offset, end)`` touch, with the part of each inside them."""
+        begins, ends, firsts = self._arrays
+        first_tensor = np.searchsorted(ends, offset, side="right")
+        last_tensor = np.searchsorted(begins, end, side="left")
+        begins, ends, firsts = (a[first_tensor:last_tensor] for a in (begins, ends, firsts))
+        low, high = np.maximum(begins, offset), np.minimum(ends, end)
+        first = (low - begins) // self.block_bytes
+        count = np.where(low < high, (high - 1 - begins) // self.block_bytes - first + 1, 0)
+        tensor = np.repeat(np.arange(len(begins)), count)
+        within = first[tensor] + np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+        block_start = begins[tensor] + within * self.block_bytes
+        return (firsts[tensor] + within, np.maximum(low[tensor], block_start),
+                np.minimum(high[tensor], block_start + self.block_bytes))
 
     def cover(self, offsets: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``[low, high)`` of the whole blocks holding each run ``[offset, offset + length)``
@@ -227,7 +332,7 @@ class BlockLayout:
         stops = offsets + lengths
         if not self.begins:
             return offsets, stops
-        begins, ends = np.asarray(self.begins, np.int64), np.asarray(self.ends, np.int64)
+        begins, ends, _ = self._arrays
         block = self.block_bytes
         first = np.maximum(np.searchsorted(begins, offsets, side="right") - 1, 0)
         last = np.maximum(np.searchsorted(begins, stops - 1, side="right") - 1, 0)
@@ -249,13 +354,17 @@ class FileChecksums:
     def metadata(self) -> dict[str, str]:
         """The ``__metadata__`` entries that store these checksums (fixed length: a plan's
         header holds zeros there until the data is written, then the same bytes change)."""
-        raw = self.crcs.astype(">u4").tobytes()
-        return {BLOCK_SIZE_KEY: str(self.layout.block_bytes),
-                BLOCKS_KEY: base64.b64encode(raw).decode("ascii")}
+        return _entries(self.layout.block_bytes, self.crcs)
 
     @staticmethod
     def zeros(layout: BlockLayout) -> FileChecksums:
         return FileChecksums(layout, np.zeros(layout.count, np.uint32))
+
+    @staticmethod
+    def placeholder(count: int, block_bytes: int = BLOCK_BYTES) -> dict[str, str]:
+        """``metadata()`` of ``count`` zero checksums, known before the layout: what a planned
+        header holds until its data is written."""
+        return _entries(block_bytes, np.zeros(count, np.uint32))
 
     @staticmethod
     def of_metadata(metadata: Mapping[str, str] | None, tensors: Iterable[TensorInfo], data_start: int,
@@ -278,17 +387,18 @@ class FileChecksums:
 
     def data_crc(self) -> int:
         """The crc32c of the whole data buffer, from the blocks'."""
-        crc = 0
-        for index, value in enumerate(self.crcs.tolist()):
-            _, start, stop = self.layout.block(index)
-            crc = combine(crc, value, stop - start)
-        return crc
+        starts, stops = self.layout.block_bounds(np.arange(self.layout.count))
+        return combine_all(self.crcs, stops - starts)
 
     def file_crc(self, header: bytes) -> int:
         """The crc32c of the whole file (what GCS reports for the object), from its header
         bytes (length prefix included) and the blocks'."""
-        total = sum(stop - start for start, stop in zip(self.layout.begins, self.layout.ends))
-        return combine(crc32c(header), self.data_crc(), total)
+        return combine(crc32c(header), self.data_crc(), self.layout.nbytes)
+
+
+def _entries(block_bytes: int, crcs: np.ndarray) -> dict[str, str]:
+    return {BLOCK_SIZE_KEY: str(block_bytes),
+            BLOCKS_KEY: base64.b64encode(crcs.astype(">u4").tobytes()).decode("ascii")}
 
 
 def _stored(metadata: Mapping[str, str], size_key: str, blocks_key: str, tensors: Iterable[TensorInfo],
@@ -325,27 +435,31 @@ class Tally:
         self.layout = layout
         self._open: dict[int, dict[int, list[Piece]]] = {}
 
-    def add(self, pieces: Iterable[Piece]) -> list[tuple[int, int]]:
-        """``(block, crc)`` of every block these pieces complete."""
-        done = []
-        for piece in pieces:
-            _, start, stop = self.layout.block(piece.block)
-            if piece.start == start and piece.length == stop - start:
-                done.append((piece.block, piece.crc))
-                continue
+    def add(self, pieces: Pieces | Iterable[Piece]) -> np.ndarray:
+        """``(block, crc)`` rows (int64) of every block these pieces complete; a piece that is
+        a whole block completes it at once (found for all of them with numpy)."""
+        if not isinstance(pieces, Pieces):
+            pieces = Pieces.of(pieces)
+        starts, stops = self.layout.block_bounds(pieces.blocks)
+        whole = (pieces.starts == starts) & (pieces.lengths == stops - starts)
+        done = [(pieces.blocks[whole], pieces.crcs[whole])]
+        for k in np.flatnonzero(~whole).tolist():
+            piece = Piece(int(pieces.blocks[k]), int(pieces.starts[k]), int(pieces.lengths[k]),
+                          int(pieces.crcs[k]))
             held = self._open.setdefault(piece.block, {})
             held.setdefault(piece.start, []).append(piece)
-            chain = _chain(held, start, stop)
+            chain = _chain(held, int(starts[k]), int(stops[k]))
             if chain is not None:
                 crc, used = chain
-                done.append((piece.block, crc))
+                done.append((np.array([piece.block]), np.array([crc])))
                 for p in used:
                     held[p.start].remove(p)
                     if not held[p.start]:
                         del held[p.start]
                 if not held:
                     del self._open[piece.block]
-        return done
+        return np.stack([np.concatenate([b for b, _ in done]).astype(np.int64),
+                         np.concatenate([c for _, c in done]).astype(np.int64)], axis=1)
 
     @property
     def incomplete(self) -> list[int]:

@@ -31,6 +31,11 @@ class DType:
     bits: int
     numpy: np.dtype
 
+    @functools.cached_property
+    def little(self) -> np.dtype:
+        """The numpy type of the values as a file holds them: little-endian."""
+        return self.numpy.newbyteorder("<")
+
     @property
     def is_packed(self) -> bool:
         """Whether several values share a byte on disk (F4, F6_*)."""
@@ -38,6 +43,8 @@ class DType:
 
     def nbytes(self, shape: Sequence[int]) -> int:
         """On-disk size of a tensor of ``shape``; ValueError if not whole bytes."""
+        if self.bits >= 8:
+            return math.prod(shape) * (self.bits // 8)
         nbits = math.prod(shape) * self.bits
         if nbits % 8:
             raise ValueError(
@@ -78,6 +85,8 @@ _BY_NUMPY: dict[np.dtype, DType] = {d.numpy: d for d in _TABLE}
 
 def dtype_for_numpy(dtype: np.dtype | type) -> DType:
     """The safetensors dtype that stores ``dtype``; ValueError if none does."""
+    if isinstance(dtype, np.dtype) and dtype in _BY_NUMPY:  # an array's, as a rule: no conversion
+        return _BY_NUMPY[dtype]
     np_dtype = np.dtype(dtype)
     found = _BY_NUMPY.get(np_dtype.newbyteorder("=")) or _BY_NUMPY.get(np_dtype)
     if found is None:
@@ -95,22 +104,29 @@ def to_bytes(array: np.ndarray) -> memoryview:
     returned as a view, without a copy.
     """
     dtype = dtype_for_numpy(array.dtype)
-    array = np.ascontiguousarray(array, dtype=dtype.numpy.newbyteorder("<"))
+    array = np.ascontiguousarray(array, dtype=dtype.little)
     if dtype.is_packed:
         return memoryview(_pack(array, dtype))
     return memoryview(array.reshape(-1).view(np.uint8))
 
 
+_BYTE = np.dtype(np.uint8)
+
+
 def from_bytes(buffer, dtype: DType, shape: Sequence[int]) -> np.ndarray:
     """An array of ``shape`` viewing (or, if packed, unpacking) ``buffer``."""
-    raw = np.frombuffer(buffer, dtype=np.uint8)
+    raw = (buffer if type(buffer) is np.ndarray and buffer.dtype is _BYTE and buffer.ndim == 1
+           else np.frombuffer(buffer, dtype=np.uint8))  # a byte array already: no second view
     if raw.size != dtype.nbytes(shape):
         raise ValueError(
             f"{raw.size} bytes cannot hold {dtype.code} of shape {tuple(shape)}"
         )
     if dtype.is_packed:
         return _unpack(raw, dtype, math.prod(shape)).reshape(shape)
-    return raw.view(dtype.numpy.newbyteorder("<")).astype(dtype.numpy, copy=False).reshape(shape)
+    values = raw.view(dtype.little)
+    if values.dtype != dtype.numpy:  # a big-endian machine
+        values = values.astype(dtype.numpy)
+    return values.reshape(shape)
 
 
 def _pack(array: np.ndarray, dtype: DType) -> np.ndarray:

@@ -27,6 +27,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import operator
+import re
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -39,6 +41,9 @@ METADATA_KEY = "__metadata__"
 _HEADER_ALIGNMENT = 8
 _MAX_NBITS = 2**64  # the crate computes sizes in usize and rejects overflow
 _MAX_DEPTH = 127  # serde_json refuses a 128th nested array/object
+_ENTRY_FIELDS = frozenset({"dtype", "shape", "data_offsets"})
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_DATA_ORDER = operator.attrgetter("begin", "end")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,12 +115,19 @@ def parse_header(raw: bytes, file_size: int, *, file: str) -> Header:
     if not isinstance(document, dict):
         raise SafetensorsError("header is not a JSON object", file=file)
 
-    metadata = _parse_metadata(document.pop(METADATA_KEY, None), file)
+    # A lone surrogate (no UTF-8 holds one) can only come from a \ud800-\udfff escape: in a
+    # header without one, which is nearly every header, no string needs checking for it.
+    escapes = _SURROGATE_ESCAPE.search(text) is not None
+    metadata = _parse_metadata(document.pop(METADATA_KEY, None), file, escapes)
     tensors = sorted(
-        (_parse_entry(name, entry, file) for name, entry in document.items()),
-        key=lambda t: (t.begin, t.end),
+        (_parse_entry(name, entry, file, escapes) for name, entry in document.items()),
+        key=_DATA_ORDER,
     )
-    _check_serde_rules(document, file)  # after the checks with more specific messages
+    # What serde refuses anywhere, checked after the checks with more specific messages, in
+    # the fields no entry check read (those checked every string and nesting level they hold).
+    _check_serde_rules([({k: v for k, v in entry.items() if k not in _ENTRY_FIELDS}, 2)
+                        for entry in document.values() if len(entry) > len(_ENTRY_FIELDS)],
+                       file, escapes)
     expected_begin = 0
     for info in tensors:
         if info.begin != expected_begin or info.end < info.begin:
@@ -165,7 +177,7 @@ def serialize_header(
         if name in infos or name == METADATA_KEY:
             raise SafetensorsError("name used twice or reserved", tensor=name)
         check_name(name)
-        shape = tuple(int(d) for d in shape)
+        shape = tuple(map(int, shape))
         try:
             size = dtype.nbytes(shape)
         except ValueError as e:
@@ -249,19 +261,22 @@ def _serde_float(text: str) -> float:
     return value
 
 
-def _check_serde_rules(document: object, file: str) -> None:
-    """What serde_json refuses anywhere, even in fields nobody reads."""
-    stack = [(document, 1)]
+def _check_serde_rules(roots: list[tuple[object, int]], file: str, escapes: bool = True) -> None:
+    """What serde_json refuses anywhere, even in fields nobody reads: nesting deeper than
+    ``_MAX_DEPTH`` and (where the text has ``escapes`` that could make one) lone surrogates,
+    below each ``(value, depth)`` of ``roots``."""
+    stack = list(roots)
     while stack:
         value, depth = stack.pop()
         if depth > _MAX_DEPTH:
             raise SafetensorsError(f"header nests deeper than {_MAX_DEPTH} levels", file=file)
         items = value.items() if isinstance(value, dict) else enumerate(value)
         for key, item in items:
-            if isinstance(key, str):
+            if escapes and isinstance(key, str):
                 _check_text(key, "a header key", file)
             if isinstance(item, str):
-                _check_text(item, "a header string", file)
+                if escapes:
+                    _check_text(item, "a header string", file)
             elif isinstance(item, (dict, list)):
                 stack.append((item, depth + 1))
 
@@ -275,7 +290,7 @@ def _check_text(value: str, what: str, file: str) -> None:
         raise SafetensorsError(f"{what} holds an unpaired surrogate", file=file)
 
 
-def _parse_metadata(value: object, file: str) -> dict[str, str] | None:
+def _parse_metadata(value: object, file: str, escapes: bool = True) -> dict[str, str] | None:
     if value is None:
         return None
     if not isinstance(value, dict):
@@ -286,27 +301,30 @@ def _parse_metadata(value: object, file: str) -> dict[str, str] | None:
                 f"__metadata__[{key!r}] is {type(item).__name__}, metadata values must be strings",
                 file=file,
             )
-        _check_text(key, "__metadata__ key", file)
-        _check_text(item, "__metadata__ value", file)
+        if escapes:
+            _check_text(key, "__metadata__ key", file)
+            _check_text(item, "__metadata__ value", file)
     return value
 
 
 def _is_count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return type(value) is int and value >= 0  # JSON gives ints, floats and bools (an int subclass)
 
 
-def _parse_entry(name: str, entry: object, file: str) -> TensorInfo:
-    _check_text(name, "a tensor name", file)
+def _parse_entry(name: str, entry: object, file: str, escapes: bool = True) -> TensorInfo:
+    if escapes:
+        _check_text(name, "a tensor name", file)
     if not isinstance(entry, dict):
         raise SafetensorsError("entry is not a JSON object", file=file, tensor=name)
-    dtype = DTYPES.get(entry.get("dtype")) if isinstance(entry.get("dtype"), str) else None
+    code = entry.get("dtype")
+    dtype = DTYPES.get(code) if isinstance(code, str) else None
     if dtype is None:
-        raise SafetensorsError(f"unknown dtype {entry.get('dtype')!r}", file=file, tensor=name)
+        raise SafetensorsError(f"unknown dtype {code!r}", file=file, tensor=name)
     shape = entry.get("shape")
-    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+    if type(shape) is not list or not all(map(_is_count, shape)):
         raise SafetensorsError(f"shape {shape!r} is not a list of sizes", file=file, tensor=name)
     offsets = entry.get("data_offsets")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))):
+    if not (type(offsets) is list and len(offsets) == 2 and all(map(_is_count, offsets))):
         raise SafetensorsError(
             f"data_offsets {offsets!r} is not a [begin, end] pair", file=file, tensor=name)
     count = 1

@@ -168,6 +168,8 @@ def _find_overlap(name: str, shape: tuple[int, ...], slices: list[SliceEntry], f
     count, rank = len(slices), len(shape)
     if rank == 0:  # a scalar: one slice holds it all, a second one overlaps it
         return ((0, 1) if count > 1 else None), None
+    if count == 1 and not any(slices[0].offsets) and tuple(slices[0].shape) == shape:
+        return None, None  # one slice, all of the tensor (each process's own tensors): no grid
     lo = np.array([s.offsets for s in slices], dtype=np.int64).reshape(count, rank)
     hi = lo + np.array([s.shape for s in slices], dtype=np.int64).reshape(count, rank)
     cuts = [np.unique(np.concatenate([lo[:, k], hi[:, k], [0, shape[k]]])) for k in range(rank)]

@@ -73,6 +73,9 @@ def natural_key(name: str) -> tuple[tuple[tuple[str | int, ...], str], ...]:
     do; sorted as text (a JAX dict's order), one would hold layers 1, 10, 11, ...
     """
     # re.split puts text at even positions and numbers at odd ones: elementwise comparable.
-    return tuple((tuple(int(piece) if i % 2 else piece
-                        for i, piece in enumerate(_DIGITS.split(part))), part)
-                 for part in name.split("."))
+    key = []
+    for part in name.split("."):
+        pieces = _DIGITS.split(part)
+        pieces[1::2] = map(int, pieces[1::2])
+        key.append((tuple(pieces), part))
+    return tuple(key)

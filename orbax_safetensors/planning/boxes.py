@@ -11,6 +11,7 @@ Python loop.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -34,14 +35,21 @@ def normalize_index(index: Sequence[slice | int], shape: Sequence[int]) -> Box:
 
 
 def box_shape(box: Box) -> tuple[int, ...]:
-    return tuple(stop - start for start, stop in box)
+    return tuple([stop - start for start, stop in box])
 
 
 def box_size(box: Box) -> int:
-    return math.prod(box_shape(box))
+    return math.prod([stop - start for start, stop in box])
 
 
 def full_box(shape: Sequence[int]) -> Box:
+    return _full_box(tuple(shape))
+
+
+@functools.lru_cache(maxsize=4096)
+def _full_box(shape: tuple[int, ...]) -> Box:
+    """One box per shape, made once: a checkpoint of 100 000 tensors has a few shapes, and
+    boxes compared with the box of their own shape then compare by identity."""
     return tuple((0, int(size)) for size in shape)
 
 

@@ -32,10 +32,11 @@ import dataclasses
 import functools
 import math
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
-from orbax_safetensors.format import DType, TensorInfo
+from orbax_safetensors.format import DTYPES, DType, TensorInfo
 from orbax_safetensors.format.checksums import BlockLayout
 from orbax_safetensors.planning.boxes import (
     Box,
@@ -49,15 +50,17 @@ from orbax_safetensors.planning.boxes import (
     relative_slices,
     tiles,
 )
-from orbax_safetensors.planning.transfers import Runs, Transfers, coalesce
+from orbax_safetensors.planning.transfers import Runs, Transfers, WholeRuns, coalesce
+
+_BYTES = DTYPES["U8"]
 
 
-@dataclasses.dataclass(frozen=True)
-class StoredSlice:
+class StoredSlice(NamedTuple):
     """One stored part of a tensor: the whole of it (hf) or one slice (distributed, DCP).
 
     ``offset`` is the absolute byte offset of its data in ``file``; ``origin``
-    is where it starts in the global tensor.
+    is where it starts in the global tensor. A named tuple, as ``TensorSource``: a
+    checkpoint opened has one per tensor, and can hold 100 000 tensors.
     """
 
     info: TensorInfo
@@ -67,6 +70,8 @@ class StoredSlice:
 
     @property
     def box(self) -> Box:
+        if not any(self.origin):  # a whole tensor: the (shared) box of its shape
+            return full_box(self.info.shape)
         return tuple((o, o + n) for o, n in zip(self.origin, self.info.shape))
 
     def runs(self, box: Box, itemsize: int, target: int) -> Runs:
@@ -75,8 +80,7 @@ class StoredSlice:
         return box_runs(relative, self.info.shape, itemsize, self.offset, target)
 
 
-@dataclasses.dataclass(frozen=True)
-class TensorSource:
+class TensorSource(NamedTuple):
     """A tensor of a checkpoint and the slices it is stored in."""
 
     dtype: DType
@@ -258,13 +262,13 @@ def box_runs(box: Box, shape: Sequence[int], itemsize: int, base: int, target: i
     return Runs.of(offsets + base, run_length, target)
 
 
-@dataclasses.dataclass(frozen=True)
-class SliceRead:
+class SliceRead(NamedTuple):
     """Read ``box`` (global coordinates) from stored slice ``slice``.
 
     ``direct`` names the shard whose buffer the bytes land in, in order (the
     box is that shard); without it the box goes through a bounce buffer and
-    every shard it intersects copies its part out.
+    every shard it intersects copies its part out. A named tuple, as ``Segment``:
+    a tensor read as many byte ranges has one per range.
     """
 
     slice: int
@@ -292,10 +296,27 @@ class TensorReads:
     byte_space: bool = False
     resharded: bool = False
 
-    @property
-    def nbytes(self) -> int:
-        """Host buffer bytes: every shard's."""
-        return sum(box_size(b) for b in self.shards) * self.itemsize
+    shard_nbytes: tuple[int, ...] = dataclasses.field(init=False, repr=False, compare=False)
+    nbytes: int = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        """Host buffer bytes of each shard, and of all (asked for several times per tensor
+        while planning and reading: computed once)."""
+        sizes = (tuple([stop - start for ((start, stop),) in self.shards]) if self.byte_space
+                 else tuple([box_size(b) * self.itemsize for b in self.shards]))
+        object.__setattr__(self, "shard_nbytes", sizes)
+        object.__setattr__(self, "nbytes", sum(sizes))
+
+    def single_run(self, read: SliceRead) -> tuple[int, int] | None:
+        """``(file offset, length)`` of ``read`` when its bytes are one run of the file known
+        without computing it (a byte range, or a whole stored slice), else ``None``."""
+        stored = self.slices[read.slice]
+        if self.byte_space:
+            (start, stop), = read.box
+            return stored.offset + start, stop - start
+        if read.box == stored.box:
+            return stored.offset, stored.info.nbytes
+        return None
 
     def runs(self, read: SliceRead, target: int) -> Runs:
         """The byte runs of ``read`` in its slice's file, landing in buffer ``target``."""
@@ -321,6 +342,11 @@ def plan_tensor_reads(source: TensorSource, shards: Sequence[Box], needed: int,
     itemsize = source.dtype.bits // 8
     shards = tuple(shards)
     if source.whole is not None:
+        if shards and shards.count(shards[0]) == len(shards):
+            # One box (a host array, a replicated tensor): a region of its own, read
+            # straight into its buffer, as ``plan_regions`` and ``plan_region_reads`` have it.
+            return TensorReads(source.slices, source.shape, itemsize, shards,
+                               (SliceRead(0, shards[0], shards[0]),), needed)
         reads = tuple(
             SliceRead(0, read.box, read.direct)
             for region in plan_regions(source.shape, shards)
@@ -364,7 +390,21 @@ def plan_byte_reads(stored: StoredSlice, boxes: Sequence[Box], needed: int, *,
     (packed dtypes, read whole; read-once parts of a replicated tensor)."""
     boxes = tuple(boxes)
     return TensorReads((stored,), (stored.info.nbytes,), 1, boxes,
-                       tuple(SliceRead(0, b, b) for b in boxes), needed, read_once, byte_space=True)
+                       tuple([SliceRead(0, b, b) for b in boxes]), needed, read_once, byte_space=True)
+
+
+def plan_whole_reads(slices: Sequence[StoredSlice]) -> TensorReads:
+    """Reads of several whole stored slices of one file, each straight into its own buffer,
+    planned as one: a ``TensorReads`` in the bytes of the stretch of the file that holds them
+    (its one slice; each shard is a slice's byte range there). Many small tensors are then
+    one tensor to plan, batch and finish, not one each."""
+    offsets = [s.offset for s in slices]
+    stops = [s.offset + s.info.nbytes for s in slices]
+    first, stop = min(offsets), max(stops)
+    stretch = StoredSlice(TensorInfo(f"{len(slices)} tensors", _BYTES, (stop - first,), 0, stop - first),
+                          slices[0].file, first, (0,))
+    boxes = [((a - first, b - first),) for a, b in zip(offsets, stops)]
+    return plan_byte_reads(stretch, boxes, sum(stops) - sum(offsets))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -435,7 +475,9 @@ class ReadPlan:
 
     @property
     def files(self) -> set[str]:
-        return {t.slices[r.slice].file for t in self.tensors for r in t.reads}
+        """The files the plan reads (every read's, from the batches: one entry per file each)."""
+        return {file for batch in self.batches for file, _ in batch.transfers} | {
+            r.file for batch in self.batches for r in batch.bounced}
 
     @property
     def nbytes(self) -> int:
@@ -480,26 +522,37 @@ def _batch(tensors: Sequence[TensorReads], group: list[int], profile: ReadProfil
         return coalesce(runs, max_gap=profile.max_gap, max_overread=profile.max_overread,
                         chunk_bytes=profile.chunk_bytes, blocks=blocks.get(file))
 
-    runs_by_file: dict[str, list[Runs]] = {}
+    # Per file, in the order files first appear: runs, and reads that are one run each (whole
+    # slices, byte ranges).
+    by_file: dict[str, tuple[list[Runs], WholeRuns]] = {}
     bounced = []
     first_buffer = 0
     for i in group:
         tensor = tensors[i]
-        shard_index = {box: k for k, box in enumerate(tensor.shards)}
+        shards = tensor.shards
+        shard_index = {box: k for k, box in enumerate(shards)}
         shard_bounds = None
         for read in tensor.reads:
             file = tensor.slices[read.slice].file
             if read.direct is not None:
-                runs_by_file.setdefault(file, []).append(
-                    tensor.runs(read, first_buffer + shard_index[read.direct]))
+                target = first_buffer + shard_index[read.direct]
+                if file not in by_file:
+                    by_file[file] = ([], WholeRuns())
+                runs, whole = by_file[file]
+                run = tensor.single_run(read)
+                if run is None:
+                    runs.append(tensor.runs(read, target))
+                else:
+                    whole.add(*run, target)
                 continue
             if shard_bounds is None:
                 shard_bounds = np.array(tensor.shards, np.int64).reshape(
                     len(tensor.shards), len(tensor.shape), 2)
             bounced.append(BounceRead(i, read.box, box_size(read.box) * tensor.itemsize, file,
                                       cut(tensor.runs(read, 0), file), shard_bounds))
-        first_buffer += len(tensor.shards)
-    transfers = tuple((file, cut(Runs.concatenate(runs), file)) for file, runs in runs_by_file.items())
+        first_buffer += len(shards)
+    transfers = tuple((file, cut(Runs.concatenate([*runs, whole.runs()]), file))
+                      for file, (runs, whole) in by_file.items())
     return Batch(tuple(group), sum(tensors[i].nbytes for i in group), transfers, tuple(bounced))
 
 

@@ -163,6 +163,27 @@ class Runs:
                     np.full(count, target, np.int64), np.arange(count, dtype=np.int64) * length)
 
 
+class WholeRuns:
+    """Runs that are each all of a buffer (a whole small tensor, a byte range), gathered one
+    by one as ints and made one ``Runs`` at the end: a planner adds one per tensor, and four
+    arrays per tensor (``Runs.of``) cost more than a tiny tensor's read or write."""
+
+    def __init__(self) -> None:
+        self.offsets: list[int] = []
+        self.lengths: list[int] = []
+        self.targets: list[int] = []
+
+    def add(self, offset: int, length: int, target: int) -> None:
+        """``length`` bytes at file ``offset``, all of buffer ``target`` from its start."""
+        self.offsets.append(offset)
+        self.lengths.append(length)
+        self.targets.append(target)
+
+    def runs(self) -> Runs:
+        return Runs(np.array(self.offsets, np.int64), np.array(self.lengths, np.int64),
+                    np.array(self.targets, np.int64), np.zeros(len(self.offsets), np.int64))
+
+
 def coalesce(runs: Runs, *, max_gap: int, max_overread: float, chunk_bytes: int,
              blocks: BlockLayout | None = None) -> Transfers:
     """Ranged requests that deliver every run, under the over-read and chunk bounds; with

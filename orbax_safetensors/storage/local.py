@@ -325,21 +325,25 @@ def _version(entry: os.DirEntry) -> str:
 
 
 def _vectored(call, fd: int, buffers: Sequence[memoryview], offset: int, path: str) -> None:
-    """``preadv``/``pwritev`` of all ``buffers`` from ``offset``, resuming after short transfers."""
-    views = [memoryview(b).cast("B") for b in buffers]
+    """``preadv``/``pwritev`` of all ``buffers`` (contiguous: memoryviews, bytes, numpy arrays)
+    from ``offset``, resuming after short transfers. The buffers go to the call as they are:
+    a byte view of each costs more than reading a small tensor."""
+    views = list(buffers)
+    sizes = [len(view) if isinstance(view, (bytes, bytearray)) else view.nbytes for view in views]
     position, start = offset, 0
     while start < len(views):
         batch = views[start:start + _IOV_MAX]
         with _naming(path):
             done = call(fd, batch, position)
-        if done == 0 and any(len(v) for v in batch):
+        if done == 0 and any(sizes[start:start + _IOV_MAX]):
             raise EOFError(f"{path}: file ended at byte {position}")
         position += done
-        while start < len(views) and done >= len(views[start]):  # skip finished buffers
-            done -= len(views[start])
+        while start < len(views) and done >= sizes[start]:  # skip finished buffers
+            done -= sizes[start]
             start += 1
         if done:
-            views[start] = views[start][done:]
+            views[start] = memoryview(views[start]).cast("B")[done:]
+            sizes[start] -= done
 
 
 def _fsync(path: str) -> None:
