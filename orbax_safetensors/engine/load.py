@@ -444,7 +444,13 @@ def _peers(target: Any, location: Location) -> Peers:
         return any(d.process_index != me for d in devices)
 
     leaves = jax.tree_util.tree_leaves(target) if target is not None else []
-    return Peers.collective("load", location.url) if any(map(spans, leaves)) else Peers.local(location.url)
+    distinct: dict[Any, Any] = {}  # one check per distinct sharding (100 000 leaves hold a few)
+    for leaf in leaves:
+        try:
+            distinct.setdefault(getattr(leaf, "sharding", None), leaf)
+        except TypeError:  # a sharding that cannot be hashed
+            distinct[object()] = leaf
+    return Peers.collective("load", location.url) if any(map(spans, distinct.values())) else Peers.local(location.url)
 
 
 def _describe_target(loading: _Loading) -> list[str]:
@@ -483,7 +489,8 @@ def _plan(checkpoint: Checkpoint, loading: _Loading, attempt: int) -> Callable[[
         leaves, treedef = [], None
     else:
         names, leaves, treedef = flatten_with_names(target)
-        requests = [_request_for(name, leaf) for name, leaf in zip(names, leaves)]
+        seen: dict[tuple[Any, ...], _Request] = {}  # leaves alike share one (100 000 tiny ones)
+        requests = [_request_for(name, leaf, seen) for name, leaf in zip(names, leaves)]
     assemblies = None
     if mapping is not None:
         names, requests, assemblies = _map(checkpoint, mapping, names, requests, target is None, strict)
@@ -662,10 +669,17 @@ def _report_skipped(names: list[str], wanted: list[int], stats: LoadStats) -> No
                       SkippedLeavesWarning, stacklevel=5)
 
 
-def _request_for(name: str, leaf: Any) -> _Request:
+def _request_for(name: str, leaf: Any, seen: dict[tuple[Any, ...], _Request]) -> _Request:
     if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
-        return _Request(np.dtype(leaf.dtype), tuple(leaf.shape),
-                        _concrete(name, getattr(leaf, "sharding", None)))
+        sharding = getattr(leaf, "sharding", None)
+        key = (leaf.dtype, leaf.shape, sharding)
+        try:
+            return seen[key]
+        except KeyError:
+            request = seen[key] = _Request(np.dtype(leaf.dtype), tuple(leaf.shape), _concrete(name, sharding))
+            return request
+        except TypeError:  # a sharding that cannot be hashed
+            return _Request(np.dtype(leaf.dtype), tuple(leaf.shape), _concrete(name, sharding))
     if isinstance(leaf, (np.ndarray, np.generic)):
         return _Request(leaf.dtype, tuple(leaf.shape), None)
     raise TypeError(

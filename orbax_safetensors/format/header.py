@@ -31,6 +31,7 @@ import operator
 import re
 import struct
 from collections.abc import Iterable, Mapping, Sequence
+from json.encoder import encode_basestring
 
 from orbax_safetensors.errors import SafetensorsError
 from orbax_safetensors.format.dtypes import DTYPES, DType
@@ -168,9 +169,12 @@ def serialize_header(
     Returns the bytes that precede the data buffer (length prefix and padded
     JSON) and each tensor's resulting ``TensorInfo``.
     """
-    document: dict[str, object] = {}
+    # The JSON is written entry by entry, exactly as json.dumps(separators=(",", ":"),
+    # ensure_ascii=False) writes the document (a dict per tensor cost 0.3 s at 100 000).
+    items = []
     if metadata is not None:
-        document[METADATA_KEY] = check_metadata(metadata)
+        items.append(f'"{METADATA_KEY}":' + json.dumps(
+            check_metadata(metadata), separators=(",", ":"), ensure_ascii=False))
     infos: dict[str, TensorInfo] = {}
     offset = 0
     for name, dtype, shape in tensors:
@@ -183,10 +187,10 @@ def serialize_header(
         except ValueError as e:
             raise SafetensorsError(str(e), tensor=name) from None
         infos[name] = TensorInfo(name, dtype, shape, offset, offset + size)
-        document[name] = {
-            "dtype": dtype.code, "shape": list(shape), "data_offsets": [offset, offset + size]}
+        items.append(f'{encode_basestring(name)}:{{"dtype":"{dtype.code}","shape":['
+                     f'{",".join(map(str, shape))}],"data_offsets":[{offset},{offset + size}]}}')
         offset += size
-    body = json.dumps(document, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    body = ("{" + ",".join(items) + "}").encode("utf-8")
     body += b" " * (-len(body) % _HEADER_ALIGNMENT)
     if len(body) > MAX_HEADER_SIZE:
         raise SafetensorsError(
