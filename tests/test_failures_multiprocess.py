@@ -116,14 +116,22 @@ def _child_bad_leaf_save(args):
     return outcome
 
 
-def test_a_save_that_fails_on_one_process_before_any_agreement_fails_them_all(multiprocess, tmp_path):
-    path = str(tmp_path / "ckpt")
-    results = multiprocess(f"{_MODULE}:_child_bad_leaf_save", num_processes=2, devices_per_process=4,
+def _process_1_fails(multiprocess, child: str, path: str, error: str) -> tuple[dict, dict]:
+    """Runs ``child`` on 2 processes, where process 1 raises ``error``: process 0 must raise
+    ``PeerFailedError`` naming it, promptly. The outcomes of process 1 and process 0."""
+    results = multiprocess(f"{_MODULE}:{child}", num_processes=2, devices_per_process=4,
                            timeout=300, args={"path": path})
     bad, good = results[1].value, results[0].value
-    assert bad["raised"] == "TypeError" and "'step'" in bad["message"], bad
-    assert good["raised"] == "PeerFailedError" and "process 1: TypeError" in good["message"], good
-    assert good["seconds"] < _PROMPT and bad["seconds"] < _PROMPT
+    assert bad["raised"] == error, bad
+    assert good["raised"] == "PeerFailedError" and f"process 1: {error}" in good["message"], good
+    assert good["seconds"] < _PROMPT, good
+    return bad, good
+
+
+def test_a_save_that_fails_on_one_process_before_any_agreement_fails_them_all(multiprocess, tmp_path):
+    path = str(tmp_path / "ckpt")
+    bad, good = _process_1_fails(multiprocess, "_child_bad_leaf_save", path, "TypeError")
+    assert "'step'" in bad["message"] and bad["seconds"] < _PROMPT, bad
     assert good["after"]["raised"] is None and bad["after"]["raised"] is None, (good, bad)
     assert not os.path.exists(path)  # nothing was begun: no lock, no directory
     np.testing.assert_array_equal(ost.load(path + "-next")["w"], _values()["w"])
@@ -152,12 +160,7 @@ def _child_failed_copy(args):
 
 def test_an_async_save_whose_host_copy_fails_on_one_process_fails_every_process(multiprocess, tmp_path):
     path = str(tmp_path / "ckpt")
-    results = multiprocess(f"{_MODULE}:_child_failed_copy", num_processes=2, devices_per_process=4,
-                           timeout=300, args={"path": path})
-    bad, good = results[1].value, results[0].value
-    assert bad["raised"] == "MemoryError", bad
-    assert good["raised"] == "PeerFailedError" and "process 1: MemoryError" in good["message"], good
-    assert good["seconds"] < _PROMPT
+    bad, good = _process_1_fails(multiprocess, "_child_failed_copy", path, "MemoryError")
     assert good["left"] in (None, []), good  # no lock, no temporaries (and no directory it made)
     assert good["after"]["raised"] is None and bad["after"]["raised"] is None, (good, bad)
 

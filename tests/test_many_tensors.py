@@ -121,9 +121,8 @@ def test_a_damaged_small_tensor_fails_its_load_naming_it(mixed, tmp_path):
         ost.load(copy)
 
 
-def _costs(operation) -> tuple[float, float]:
-    """Python calls (every thread) and tracemalloc's peak, per tensor, of ``operation()``."""
-    operation()  # warm: imports, compiled functions, caches
+def _calls(operation) -> int:
+    """Python calls (every thread) that ``operation()`` makes."""
     calls = [0]
 
     def count(frame, event, arg):
@@ -137,13 +136,20 @@ def _costs(operation) -> tuple[float, float]:
     finally:
         sys.setprofile(None)
         threading.setprofile(None)
+    return calls[0]
+
+
+def _costs(operation) -> tuple[float, float]:
+    """Python calls (every thread) and tracemalloc's peak, per tensor, of ``operation()``."""
+    operation()  # warm: imports, compiled functions, caches
+    calls = _calls(operation)
     tracemalloc.start()
     try:
         operation()
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    return calls[0] / COUNT, peak / COUNT
+    return calls / COUNT, peak / COUNT
 
 
 @pytest.fixture(scope="module")
@@ -198,22 +204,12 @@ def test_a_distributed_checkpoint_of_many_slices_opens_in_linear_time(tmp_path):
         tree = {f"layers.{i}.w": np.full(4, i, np.float32) for i in range(count)}
         path = tmp_path / f"d{count}"
         ost.save(path, tree, layout="distributed")
-        calls = [0]
-
-        def count_calls(frame, event, arg):
-            if event == "call":
-                calls[0] += 1
-
         ost.metadata(path)
-        threading.setprofile(count_calls)
-        sys.setprofile(count_calls)
-        try:
-            meta = ost.metadata(path)
-        finally:
-            sys.setprofile(None)
-            threading.setprofile(None)
+        opened = []
+        calls = _calls(lambda: opened.append(ost.metadata(path)))
+        meta = opened[0]
         assert len(meta.tensors) == count
-        per_slice.append(calls[0] / count)
+        per_slice.append(calls / count)
         loaded = ost.load(path)
         for name in ("layers.0.w", f"layers.{count - 1}.w"):
             _same(loaded[name], tree[name])
