@@ -216,3 +216,70 @@ def test_what_one_process_does_alone_never_shifts_the_next_collective_operation(
     for result in results:
         assert all(all(checks) for checks in result.value.values()), result.value
     np.testing.assert_array_equal(ost.load(path + "-mine")["x"], np.arange(3))
+
+
+# Through Orbax's CheckpointManager: the same promises, reached the way a training job does.
+
+def _child_manager_damaged_restore(args):
+    import orbax.checkpoint as ocp
+
+    with ocp.CheckpointManager(args["path"]) as mngr:
+        outcome = _outcome(lambda: mngr.restore(0, args=ocp.args.Composite(
+            params=ost.SafetensorsRestore(_target()))))
+        outcome["after"] = _outcome(lambda: mngr.restore(0, args=ocp.args.Composite(
+            params=ost.SafetensorsRestore({"b": _target()["b"]}, strict=False))))
+    return outcome
+
+
+def test_a_checksum_error_in_a_manager_restore_fails_every_process_at_once(multiprocess, tmp_path):
+    """Was: the other process waited in the load's final agreement for the 30-minute timeout."""
+    import orbax.checkpoint as ocp
+
+    with ocp.CheckpointManager(tmp_path) as mngr:
+        mngr.save(0, args=ocp.args.Composite(params=ost.SafetensorsSave(_values())))
+    _flip_in_process_1_rows(str(tmp_path / "0" / "params"))
+    bad, good = _process_1_fails(multiprocess, "_child_manager_damaged_restore", str(tmp_path),
+                                 "ChecksumError")
+    assert "'w'" in bad["message"] and "'w'" in good["message"], (bad, good)
+    assert good["after"]["raised"] is None and bad["after"]["raised"] is None, (good, bad)
+
+
+def _child_manager_saves_around_solo_calls(args):
+    """Two collective manager saves and restores; between them process 1 alone saves, loads,
+    reads the metadata of and fails to load checkpoints of its own."""
+    import orbax.checkpoint as ocp
+
+    values, solo = _values(), f"{args['solo']}-{jax.process_index()}"
+
+    def steps():
+        with ocp.CheckpointManager(args["path"]) as mngr:
+            for step in (0, 1):
+                if step == 1 and jax.process_index() == 1:
+                    ost.save(solo, values)
+                    ost.load(solo)
+                    ost.metadata(solo)
+                    try:
+                        ost.load(solo + "-missing")
+                    except FileNotFoundError:
+                        pass
+                mngr.save(step, args=ocp.args.Composite(params=ost.SafetensorsSave(
+                    _global({k: v + step for k, v in values.items()}))))
+                mngr.wait_until_finished()
+                restored = mngr.restore(step, args=ocp.args.Composite(
+                    params=ost.SafetensorsRestore(_target())))["params"]
+                for name, value in restored.items():
+                    for shard in value.addressable_shards:
+                        np.testing.assert_array_equal(np.asarray(shard.data), (values[name] + step)[shard.index])
+
+    return _outcome(steps)
+
+
+def test_solo_calls_between_manager_saves_never_shift_the_next_collective_one(multiprocess, tmp_path):
+    """Was: a lone ost call advanced one process's operation counter, and the next save both
+    made through CheckpointManager waited 30 minutes for keys the other never published."""
+    results = multiprocess(f"{_MODULE}:_child_manager_saves_around_solo_calls", num_processes=2,
+                           devices_per_process=4, timeout=300,
+                           args={"path": str(tmp_path / "run"), "solo": str(tmp_path / "solo")})
+    for result in results:
+        assert result.value["raised"] is None, result.value
+        assert result.value["seconds"] < 4 * _PROMPT, result.value

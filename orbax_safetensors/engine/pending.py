@@ -9,7 +9,8 @@ Three promises hold however the caller treats it:
   final ``async_save`` of a training script commits.
 * **A failure nobody read is said.** If the save failed and nothing asked its
   future for the outcome, the interpreter's exit prints the error on stderr and
-  ends with status 1 instead of 0: a lost checkpoint is never silent.
+  ends with status 1 instead of 0: a lost checkpoint is never silent. Saves
+  that others commit (Orbax's steps) use the same report (``watch_at_exit``).
 * **``cancel()`` means it.** On a save still writing, ``cancel`` stops the
   writers, waits for them to roll back (temporaries removed, the old
   checkpoint untouched) and returns True; once the commit point is passed it
@@ -27,8 +28,22 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-_unread: dict[int, tuple[str, BaseException]] = {}  # id(future) → (where, error), failed and unread
+# What the exit reports as not committed: key → a function giving the line to print, or None
+# when, by the time the interpreter exits, nothing was lost after all.
+_watched: dict[Any, Callable[[], str | None]] = {}
 _unread_lock = threading.Lock()
+
+
+def watch_at_exit(key: Any, lost: Callable[[], str | None]) -> None:
+    """At exit (after the non-daemon threads are done), ``lost()``'s line, if any, goes to
+    stderr and the exit status becomes 1; ``unwatch(key)`` once the save is safe."""
+    with _unread_lock:
+        _watched[key] = lost
+
+
+def unwatch(key: Any) -> None:
+    with _unread_lock:
+        _watched.pop(key, None)
 
 
 class SaveFuture(concurrent.futures.Future):
@@ -81,24 +96,27 @@ class SaveFuture(concurrent.futures.Future):
             return
         with _unread_lock:
             if not self._was_read:
-                _unread[id(self)] = (self.where, error)
+                _watched[id(self)] = lambda: (
+                    f"async_save to {self.where} failed and nothing waited for its result; nothing "
+                    f"was committed there: {type(error).__name__}: {error}")
         self.set_exception(error)
 
     def _read(self) -> None:
         with _unread_lock:
             self._was_read = True
-            _unread.pop(id(self), None)
+            _watched.pop(id(self), None)
 
 
 def _report_unread() -> None:
-    """At exit, after the writers have finished: failures nobody read, said, and exit status 1."""
+    """At exit, after the writers have finished: saves lost with nobody told, said, and exit
+    status 1."""
     with _unread_lock:
-        lost = list(_unread.values())
+        watched = list(_watched.values())
+    lost = [line for line in (describe() for describe in watched) if line is not None]
     if not lost:
         return
-    for where, error in lost:
-        print(f"orbax_safetensors: async_save to {where} failed and nothing waited for its result; "
-              f"nothing was committed there: {type(error).__name__}: {error}", file=sys.stderr)
+    for line in lost:
+        print(f"orbax_safetensors: {line}", file=sys.stderr)
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -531,6 +531,13 @@ class SaveJob:
         future.run_in(threading.Thread(target=self.run, args=(future,), name="orbax_safetensors-save"))
         return future
 
+    def abandon(self) -> None:
+        """A prepared save that will never start (its caller gave up on it): the location is
+        let go (lock, a directory it made), and processes waiting on this one fail at once."""
+        self.operation.peers.fail(concurrent.futures.CancelledError(
+            f"the save to {self.operation.where} was given up before it started"))
+        self.commit.release()
+
     def run(self, future: SaveFuture) -> None:
         try:
             try:

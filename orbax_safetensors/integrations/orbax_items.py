@@ -50,12 +50,16 @@ class SafetensorsSave(ocp_args.CheckpointArgs):
 
     item: Any
     layout: str = "hf"
-    max_shard_size: int | str = "5GB"
+    max_shard_size: int | str | None = None  # None: ost.save's default ("5GB"; one file for *.safetensors)
     metadata: Mapping[str, str] | None = None
     storage_options: Mapping[str, Any] | None = None
     filesystem: fsspec.AbstractFileSystem | None = None
     mapping: NameMapping | None = None
     checksums: bool = True
+    overwrite: bool = False
+    """Only where the path is the caller's (``SafetensorsLayout.save_checkpointables`` on a
+    plain path): replace a checkpoint there, as ``ost.save(..., overwrite=True)`` does.
+    Orbax's steps are fresh temporaries, which Orbax itself replaces."""
 
     def __post_init__(self) -> None:
         # A bad item raises here, at the caller's line; from inside the handler
@@ -63,7 +67,8 @@ class SafetensorsSave(ocp_args.CheckpointArgs):
         _, specs = check_tree(self.item, self.layout)
         if self.mapping is not None:
             self.mapping.map_specs(specs)
-        parse_size(self.max_shard_size)
+        if self.max_shard_size is not None:
+            parse_size(self.max_shard_size)
         check_metadata(self.metadata, checksums=self.checksums)
 
 
@@ -71,8 +76,9 @@ class SafetensorsSave(ocp_args.CheckpointArgs):
 class SafetensorsRestore(ocp_args.CheckpointArgs):
     """Restore a safetensors item into the structure, dtypes and shardings of ``item``.
 
-    ``item=None`` restores every tensor as a flat ``{name: array}``: host numpy
-    arrays in a single process; with several processes ``jax.Array``s
+    ``item=None`` restores every tensor as a flat ``{name: array}`` (with a
+    ``mapping``, every leaf it makes, by tree name): host numpy arrays in a
+    single process; with several processes ``jax.Array``s
     replicated over all devices (a host array is not a global value there),
     which needs every device to fit the whole item, so pass a sharded
     ``item`` for large models. The other fields are those of ``ost.load``.
@@ -91,20 +97,22 @@ def _url(path: Any) -> str:
     return str(path)
 
 
-def prepare_item_save(directory: Any, args: SafetensorsSave) -> SaveJob:
+def prepare_item_save(directory: Any, args: SafetensorsSave, *, fresh: bool) -> SaveJob:
     """Plans the item and copies this process's shards to the host; ``start()`` writes.
 
     The copies make the caller's arrays free as soon as this returns, which is
     what an async Orbax save promises; the writes wait for ``start()`` because
     Orbax may still be creating ``directory`` (and clearing out an interrupted
-    attempt at the same step, whose temporary name it reuses), so nothing in
-    it is looked at here.
+    attempt at the same step, whose temporary name it reuses). ``fresh``: Orbax's
+    temporary, which nothing else holds, so nothing in it is looked at here;
+    otherwise the path is the caller's, and taken as ``ost.save`` takes it (a
+    checkpoint there is refused unless ``args.overwrite``, then replaced whole).
     """
     return prepare_save(
         Location.resolve(_url(directory), args.storage_options, args.filesystem), args.item,
-        SaveOptions(args.layout, args.max_shard_size, args.metadata, mapping=args.mapping,
-                    checksums=args.checksums),
-        copy=True, new_directory=True)
+        SaveOptions(args.layout, args.max_shard_size, args.metadata, overwrite=args.overwrite,
+                    mapping=args.mapping, checksums=args.checksums),
+        copy=True, new_directory=fresh)
 
 
 def restore_item(directory: Any, args: SafetensorsRestore | None) -> Any:
@@ -123,14 +131,28 @@ def _restore_call(directory: Any, args: SafetensorsRestore | None) -> tuple[str,
     args = args or SafetensorsRestore()
     path = _url(directory)
     target = args.item
-    if target is None and jax.process_count() > 1 and args.mapping is None:
-        replicated = NamedSharding(Mesh(np.array(jax.devices()), ("devices",)), PartitionSpec())
-        stored = metadata(path, storage_options=args.storage_options, filesystem=args.filesystem)
-        target = {name: jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=replicated)
-                  for name, t in stored.tensors.items()}
+    if target is None and jax.process_count() > 1:
+        target = _replicated_target(path, args)
     return path, target, dict(strict=args.strict, options=args.options,
                               storage_options=args.storage_options, filesystem=args.filesystem,
                               mapping=args.mapping)
+
+
+def _replicated_target(path: str, args: SafetensorsRestore) -> dict[str, jax.ShapeDtypeStruct]:
+    """Every leaf the item holds (through ``args.mapping``, the leaves it makes), replicated
+    over all devices: a host array is not a global value when there are several processes."""
+    replicated = NamedSharding(Mesh(np.array(jax.devices()), ("devices",)), PartitionSpec())
+    stored = metadata(path, storage_options=args.storage_options, filesystem=args.filesystem).tensors
+    if args.mapping is None:
+        leaves = {name: (t.shape, t.dtype) for name, t in stored.items()}
+    else:
+        shapes = {name: t.shape for name, t in stored.items()}
+        leaves = {}
+        for leaf, shape in args.mapping.tree_shapes(shapes).items():
+            first = args.mapping.assembly(leaf, stored_shapes=shapes).pieces[0]
+            leaves[leaf] = (shape, first.transform.tree_dtype(stored[first.stored].dtype))
+    return {name: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
+            for name, (shape, dtype) in leaves.items()}
 
 
 def item_tensors(directory: Any) -> dict[str, jax.ShapeDtypeStruct]:

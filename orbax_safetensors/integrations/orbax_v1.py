@@ -58,7 +58,7 @@ import numpy as np
 from orbax.checkpoint.experimental import v1 as ocp_v1
 from orbax.checkpoint.experimental.v1._src.context import context as orbax_context
 
-from orbax_safetensors.engine import ReadOptions, metadata_of, open_checkpoint
+from orbax_safetensors.engine import ReadOptions, SaveJob, metadata_of, open_checkpoint
 from orbax_safetensors.errors import SafetensorsError
 from orbax_safetensors.storage import Location
 from orbax_safetensors.integrations.orbax_items import (
@@ -82,16 +82,39 @@ def _restore_args(abstract: Any) -> SafetensorsRestore:
 
 
 async def _save(directory: Any, checkpointable: Any) -> Awaitable[None]:
-    """Host copies now; the writes once ``directory`` exists (Orbax creates it in the background)."""
-    target = directory.path if hasattr(directory, "await_creation") else directory
-    job = prepare_item_save(target, _save_args(checkpointable))
+    """Host copies now; the writes once ``directory`` exists (Orbax creates it in the
+    background), and only if the returned awaitable is awaited: a caller that gave up on the
+    save (a sibling checkpointable failed) never starts them. A plain path is the caller's own
+    and is taken as ``ost.save`` takes it (refused if it holds a checkpoint, unless
+    ``SafetensorsSave(overwrite=True)``)."""
+    orbax_temporary = hasattr(directory, "await_creation")
+    job = prepare_item_save(directory.path if orbax_temporary else directory,
+                            _save_args(checkpointable), fresh=orbax_temporary)
+    return _Writes(job, directory if orbax_temporary else None)
 
-    async def write() -> None:
-        if hasattr(directory, "await_creation"):
-            await directory.await_creation()
-        await asyncio.wrap_future(job.start())
 
-    return write()
+class _Writes:
+    """The writes of a prepared save, run when awaited. Dropped without being awaited, the
+    save is let go (``SaveJob.abandon``): no lock left on the caller's path."""
+
+    def __init__(self, job: SaveJob, creation: Any):
+        self._job, self._creation, self._awaited = job, creation, False
+
+    def __await__(self):
+        self._awaited = True
+        return self._write().__await__()
+
+    async def _write(self) -> None:
+        if self._creation is not None:
+            await self._creation.await_creation()
+        await asyncio.wrap_future(self._job.start())
+
+    def __del__(self) -> None:
+        if not self._awaited:
+            try:
+                self._job.abandon()
+            except Exception:  # noqa: BLE001 -- at collection, with nobody to tell
+                pass
 
 
 class SafetensorsHandler:
@@ -204,7 +227,10 @@ class SafetensorsLayout:
 
     async def save_checkpointables(self, path: Any, *, checkpointables: dict[str, Any]) -> Awaitable[None]:
         """Writes the one checkpointable as an HF directory at ``path`` (or one file if it ends
-        in ``.safetensors``); ``path`` may be a ``PathAwaitingCreation`` or a plain path/URL."""
+        in ``.safetensors``); ``path`` may be a ``PathAwaitingCreation`` (Orbax's temporary) or
+        a plain path/URL, where a checkpoint already there is refused unless the checkpointable
+        is a ``SafetensorsSave(..., overwrite=True)``, which replaces it whole (never two
+        checkpoints in one directory)."""
         if len(checkpointables) != 1:
             raise ValueError(
                 "a safetensors checkpoint holds one PyTree; got checkpointables "
