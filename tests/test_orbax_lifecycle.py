@@ -117,7 +117,12 @@ def test_a_step_whose_other_item_fails_gets_none_of_our_writes_and_its_retry_wor
 
 
 _SCRIPT = """
-import numpy as np, orbax.checkpoint as ocp, orbax_safetensors as ost
+import errno, numpy as np, orbax.checkpoint as ocp, orbax_safetensors as ost
+from orbax_safetensors.storage.local import LocalStorage
+if {disk_full!r}:
+    def write_at(self, *args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    LocalStorage.write_at = write_at
 params = {{"w": np.arange(1 << 20, dtype=np.float32)}}
 mngr = ocp.CheckpointManager({directory!r})
 mngr.save(0, args=ocp.args.Composite(params=ost.SafetensorsSave(params)))
@@ -133,7 +138,7 @@ def test_a_script_ending_with_a_manager_save_pending_says_which_and_exits_1(tmp_
     Now: never a hang, the item not committed named on stderr and status 1; a closed
     manager commits and exits 0."""
     directory = str(tmp_path / "run")
-    script = textwrap.dedent(_SCRIPT.format(directory=directory, ending=ending))
+    script = textwrap.dedent(_SCRIPT.format(directory=directory, ending=ending, disk_full=False))
     started = time.monotonic()
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
@@ -149,6 +154,24 @@ def test_a_script_ending_with_a_manager_save_pending_says_which_and_exits_1(tmp_
             assert mngr.all_steps() == [0]
             np.testing.assert_array_equal(mngr.restore(0)["params"]["w"],
                                           np.arange(1 << 20, dtype=np.float32))
+
+
+@pytest.mark.slow
+def test_a_manager_save_that_failed_and_was_handled_ends_the_script_normally(tmp_path):
+    """Our write failed (a full disk): Orbax raises it from ``wait_until_finished``; a script
+    that handles it ends with its own status, and the exit adds nothing (the user knows)."""
+    ending = textwrap.dedent("""
+        try:
+            mngr.wait_until_finished()
+        except OSError as e:
+            print("handled", e.errno)
+        """)
+    script = textwrap.dedent(_SCRIPT.format(directory=str(tmp_path / "run"), ending=ending,
+                                            disk_full=True))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0 and "handled 28" in done.stdout, done.stderr[-3000:]
+    assert not [line for line in done.stderr.splitlines() if line.startswith("orbax_safetensors:")]
 
 
 def test_v0_restores_a_v1_step_with_a_plain_pytree_beside_ours_through_arguments(tmp_path):

@@ -79,7 +79,13 @@ class _WritesOnceAwaited(ocp_future.Future):
                 self._commit = orbax_futures.CommitFuture(
                     self._write(), name="orbax_safetensors_save", receive_signals=self._signals,
                     operation_id=self._operation_id)
-        result = self._commit.result(timeout=timeout)
+        try:
+            result = self._commit.result(timeout=timeout)
+        except TimeoutError:
+            raise
+        except BaseException:
+            unwatch(_watch_key(self._directory))  # Orbax raises it on wait/close, or logs it
+            raise
         if jax.process_index() != 0:  # Orbax's primary process commits the step and says it
             unwatch(_watch_key(self._directory))
         return result
@@ -112,7 +118,8 @@ class SafetensorsCheckpointHandler(ocp_handlers.AsyncCheckpointHandler):
         future = _WritesOnceAwaited(prepare_item_save(directory, args, fresh=True), directory)
         # Orbax commits the step after us, in a thread the end of a script cuts short (its
         # own items are lost the same way, status 0): until it finalizes ours, an exit says so
-        # (on the primary process; the others once their writes are done).
+        # (on the primary process; the others once their writes are done). A write of ours
+        # that fails goes to Orbax, which raises it on wait or close: not said again.
         watch_at_exit(_watch_key(directory), lambda: _not_committed(directory))
         return [future]
 
@@ -149,8 +156,8 @@ def _not_committed(directory: Any) -> str | None:
         return None
     return (f"the Orbax save of {directory} was not committed: the script ended before the "
             "CheckpointManager finished it (call mngr.wait_until_finished() or mngr.close() "
-            "before the end, or use `with ocp.CheckpointManager(...) as mngr:`), or the save "
-            "failed (Orbax's log says why)")
+            "before the end, or use `with ocp.CheckpointManager(...) as mngr:`), or the step "
+            "failed in another item (Orbax's log says why)")
 
 
 ocp_args.register_with_handler(SafetensorsCheckpointHandler, for_save=True)(SafetensorsSave)
