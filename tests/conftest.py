@@ -32,6 +32,27 @@ def multiprocess():
     return functools.partial(run_multiprocess)
 
 
+@pytest.fixture
+def slow_writes(monkeypatch):
+    """Local writes wait for ``gate``; ``started`` is set by the first: ``(gate, started)``.
+    A save held mid-write, for tests of what stopping one does."""
+    import threading
+
+    from orbax_safetensors.storage.local import LocalStorage
+
+    gate, started = threading.Event(), threading.Event()
+    real = LocalStorage.write_at
+
+    def write_at(self, *args):
+        started.set()
+        gate.wait(30)
+        return real(self, *args)
+
+    monkeypatch.setattr(LocalStorage, "write_at", write_at)
+    yield gate, started
+    gate.set()
+
+
 # Tests that start several JAX processes are slow whichever file they are in.
 _SLOW_FIXTURES = {"multiprocess", "distributed_checkpoint"}
 

@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 
 import orbax_safetensors as ost
-from orbax_safetensors.storage.local import LocalStorage
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -87,22 +86,6 @@ def test_a_save_that_fails_with_nobody_waiting_is_said_at_exit_with_status_1(tmp
     loaded = ost.load(path)  # the old checkpoint, whole
     for name, value in _expected(1.0).items():
         np.testing.assert_array_equal(loaded[name], value, err_msg=name)
-
-
-@pytest.fixture
-def slow_writes(monkeypatch):
-    """Writes wait for ``gate``; ``started`` is set by the first."""
-    gate, started = threading.Event(), threading.Event()
-    real = LocalStorage.write_at
-
-    def write_at(self, *args):
-        started.set()
-        gate.wait(30)
-        return real(self, *args)
-
-    monkeypatch.setattr(LocalStorage, "write_at", write_at)
-    yield gate, started
-    gate.set()
 
 
 def test_cancel_stops_a_save_that_is_writing_and_leaves_the_old_checkpoint(tmp_path, slow_writes, capfd):

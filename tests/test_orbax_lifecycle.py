@@ -243,28 +243,12 @@ def test_a_mapped_restore_without_item_on_two_processes_gives_the_mapped_leaves_
             assert replicated and dtype == "float32"
 
 
-def _slow_writes(monkeypatch) -> tuple[threading.Event, threading.Event]:
-    """Writes wait for the first event; the second is set by the first write."""
-    from orbax_safetensors.storage.local import LocalStorage
-
-    gate, started = threading.Event(), threading.Event()
-    real = LocalStorage.write_at
-
-    def write_at(self, *args):
-        started.set()
-        gate.wait(30)
-        return real(self, *args)
-
-    monkeypatch.setattr(LocalStorage, "write_at", write_at)
-    return gate, started
-
-
-def test_a_cancelled_item_save_stops_and_is_rolled_back_before_cancel_returns(tmp_path, monkeypatch):
+def test_a_cancelled_item_save_stops_and_is_rolled_back_before_cancel_returns(tmp_path, slow_writes):
     """The handler's commit future, cancelled while writing (Orbax cancels what it gives up
     on): the writers stop and the item's temporaries are gone when ``cancel`` returns; one
     cancelled before Orbax asked for it never writes."""
     handler = ost.SafetensorsCheckpointHandler()
-    gate, started = _slow_writes(monkeypatch)
+    gate, started = slow_writes
     for when in ("writing", "before"):
         directory = tmp_path / when
         directory.mkdir()
