@@ -21,6 +21,7 @@ from orbax_safetensors.engine.load import (
     metadata,
     metadata_of,
 )
+from orbax_safetensors.engine.pending import unwatch, watch_at_exit
 from orbax_safetensors.engine.progress import Progress, format_bytes, format_seconds, summary_line
 from orbax_safetensors.engine.read import LoadStats
 from orbax_safetensors.engine.save import (
@@ -42,5 +43,5 @@ __all__ = [
     "async_load", "async_save", "consolidate", "load", "metadata", "nest", "save", "target", "verify",
     "BlockSource", "Checkpoint", "CheckpointBlocks", "Progress", "SaveJob", "SaveOptions",
     "StreamOptions", "check_metadata", "check_tree", "flatten_with_names", "format_bytes", "format_seconds", "metadata_of",
-    "open_checkpoint", "prepare_save", "summary_line", "write_blocks",
+    "open_checkpoint", "prepare_save", "summary_line", "unwatch", "watch_at_exit", "write_blocks",
 ]

@@ -38,8 +38,7 @@ from orbax.checkpoint import handlers as ocp_handlers
 from orbax.checkpoint._src.futures import future as orbax_futures
 from orbax.checkpoint._src.futures import synchronization
 
-from orbax_safetensors.engine import CheckpointMetadata, SaveJob, metadata
-from orbax_safetensors.engine.pending import unwatch, watch_at_exit
+from orbax_safetensors.engine import CheckpointMetadata, SaveJob, metadata, unwatch, watch_at_exit
 from orbax_safetensors.integrations.orbax_items import (
     SafetensorsRestore,
     SafetensorsSave,
