@@ -357,6 +357,16 @@ def versions_line() -> str:
         f", Python {platform.python_version()}"
 
 
+def listed(parser, text: str, known, what: str) -> list[str]:
+    """The comma-separated names of ``text``; an unknown one ends the script through
+    ``parser.error``, naming the choices."""
+    names = [n for n in text.split(",") if n]
+    for name in names:
+        if name not in known:
+            parser.error(f"unknown {what} {name!r}; choose from {', '.join(known)}")
+    return names
+
+
 def fmt_gb(n: float) -> str:
     return f"{n / 1e9:.2f}"
 

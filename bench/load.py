@@ -460,18 +460,9 @@ def main() -> None:
 
     args.repeats = args.repeats or (1 if args.quick else 5)
     args.size_gb = args.size_gb or (0.1 if args.quick else 1.1)
-    args.shardings = [s for s in args.shardings.split(",") if s]
-    args.contenders = [c for c in args.contenders.split(",") if c]
-    conditions = [c for c in args.conditions.split(",") if c]
-    for s in args.shardings:
-        if s not in SHARDINGS:
-            parser.error(f"unknown sharding {s!r}; choose from {', '.join(SHARDINGS)}")
-    for c in args.contenders:
-        if c not in CONTENDERS:
-            parser.error(f"unknown contender {c!r}; choose from {', '.join(CONTENDERS)}")
-    for c in conditions:
-        if c not in CONDITIONS:
-            parser.error(f"unknown condition {c!r}; choose from {', '.join(CONDITIONS)}")
+    args.shardings = common.listed(parser, args.shardings, SHARDINGS, "sharding")
+    args.contenders = common.listed(parser, args.contenders, CONTENDERS, "contender")
+    conditions = common.listed(parser, args.conditions, CONDITIONS, "condition")
     missing = [c for c in args.contenders if not available(c)]
     if missing:
         print(f"left out (package not installed): {', '.join(missing)}", file=sys.stderr)

@@ -557,10 +557,7 @@ def main() -> None:
     spec = model_spec(args.size_gb, QUICK_MAX_SHARD_SIZE if args.quick else MAX_SHARD_SIZE)
     root = Path(args.dir)
     root.mkdir(parents=True, exist_ok=True)
-    conditions = [c for c in args.conditions.split(",") if c]
-    for c in conditions:
-        if c not in CONDITIONS:
-            parser.error(f"unknown condition {c!r}; choose from {', '.join(CONDITIONS)}")
+    conditions = common.listed(parser, args.conditions, CONDITIONS, "condition")
     results = {c: {k: [] for k in CONDITIONS} for c in [*args.contenders, "dd"]}
     for repeat in range(args.repeats):
         order = conditions if repeat % 2 == 0 else conditions[::-1]

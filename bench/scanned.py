@@ -533,14 +533,9 @@ def arguments(description: str, contenders: tuple[str, ...], *, shardings: str, 
     if args.worker:
         return args
     args.repeats = args.repeats or (1 if args.quick else repeats)
-    args.shardings = [s for s in args.shardings.split(",") if s]
-    args.contenders = [c for c in args.contenders.split(",") if c]
-    args.conditions = [c for c in args.conditions.split(",") if c]
-    for values, known, what in ((args.shardings, SHARDINGS, "sharding"), (args.contenders, contenders, "contender"),
-                                (args.conditions, CONDITIONS, "condition")):
-        for value in values:
-            if value not in known:
-                parser.error(f"unknown {what} {value!r}; choose from {', '.join(known)}")
+    args.shardings = common.listed(parser, args.shardings, SHARDINGS, "sharding")
+    args.contenders = common.listed(parser, args.contenders, contenders, "contender")
+    args.conditions = common.listed(parser, args.conditions, CONDITIONS, "condition")
     return args
 
 

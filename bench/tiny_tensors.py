@@ -339,18 +339,9 @@ def main() -> None:
 
     args.repeats = args.repeats or (1 if args.quick else 5)
     known = QUICK_CASES if args.quick else CASES
-    chosen = [c for c in (args.cases or ",".join(known)).split(",") if c]
-    args.operations = [o for o in args.operations.split(",") if o]
-    conditions = [c for c in args.conditions.split(",") if c]
-    for c in chosen:
-        if c not in known:
-            parser.error(f"unknown case {c!r}; choose from {', '.join(known)}")
-    for o in args.operations:
-        if o not in OPERATIONS:
-            parser.error(f"unknown operation {o!r}; choose from {', '.join(OPERATIONS)}")
-    for c in conditions:
-        if c not in common.CONDITIONS:
-            parser.error(f"unknown condition {c!r}; choose from {', '.join(common.CONDITIONS)}")
+    chosen = common.listed(parser, args.cases or ",".join(known), known, "case")
+    args.operations = common.listed(parser, args.operations, OPERATIONS, "operation")
+    conditions = common.listed(parser, args.conditions, common.CONDITIONS, "condition")
     cases = {c: known[c] for c in chosen}
 
     started = time.perf_counter()
