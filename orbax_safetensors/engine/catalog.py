@@ -320,6 +320,8 @@ class Checkpoint:
     files: tuple[str, ...] = ()  # every file the checkpoint consists of, valid or not
     # file path → the block checksums its header stores (files that store none are absent)
     checksums: Mapping[str, checksums.FileChecksums] = dataclasses.field(default_factory=dict)
+    # file path → its header's bytes as read, from the file's first (what its crc32c starts with)
+    header_bytes: Mapping[str, bytes] = dataclasses.field(default_factory=dict)
 
     def unchanged(self) -> bool:
         """Whether every file read so far is still part of the committed checkpoint there."""
@@ -414,7 +416,7 @@ class _Reader:
     def checkpoint(self, tensors: dict[str, TensorSource], headers: dict[str, Header],
                    metadata: dict[str, str] | None = None) -> Checkpoint:
         return Checkpoint(self.storage, self.found, tensors, headers, metadata or {},
-                          tuple(self.files), self.block_checksums(headers))
+                          tuple(self.files), self.block_checksums(headers), self.raw)
 
     def block_checksums(self, headers: dict[str, Header]) -> StoredChecksums:
         """The block checksums each file stores, parsed when a check first needs them (a load

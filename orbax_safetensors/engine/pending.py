@@ -31,18 +31,18 @@ from typing import Any
 # What the exit reports as not committed: key → a function giving the line to print, or None
 # when, by the time the interpreter exits, nothing was lost after all.
 _watched: dict[Any, Callable[[], str | None]] = {}
-_unread_lock = threading.Lock()
+_watched_lock = threading.Lock()
 
 
 def watch_at_exit(key: Any, lost: Callable[[], str | None]) -> None:
     """At exit (after the non-daemon threads are done), ``lost()``'s line, if any, goes to
     stderr and the exit status becomes 1; ``unwatch(key)`` once the save is safe."""
-    with _unread_lock:
+    with _watched_lock:
         _watched[key] = lost
 
 
 def unwatch(key: Any) -> None:
-    with _unread_lock:
+    with _watched_lock:
         _watched.pop(key, None)
 
 
@@ -94,7 +94,7 @@ class SaveFuture(concurrent.futures.Future):
         if error is None:
             self.set_result(result)
             return
-        with _unread_lock:
+        with _watched_lock:
             if not self._was_read:
                 _watched[id(self)] = lambda: (
                     f"async_save to {self.where} failed and nothing waited for its result; nothing "
@@ -102,7 +102,7 @@ class SaveFuture(concurrent.futures.Future):
         self.set_exception(error)
 
     def _read(self) -> None:
-        with _unread_lock:
+        with _watched_lock:
             self._was_read = True
             _watched.pop(id(self), None)
 
@@ -110,7 +110,7 @@ class SaveFuture(concurrent.futures.Future):
 def _report_unread() -> None:
     """At exit, after the writers have finished: saves lost with nobody told, said, and exit
     status 1."""
-    with _unread_lock:
+    with _watched_lock:
         watched = list(_watched.values())
     lost = [line for line in (describe() for describe in watched) if line is not None]
     if not lost:

@@ -237,6 +237,7 @@ def _float_covers(target: np.dtype, stored: np.dtype) -> bool:
             and (want.has_nan or not have.has_nan)
             and (want.positive_from is None or have.positive_from is not None))
 
+
 def int_range(dtype: np.dtype | type) -> tuple[int, int]:
     """The smallest and largest value of an integer (or bool: 0, 1) dtype."""
     dtype = np.dtype(dtype)
