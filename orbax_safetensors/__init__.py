@@ -23,17 +23,23 @@ from orbax_safetensors.engine import (
     verify,
 )
 from orbax_safetensors.errors import (
+    ArgumentError,
+    ArgumentTypeError,
     CheckpointBusyError,
+    CheckpointChangedError,
     ChecksumError,
     DistributedError,
+    Error,
+    MappingError,
     MissingFileError,
     MissingTensorError,
     PeerFailedError,
     ProcessFailure,
+    ProtocolError,
     SafetensorsError,
     SkippedLeavesWarning,
 )
-from orbax_safetensors.planning.mapping import Mapping, MappingError, Rule, Transform
+from orbax_safetensors.planning.mapping import Mapping, Rule, Transform
 from orbax_safetensors import mappings
 from orbax_safetensors.storage import StorageError
 from orbax_safetensors.integrations.orbax_version import UnsupportedOrbaxError
@@ -69,6 +75,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "Mapping", "MappingError", "Rule", "Transform", "mappings",
+    "Error", "ArgumentError", "ArgumentTypeError", "CheckpointChangedError", "ProtocolError",
     "CheckpointBusyError", "CheckpointMetadata", "ChecksumError", "DistributedError", "LoadStats", "MissingFileError",
     "MissingTensorError", "PeerFailedError", "ProcessFailure", "Problem", "ReadOptions", "SafetensorsError", "SaveStats",
     "SkippedLeavesWarning",

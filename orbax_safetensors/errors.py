@@ -1,8 +1,32 @@
-"""The one exception type every rejection of a checkpoint raises.
+"""One family for everything the library raises on purpose.
 
-Callers catch a single class (it is a ``ValueError``, so code written against
-``safetensors`` keeps working) and still learn *where* the problem is: the
-message always names the file, and the tensor when one is involved.
+``ost.Error`` is its root: ``except ost.Error`` catches every condition we
+detect and word (a bad checkpoint, a bad argument, a busy location, a failed
+peer), and nothing else (a bug of ours still surfaces as the builtin it is).
+Each member also keeps the builtin base a user would catch without knowing the
+library: a rejected checkpoint is a ``ValueError`` (as in ``safetensors``), a
+missing file a ``FileNotFoundError``, a missing tensor a ``KeyError``, a busy
+location or a failed peer an ``OSError``, an argument of the wrong type a
+``TypeError``.
+
+A checkpoint finding always names the file, and the tensor when one is
+involved (``located``).
+
+    Error
+    ├── ArgumentError (ValueError)            a call that cannot be honoured as asked
+    ├── ArgumentTypeError (TypeError)         an argument of the wrong type
+    ├── SafetensorsError (ValueError)         a file, index or request against the rules
+    │   ├── MissingFileError (FileNotFoundError)
+    │   ├── MissingTensorError (KeyError)
+    │   ├── ChecksumError
+    │   └── CheckpointChangedError            kept changing under a load, on every attempt
+    ├── MappingError (ValueError)             names or shapes a mapping cannot map
+    ├── CheckpointBusyError (OSError)         another live writer holds the location
+    ├── DistributedError (OSError)            processes of one operation failed
+    │   └── PeerFailedError
+    ├── StorageError (OSError)                storage that failed after every retry
+    ├── ProtocolError (RuntimeError)          a step of our own protocol did not hold
+    └── UnsupportedOrbaxError (ImportError)   Orbax outside the supported range
 """
 
 from __future__ import annotations
@@ -12,7 +36,27 @@ import errno
 import json
 
 
-class SafetensorsError(ValueError):
+class Error(Exception):
+    """The root of everything orbax_safetensors raises on purpose."""
+
+
+class ArgumentError(Error, ValueError):
+    """A call the library cannot honour as asked: an option out of range, arguments that
+    contradict each other, a target that does not fit the checkpoint's tree."""
+
+
+class ArgumentTypeError(Error, TypeError):
+    """An argument of a type the call does not take."""
+
+
+class ProtocolError(Error, RuntimeError):
+    """A step of the library's own protocol did not hold: a block no process wrote, a planned
+    header that does not hold its checksums, a checksum block a load read only in part. A bug
+    (ours, or a peer process that broke the protocol), never a user's input; nothing is
+    committed or returned when it is raised."""
+
+
+class SafetensorsError(Error, ValueError):
     """A file, index or request that does not follow the safetensors rules."""
 
     def __init__(
@@ -81,7 +125,16 @@ def located(message: str, file: str | None = None, tensor: str | None = None) ->
     return f"{', '.join(where)}: {message}" if where else message
 
 
-class CheckpointBusyError(OSError):
+class CheckpointChangedError(SafetensorsError):
+    """The checkpoint was replaced or rewritten under a load on every attempt to read one
+    version of it whole; a load never mixes two versions, so it gives up instead."""
+
+
+class MappingError(Error, ValueError):
+    """A name no rule maps, one several rules map, or shapes a rule cannot map."""
+
+
+class CheckpointBusyError(Error, OSError):
     """Another live writer holds the location: one writer per checkpoint at a time."""
 
     def __init__(self, path: str, holder: str):
@@ -117,7 +170,7 @@ class ProcessFailure:
         return f"process {self.process}: {self.type}: {self.message}{where}"
 
 
-class DistributedError(OSError):
+class DistributedError(Error, OSError):
     """Processes of one save failed; ``failures`` keeps each one's error (type, errno, file).
 
     Raised on every process of a multi-process operation, so they all stop

@@ -27,9 +27,10 @@ GROUPS = {
     "Name and layout mapping": ["Mapping", "Rule", "Transform", "MappingError", "mappings"],
     "Orbax": ["SafetensorsSave", "SafetensorsRestore", "SafetensorsCheckpointHandler",
               "SafetensorsHandler", "SafetensorsLayout", "install_orbax_layout"],
-    "Errors": ["SafetensorsError", "MissingTensorError", "MissingFileError", "ChecksumError", "StorageError",
+    "Errors": ["Error", "ArgumentError", "ArgumentTypeError", "SafetensorsError", "MissingTensorError",
+               "MissingFileError", "ChecksumError", "CheckpointChangedError", "StorageError",
                "CheckpointBusyError", "SkippedLeavesWarning", "DistributedError", "PeerFailedError",
-               "ProcessFailure", "UnsupportedOrbaxError"],
+               "ProcessFailure", "ProtocolError", "UnsupportedOrbaxError"],
 }
 
 

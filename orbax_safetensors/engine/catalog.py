@@ -37,7 +37,7 @@ from typing import Any
 
 from orbax_safetensors.engine.executor import Executor
 from orbax_safetensors.engine.integrity import StoredChecksums
-from orbax_safetensors.errors import MissingFileError, SafetensorsError
+from orbax_safetensors.errors import CheckpointChangedError, MissingFileError, SafetensorsError
 from orbax_safetensors.format import PREFIX_SIZE, Header, checksums, header_size, parse_header
 from orbax_safetensors.index import (
     DISTRIBUTED_INDEX_NAME,
@@ -603,7 +603,7 @@ def open_checkpoint(location: Location) -> Checkpoint:
             return checkpoint
         snapshot.close()
         time.sleep(min(0.001 * 2 ** attempt, 0.05))
-    raise SafetensorsError(
+    raise CheckpointChangedError(
         f"the checkpoint kept changing while it was being opened ({_OPEN_ATTEMPTS} attempts)",
         file=location.url)
 

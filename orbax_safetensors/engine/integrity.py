@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from orbax_safetensors.errors import ChecksumError, SafetensorsError
+from orbax_safetensors.errors import ChecksumError, ProtocolError, SafetensorsError
 from orbax_safetensors.format import Header
 from orbax_safetensors.format.checksums import FileChecksums, Tally
 from orbax_safetensors.index import decode_crc, encode_crc
@@ -160,6 +160,6 @@ class Verifier:
         for file, tally in self._tallies.items():
             if tally.incomplete:
                 tensor, start, stop = tally.layout.block(tally.incomplete[0])
-                raise AssertionError(
+                raise ProtocolError(
                     f"{file}: {len(tally.incomplete)} checksum block(s) read only in part, e.g. "
                     f"[{start}, {stop}) of tensor {tensor!r}")

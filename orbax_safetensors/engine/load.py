@@ -30,11 +30,12 @@ from orbax_safetensors.engine.read import (
     AssembledLeaf, Job, LoadStats, execute, group_jobs, groupable, host_job, refuse_casts, sharded_job)
 from orbax_safetensors.engine.tree_names import flatten_with_names
 from orbax_safetensors.engine.tree_names import nest as nest_names
-from orbax_safetensors.errors import MissingTensorError, SafetensorsError, SkippedLeavesWarning
+from orbax_safetensors.errors import (CheckpointChangedError, MappingError, MissingTensorError,
+                                      SafetensorsError, SkippedLeavesWarning)
 from orbax_safetensors.index import parse_size
 from orbax_safetensors.planning import ReadProfile, TensorSource, plan_reads
 from orbax_safetensors.planning import mapping as mapping_rules
-from orbax_safetensors.planning.mapping import Assembly, MappingError, Transform
+from orbax_safetensors.planning.mapping import Assembly, Transform
 from orbax_safetensors.storage import Location
 
 _LOG = logging.getLogger("orbax_safetensors")
@@ -379,7 +380,7 @@ class _Loading:
                     checkpoint.close()
             if planned is not None:
                 return planned
-        raise SafetensorsError(f"the checkpoint kept changing while it was read ({_READ_ATTEMPTS} "
+        raise CheckpointChangedError(f"the checkpoint kept changing while it was read ({_READ_ATTEMPTS} "
                                "attempts)", file=self.location.url)
 
     def run(self, planned: _Planned) -> Any:

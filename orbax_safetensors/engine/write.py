@@ -46,6 +46,7 @@ import numpy as np
 from orbax_safetensors.engine.coordination import Peers
 from orbax_safetensors.engine.executor import Executor
 from orbax_safetensors.engine.operation import Operation
+from orbax_safetensors.errors import ProtocolError
 from orbax_safetensors.format.checksums import FileChecksums, Piece, Pieces, Tally
 from orbax_safetensors.planning import (
     HEADER,
@@ -130,7 +131,7 @@ class Checksums:
                     crcs[block], seen[block] = crc, True
             if not seen.all():
                 missing = int(np.flatnonzero(~seen)[0])
-                raise AssertionError(f"{name}: no process wrote all of block {missing} "
+                raise ProtocolError(f"{name}: no process wrote all of block {missing} "
                                      f"{file.layout.block(missing)}")
             result[name] = crcs
         return result

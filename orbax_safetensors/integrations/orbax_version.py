@@ -14,12 +14,14 @@ from __future__ import annotations
 import importlib.metadata
 import re
 
+from orbax_safetensors.errors import Error
+
 MINIMUM = (0, 11, 40)
 BELOW = (0, 13, 0)
 SUPPORTED_RANGE = ">=0.11.40,<0.13"
 
 
-class UnsupportedOrbaxError(ImportError):
+class UnsupportedOrbaxError(Error, ImportError):
     """The installed orbax-checkpoint is outside the range the integration supports."""
 
 

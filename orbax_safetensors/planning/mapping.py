@@ -48,6 +48,7 @@ from collections.abc import Mapping as MappingABC
 import ml_dtypes  # noqa: F401  (numpy learns "bfloat16" and friends: Rule(dtype=...))
 import numpy as np
 
+from orbax_safetensors.errors import MappingError
 from orbax_safetensors.format.dtypes import dtype_for_numpy
 from orbax_safetensors.planning.boxes import (
     Box, bounding_box, box_shape, box_size, full_box, intersect, relative_slices)
@@ -55,10 +56,6 @@ from orbax_safetensors.planning.write_plan import TensorSpec
 
 Size = int | str  # a size in a split/merge: an int (-1: infer it) or a dimension name
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
-
-
-class MappingError(ValueError):
-    """A name no rule maps, one several rules map, or shapes a rule cannot map."""
 
 
 def _pattern(text: str, side: str) -> tuple[re.Pattern, tuple[str, ...]]:

@@ -19,6 +19,7 @@ from json.encoder import encode_basestring
 
 import numpy as np
 
+from orbax_safetensors.errors import ProtocolError
 from orbax_safetensors.format import DType, TensorInfo, serialize_header
 from orbax_safetensors.format.checksums import BLOCK_BYTES, BLOCKS_KEY, BlockLayout, FileChecksums
 from orbax_safetensors.index import (
@@ -88,7 +89,7 @@ class FilePlan:
         final = _json_item(BLOCKS_KEY, FileChecksums(self.layout, crcs).metadata()[BLOCKS_KEY])
         at = self.header.find(planned)
         if len(final) != len(planned) or at < 0 or self.header.find(planned, at + 1) >= 0:
-            raise AssertionError(f"{self.name}: the planned header does not hold its checksums once")
+            raise ProtocolError(f"{self.name}: the planned header does not hold its checksums once")
         return self.header[:at] + final + self.header[at + len(planned):]
 
 

@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from orbax_safetensors.errors import Error
+
 T = TypeVar("T")
 
 # HTTP statuses worth another attempt: timeout, throttling, server-side failures.
@@ -40,7 +42,7 @@ _TRANSIENT_CODES = frozenset({
 })
 
 
-class StorageError(OSError):
+class StorageError(Error, OSError):
     """A storage operation that still failed after every retry, or failed for good."""
 
     def __init__(self, message: str, *, url: str):
