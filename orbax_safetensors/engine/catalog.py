@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from orbax_safetensors.engine.executor import Executor
+from orbax_safetensors.storage.executor import Executor
 from orbax_safetensors.engine.integrity import StoredChecksums
 from orbax_safetensors.errors import CheckpointChangedError, MissingFileError, SafetensorsError
 from orbax_safetensors.format import PREFIX_SIZE, Header, checksums, header_size, parse_header

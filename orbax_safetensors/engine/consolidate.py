@@ -27,7 +27,7 @@ import numpy as np
 
 from orbax_safetensors.engine import catalog, option_checks, write
 from orbax_safetensors.engine.coordination import Peers
-from orbax_safetensors.engine.executor import Executor
+from orbax_safetensors.storage.executor import Executor
 from orbax_safetensors.engine.integrity import Verifier
 from orbax_safetensors.engine.operation import Operation
 from orbax_safetensors.engine.progress import Progress

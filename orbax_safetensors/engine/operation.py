@@ -23,7 +23,7 @@ from typing import NoReturn
 import jax
 
 from orbax_safetensors.engine.coordination import Peers
-from orbax_safetensors.engine.executor import Executor
+from orbax_safetensors.storage.executor import Executor
 from orbax_safetensors.engine.progress import Progress
 from orbax_safetensors.errors import DistributedError, PeerFailedError, ProcessFailure
 

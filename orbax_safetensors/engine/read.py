@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from orbax_safetensors.engine.executor import Executor
+from orbax_safetensors.storage.executor import Executor
 from orbax_safetensors.engine.host_memory import carve, footprint, host_buffers, populate, tensor_buffers
 from orbax_safetensors.engine.integrity import Verifier
 from orbax_safetensors.engine.progress import Progress

@@ -25,7 +25,7 @@ import fsspec
 import numpy as np
 
 from orbax_safetensors.engine import catalog
-from orbax_safetensors.engine.executor import Executor
+from orbax_safetensors.storage.executor import Executor
 from orbax_safetensors.engine.integrity import Damage, Verifier, damage_message
 from orbax_safetensors.engine.progress import Progress
 from orbax_safetensors.errors import located

@@ -44,7 +44,7 @@ import jax
 import numpy as np
 
 from orbax_safetensors.engine.coordination import Peers
-from orbax_safetensors.engine.executor import Executor
+from orbax_safetensors.storage.executor import Executor
 from orbax_safetensors.engine.operation import Operation
 from orbax_safetensors.errors import ProtocolError
 from orbax_safetensors.format.checksums import FileChecksums, Piece, Pieces, Tally

@@ -11,9 +11,10 @@ from __future__ import annotations
 import abc
 import dataclasses
 import logging
-import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import BinaryIO
+
+from orbax_safetensors.storage.executor import Executor
 
 _LOG = logging.getLogger("orbax_safetensors")
 _DISCARD_THREADS = 8
@@ -255,21 +256,15 @@ class Storage(abc.ABC):
     def discard(self, paths: Iterable[str]) -> None:
         """Best-effort deletes on a failure path, in parallel and without retries: the error
         being reported matters more than a leftover, which the next save removes anyway.
-        Plain threads: a failing save cleans up even while the interpreter exits, when
-        ``concurrent.futures`` pools refuse work."""
-        def remove_quietly(share: list[str]) -> None:
-            for path in share:
-                try:
-                    self.remove_once(path)
-                except Exception as e:  # cleanup must not mask the failure being reported
-                    _LOG.warning("could not remove %s while cleaning up: %s", path, e)
-        paths = list(paths)
-        threads = [threading.Thread(target=remove_quietly, args=(paths[i::_DISCARD_THREADS],), daemon=True)
-                   for i in range(min(_DISCARD_THREADS, len(paths)))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        The ``Executor``'s threads take work while the interpreter exits, so a failing save
+        cleans up even then."""
+        def remove_quietly(path: str) -> None:
+            try:
+                self.remove_once(path)
+            except Exception as e:  # cleanup must not mask the failure being reported
+                _LOG.warning("could not remove %s while cleaning up: %s", path, e)
+        with Executor(_DISCARD_THREADS, name="orbax_safetensors-discard") as pool:
+            pool.map(remove_quietly, paths)
 
     def remove_once(self, path: str) -> None:
         """``remove`` without retries (where the backend retries at all)."""
