@@ -23,6 +23,7 @@ from orbax_safetensors.engine import (
     verify,
 )
 from orbax_safetensors.errors import (
+    AccessDeniedError,
     ArgumentError,
     ArgumentTypeError,
     CheckpointBusyError,
@@ -36,8 +37,10 @@ from orbax_safetensors.errors import (
     PeerFailedError,
     ProcessFailure,
     ProtocolError,
+    ReadOnlyLocationError,
     SafetensorsError,
     SkippedLeavesWarning,
+    UnreachableError,
 )
 from orbax_safetensors.planning.mapping import Mapping, Rule, Transform
 from orbax_safetensors import mappings
@@ -76,6 +79,7 @@ def __getattr__(name: str):
 __all__ = [
     "Mapping", "MappingError", "Rule", "Transform", "mappings",
     "Error", "ArgumentError", "ArgumentTypeError", "CheckpointChangedError", "ProtocolError",
+    "AccessDeniedError", "ReadOnlyLocationError", "UnreachableError",
     "CheckpointBusyError", "CheckpointMetadata", "ChecksumError", "DistributedError", "LoadStats", "MissingFileError",
     "MissingTensorError", "PeerFailedError", "ProcessFailure", "Problem", "ReadOptions", "SafetensorsError", "SaveStats",
     "SkippedLeavesWarning",

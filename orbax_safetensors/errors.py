@@ -25,6 +25,9 @@ involved (``located``).
     ├── DistributedError (OSError)            processes of one operation failed
     │   └── PeerFailedError
     ├── StorageError (OSError)                storage that failed after every retry
+    ├── AccessDeniedError (PermissionError)   a location that refuses these credentials
+    ├── UnreachableError (ConnectionError)    a remote that did not answer, with no cached copy
+    ├── ReadOnlyLocationError (OSError)       a write to a location we only read (hf://)
     ├── ProtocolError (RuntimeError)          a step of our own protocol did not hold
     └── UnsupportedOrbaxError (ImportError)   Orbax outside the supported range
 """
@@ -140,6 +143,23 @@ class CheckpointBusyError(Error, OSError):
     def __init__(self, path: str, holder: str):
         super().__init__(errno.EBUSY, f"another save is writing this checkpoint ({holder})", path)
         self.holder = holder
+
+
+class AccessDeniedError(Error, PermissionError):
+    """The location refuses these credentials (a gated or private repository, a bucket the
+    token may not read); the message says what to pass."""
+
+
+class UnreachableError(Error, ConnectionError):
+    """A remote that did not answer, where no local copy can stand in for it."""
+
+
+class ReadOnlyLocationError(Error, OSError):
+    """A write to a location the library only reads (``hf://``): refused before anything is
+    written. ``errno`` EROFS, ``filename`` the URL."""
+
+    def __init__(self, message: str, url: str):
+        super().__init__(errno.EROFS, message, url)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,6 +29,7 @@ GROUPS = {
               "SafetensorsHandler", "SafetensorsLayout", "install_orbax_layout"],
     "Errors": ["Error", "ArgumentError", "ArgumentTypeError", "SafetensorsError", "MissingTensorError",
                "MissingFileError", "ChecksumError", "CheckpointChangedError", "StorageError",
+               "AccessDeniedError", "UnreachableError", "ReadOnlyLocationError",
                "CheckpointBusyError", "SkippedLeavesWarning", "DistributedError", "PeerFailedError",
                "ProcessFailure", "ProtocolError", "UnsupportedOrbaxError"],
 }

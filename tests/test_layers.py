@@ -20,7 +20,7 @@ ALLOWED = {
     "planning": {"errors", "format", "index"},
     "storage": {"errors", "format", "index"},
     "engine": {"errors", "format", "index", "planning", "storage"},
-    "mappings": {"planning"},
+    "mappings": {"errors", "planning"},
     "integrations": {"errors", "format", "index", "planning", "storage", "engine"},
 }
 

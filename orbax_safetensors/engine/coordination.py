@@ -36,7 +36,7 @@ from collections.abc import Sequence
 
 import jax
 
-from orbax_safetensors.errors import PeerFailedError, ProcessFailure
+from orbax_safetensors.errors import ArgumentError, PeerFailedError, ProcessFailure
 
 _LOG = logging.getLogger("orbax_safetensors")
 TIMEOUT_S = 30 * 60
@@ -141,7 +141,7 @@ class Peers:
                 break
         detail = "; ".join(f"process{'es' if len(p) > 1 else ''} {', '.join(map(str, p))}: {line}"
                            for line, p in seen.items())
-        raise ValueError(f"{self.where}: the processes passed different {what} "
+        raise ArgumentError(f"{self.where}: the processes passed different {what} "
                          f"(every process must pass the same): {detail}")
 
     def fail(self, error: BaseException) -> None:

@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from orbax_safetensors.engine.load import CheckpointMetadata, metadata
 from orbax_safetensors.engine.tree_names import nest as nest_names
+from orbax_safetensors.errors import ArgumentError, ArgumentTypeError
 
 Layout = Union[Sharding, PartitionSpec, None]
 Rules = Union[Mapping[str, Layout], Sequence[tuple[str, Layout]]]
@@ -87,7 +88,7 @@ def target(
         problems.insert(0, f"no rule matches {_listed(unmatched)} (end the rules with "
                            "('.*', P()) to replicate the rest)")
     if problems:
-        raise ValueError("cannot place every tensor: " + "; ".join(problems[:20]))
+        raise ArgumentError("cannot place every tensor: " + "; ".join(problems[:20]))
     return nest_names(abstract) if nest else abstract
 
 
@@ -108,11 +109,11 @@ def _layout_rule(sharding: Any, mesh: Mesh | None) -> Callable[[str, jax.ShapeDt
     compiled = []
     for rule in rules:
         if not (isinstance(rule, tuple) and len(rule) == 2 and isinstance(rule[0], str)):
-            raise TypeError(f"a sharding rule is (pattern, PartitionSpec | Sharding | None); got {rule!r}")
+            raise ArgumentTypeError(f"a sharding rule is (pattern, PartitionSpec | Sharding | None); got {rule!r}")
         try:
             pattern = re.compile(rule[0])
         except re.error as e:
-            raise ValueError(f"sharding rule pattern {rule[0]!r} is not a valid regex: {e}") from None
+            raise ArgumentError(f"sharding rule pattern {rule[0]!r} is not a valid regex: {e}") from None
         compiled.append((pattern, rule[1]))
 
     def first_match(name: str, stored: jax.ShapeDtypeStruct) -> Layout:
@@ -126,14 +127,14 @@ def _layout_rule(sharding: Any, mesh: Mesh | None) -> Callable[[str, jax.ShapeDt
 def _placed(layout: Layout, mesh: Mesh | None, name: str, shape: tuple[int, ...]) -> Sharding | None:
     if isinstance(layout, PartitionSpec):
         if mesh is None:
-            raise ValueError(f"{name}: a PartitionSpec needs a mesh (pass mesh=)")
+            raise ArgumentError(f"{name}: a PartitionSpec needs a mesh (pass mesh=)")
         if len(layout) > len(shape):
-            raise ValueError(f"{name}: {layout} has {len(layout)} axes, the tensor {len(shape)}")
+            raise ArgumentError(f"{name}: {layout} has {len(layout)} axes, the tensor {len(shape)}")
         layout = NamedSharding(mesh, layout)
     if layout is None:
         return None
     if not isinstance(layout, Sharding):
-        raise TypeError(f"{name}: the sharding rule gave a {type(layout).__name__}; expected a "
+        raise ArgumentTypeError(f"{name}: the sharding rule gave a {type(layout).__name__}; expected a "
                         "PartitionSpec, a Sharding or None")
     _check_divides(layout, name, shape)
     return layout
@@ -152,6 +153,6 @@ def _check_divides(sharding: Sharding, name: str, shape: tuple[int, ...]) -> Non
             named = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
             parts = int(np.prod([sharding.mesh.shape[a] for a in named], dtype=np.int64))
             if shape[dim] % parts:
-                raise ValueError(f"{name}: dimension {dim} of shape {shape} has size {shape[dim]}, "
+                raise ArgumentError(f"{name}: dimension {dim} of shape {shape} has size {shape[dim]}, "
                                  f"which mesh axes {named} ({parts} shards) do not divide")
-    raise ValueError(f"{name}: {sharding} does not divide shape {shape}: {reason}")
+    raise ArgumentError(f"{name}: {sharding} does not divide shape {shape}: {reason}")

@@ -14,6 +14,8 @@ from typing import Any
 
 import jax
 
+from orbax_safetensors.errors import ArgumentError
+
 
 _NAMED_BY = {jax.tree_util.DictKey: "key", jax.tree_util.SequenceKey: "idx",
              jax.tree_util.FlattenedIndexKey: "key", jax.tree_util.GetAttrKey: "name"}
@@ -43,13 +45,13 @@ def flatten_with_names(
     first_path: dict[str, Any] = {}
     for name, (path, _) in zip(names, pairs):
         if not path:
-            raise ValueError(
+            raise ArgumentError(
                 "a bare array has no name: put it in a dict, e.g. {'weight': array}")
         if name == "":
-            raise ValueError(f"the leaf at {jax.tree_util.keystr(path)} has an empty name; "
+            raise ArgumentError(f"the leaf at {jax.tree_util.keystr(path)} has an empty name; "
                              "safetensors names a tensor by its key path, so give it a key")
         if name in first_path:
-            raise ValueError(
+            raise ArgumentError(
                 f"two leaves are both named {name!r}: {jax.tree_util.keystr(first_path[name])} "
                 f"and {jax.tree_util.keystr(path)}; rename one of them")
         first_path[name] = path
@@ -65,7 +67,7 @@ def nest(flat: Mapping[str, Any]) -> dict[str, Any]:
     for name, value in flat.items():
         parts = name.split(".")
         if "" in parts:
-            raise ValueError(f"tensor name {name!r} has an empty part, so it cannot nest: keep "
+            raise ArgumentError(f"tensor name {name!r} has an empty part, so it cannot nest: keep "
                              "the names flat (nest=False)")
         node = tree
         for part in parts[:-1]:
@@ -73,7 +75,7 @@ def nest(flat: Mapping[str, Any]) -> dict[str, Any]:
             if not isinstance(node, dict):
                 break
         if not isinstance(node, dict) or parts[-1] in node:
-            raise ValueError(f"cannot nest {name!r}: another tensor's name is a prefix of it, or it "
+            raise ArgumentError(f"cannot nest {name!r}: another tensor's name is a prefix of it, or it "
                              "of another's; keep the names flat (nest=False)")
         node[parts[-1]] = value
     return tree

@@ -22,6 +22,8 @@ from collections.abc import Sequence
 import ml_dtypes
 import numpy as np
 
+from orbax_safetensors.errors import ArgumentError
+
 
 @dataclasses.dataclass(frozen=True)
 class DType:
@@ -47,7 +49,7 @@ class DType:
             return math.prod(shape) * (self.bits // 8)
         nbits = math.prod(shape) * self.bits
         if nbits % 8:
-            raise ValueError(
+            raise ArgumentError(
                 f"{math.prod(shape)} values of {self.code} ({self.bits} bits each) "
                 "do not fill a whole number of bytes"
             )
@@ -90,7 +92,7 @@ def dtype_for_numpy(dtype: np.dtype | type) -> DType:
     np_dtype = np.dtype(dtype)
     found = _BY_NUMPY.get(np_dtype.newbyteorder("=")) or _BY_NUMPY.get(np_dtype)
     if found is None:
-        raise ValueError(
+        raise ArgumentError(
             f"dtype {np_dtype} has no safetensors equivalent; supported: "
             + ", ".join(str(d.numpy) for d in _TABLE)
         )
@@ -132,7 +134,7 @@ def from_bytes(buffer, dtype: DType, shape: Sequence[int]) -> np.ndarray:
     raw = (buffer if type(buffer) is np.ndarray and buffer.dtype is _BYTE and buffer.ndim == 1
            else np.frombuffer(buffer, dtype=np.uint8))  # a byte array already: no second view
     if raw.size != dtype.nbytes(shape):
-        raise ValueError(
+        raise ArgumentError(
             f"{raw.size} bytes cannot hold {dtype.code} of shape {tuple(shape)}"
         )
     if dtype.is_packed:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from orbax_safetensors.errors import ArgumentError
+
 _UNITS = {
     "": 1, "B": 1,
     "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -28,17 +30,17 @@ _DIGITS = re.compile(r"([0-9]+)")
 def parse_size(size: int | str) -> int:
     """``5_000_000``, ``"5GB"`` (10^9) or ``"5GiB"`` (2^30) → bytes."""
     if isinstance(size, bool):
-        raise ValueError(f"invalid size {size!r}")
+        raise ArgumentError(f"invalid size {size!r}")
     if isinstance(size, int):
         value = size
     else:
         match = _SIZE.match(str(size))
         if not match or match.group(2).upper() not in _UNITS:
-            raise ValueError(
+            raise ArgumentError(
                 f"invalid size {size!r}: use an int or a string like '5GB', '500MB', '2GiB'")
         value = int(float(match.group(1)) * _UNITS[match.group(2).upper()])
     if value <= 0:
-        raise ValueError(f"size must be positive, got {size!r}")
+        raise ArgumentError(f"size must be positive, got {size!r}")
     return value
 
 

@@ -59,7 +59,7 @@ from orbax.checkpoint.experimental import v1 as ocp_v1
 from orbax.checkpoint.experimental.v1._src.context import context as orbax_context
 
 from orbax_safetensors.engine import ReadOptions, SaveJob, metadata_of, open_checkpoint
-from orbax_safetensors.errors import SafetensorsError
+from orbax_safetensors.errors import ArgumentError, SafetensorsError
 from orbax_safetensors.storage import Location
 from orbax_safetensors.integrations.orbax_items import (
     SafetensorsRestore,
@@ -215,7 +215,7 @@ class SafetensorsLayout:
                                    dict[str, Any] | None = None) -> Awaitable[dict[str, Any]]:
         requested = abstract_checkpointables or {STATE: None}
         if len(requested) != 1:
-            raise ValueError(
+            raise ArgumentError(
                 f"{path} is a safetensors checkpoint: one PyTree, not checkpointables {sorted(requested)}")
         ((name, abstract),) = requested.items()
         loading = await self.load(path, name, abstract)
@@ -232,7 +232,7 @@ class SafetensorsLayout:
         is a ``SafetensorsSave(..., overwrite=True)``, which replaces it whole (never two
         checkpoints in one directory)."""
         if len(checkpointables) != 1:
-            raise ValueError(
+            raise ArgumentError(
                 "a safetensors checkpoint holds one PyTree; got checkpointables "
                 f"{sorted(checkpointables)} (save the others with Orbax's own layout)")
         (checkpointable,) = checkpointables.values()
@@ -250,9 +250,9 @@ def _read_options() -> ReadOptions:
     chunk = getattr(context.safetensors_options, "read_chunk_bytes", None)
     ratio = getattr(context.safetensors_options, "max_over_read_ratio", None)
     if chunk is not None and chunk <= 0:
-        raise ValueError(f"SafetensorsOptions.read_chunk_bytes must be positive, got {chunk}")
+        raise ArgumentError(f"SafetensorsOptions.read_chunk_bytes must be positive, got {chunk}")
     if ratio is not None and ratio < 1.0:
-        raise ValueError(f"SafetensorsOptions.max_over_read_ratio must be >= 1.0, got {ratio}")
+        raise ArgumentError(f"SafetensorsOptions.max_over_read_ratio must be >= 1.0, got {ratio}")
     if chunk is not None:
         chunk = max(chunk, ReadOptions.MIN_CHUNK_BYTES)
     chosen = dict(memory_budget=budget, chunk_bytes=chunk, max_overread=ratio)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from orbax_safetensors.errors import ArgumentError
+
 
 def config_value(config: Any, key: str, default: Any = None) -> Any:
     """``config[key]`` for a dict, ``config.key`` for a transformers config; ``default``
@@ -25,7 +27,7 @@ def attention_dims(config: Any, family: str) -> dict[str, int]:
     missing = (["num_attention_heads"] if heads is None else []) + (
         ["head_dim (or hidden_size)"] if head_dim is None and hidden is None else [])
     if missing:
-        raise ValueError(f"{family}: the config has no {' and no '.join(missing)}, which give the "
+        raise ArgumentError(f"{family}: the config has no {' and no '.join(missing)}, which give the "
                          "attention head sizes")
     return {"heads": heads, "kv_heads": config_value(config, "num_key_value_heads", heads),
             "head_dim": head_dim if head_dim is not None else hidden // heads}

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from orbax_safetensors.errors import ArgumentError
 from orbax_safetensors.mappings._config import attention_dims, config_value
 from orbax_safetensors.planning.mapping import Mapping, Rule
 
@@ -138,5 +139,5 @@ def for_config(config: Any, *, scan_layers: bool = False, dtype: Any = None) -> 
     """The mapping of the family ``config.model_type`` names."""
     model_type = config_value(config, "model_type")
     if model_type not in FAMILIES:
-        raise ValueError(f"no shipped mapping for model_type {model_type!r}; shipped: {', '.join(FAMILIES)}")
+        raise ArgumentError(f"no shipped mapping for model_type {model_type!r}; shipped: {', '.join(FAMILIES)}")
     return FAMILIES[model_type](config, scan_layers=scan_layers, dtype=dtype)

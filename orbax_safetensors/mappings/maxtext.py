@@ -47,6 +47,7 @@ import dataclasses
 import math
 from typing import Any
 
+from orbax_safetensors.errors import ArgumentError
 from orbax_safetensors.mappings._config import attention_dims, config_value
 from orbax_safetensors.planning.mapping import Mapping, Rule
 
@@ -86,10 +87,10 @@ def maxtext(family: str, config: Any, scan_layers: bool = True, *, dtype: Any = 
     """
     name = next((f for f in FAMILIES if family == f or family.startswith(f + "-")), None)
     if name is None:
-        raise ValueError(f"no MaxText mapping for {family!r}; available: {', '.join(FAMILIES)}")
+        raise ArgumentError(f"no MaxText mapping for {family!r}; available: {', '.join(FAMILIES)}")
     spec = FAMILIES[name]
     if config is None:  # the query scale and the head split need the head sizes
-        raise ValueError(f"maxtext({family!r}, config): config is None; pass the checkpoint's Hugging "
+        raise ArgumentError(f"maxtext({family!r}, config): config is None; pass the checkpoint's Hugging "
                          "Face config (a transformers config or its dict: num_attention_heads, "
                          "num_key_value_heads, head_dim or hidden_size)")
     dims = attention_dims(config, f"maxtext({family!r})")

@@ -32,6 +32,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from orbax_safetensors.errors import ArgumentError
 from orbax_safetensors.format.checksums import BlockLayout
 
 GAP = -1  # Segment.target of bytes read only because they lie between two needed runs
@@ -189,9 +190,9 @@ def coalesce(runs: Runs, *, max_gap: int, max_overread: float, chunk_bytes: int,
     """Ranged requests that deliver every run, under the over-read and chunk bounds; with
     ``blocks`` (the file's checksum blocks), reading every block a run touches whole."""
     if max_overread < 1.0:
-        raise ValueError(f"max_overread must be >= 1.0, got {max_overread}")
+        raise ArgumentError(f"max_overread must be >= 1.0, got {max_overread}")
     if chunk_bytes <= 0:
-        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        raise ArgumentError(f"chunk_bytes must be positive, got {chunk_bytes}")
     order = np.argsort(runs.offsets, kind="stable")
     keep = order[runs.lengths[order] > 0]
     offsets, lengths = runs.offsets[keep], runs.lengths[keep]

@@ -42,6 +42,13 @@ from typing import Any, NamedTuple
 
 import fsspec
 
+from orbax_safetensors.errors import (
+    AccessDeniedError,
+    ArgumentError,
+    MissingFileError,
+    ReadOnlyLocationError,
+    UnreachableError,
+)
 from orbax_safetensors.storage import retry
 from orbax_safetensors.storage.base import Capabilities, Storage
 from orbax_safetensors.storage.fsspec_storage import FsspecStorage
@@ -134,13 +141,13 @@ def resolve(url: str, storage_options: Mapping[str, Any] | None = None,
     cache_dir = options.pop("cache_dir", None)
     if revision is not None:
         if hub.revision is not None and hub.revision != str(revision):
-            raise ValueError(f"{url!r} names revision {hub.revision!r}, storage_options "
+            raise ArgumentError(f"{url!r} names revision {hub.revision!r}, storage_options "
                              f"revision {revision!r}: give one")
         hub = hub._replace(revision=str(revision))
     try:
         hub_module.utils.validate_repo_id(hub.repo_id)
     except ValueError as e:
-        raise ValueError(f"{url!r}: {e}") from None
+        raise ArgumentError(f"{url!r}: {e}") from None
     cache_dir = os.fspath(cache_dir) if cache_dir is not None else constants.HF_HUB_CACHE
     if local_only or offline():
         return _from_cache(url, hub, cache_dir, hub_module)
@@ -148,8 +155,8 @@ def resolve(url: str, storage_options: Mapping[str, Any] | None = None,
     try:
         commit = remote_commit(fs, hub)
     except hub_module.errors.RevisionNotFoundError:
-        raise FileNotFoundError(errno.ENOENT, f"the Hugging Face Hub has no revision "
-                                f"{hub.revision!r} of {hub.repo_id}", url) from None
+        raise MissingFileError(f"the Hugging Face Hub has no revision {hub.revision!r} of "
+                               f"{hub.repo_id}", file=url) from None
     except Exception as e:  # noqa: BLE001 -- unanswered or refused: the cache may hold it, as
         # huggingface_hub's snapshot_download has it; where it does not, ``e`` is raised, named
         try:
@@ -208,10 +215,10 @@ def _from_cache(url: str, hub: HubPath, cache_dir: str, hub_module) -> tuple[Sto
             hub.repo_id, repo_type=hub.repo_type, revision=revision, cache_dir=cache_dir,
             local_files_only=True, allow_patterns=[])
     except FileNotFoundError:
-        raise FileNotFoundError(
-            errno.ENOENT, f"revision {revision!r} of {hub.repo_id} is not in the local Hugging "
-            f"Face cache {cache_dir} (offline: nothing is downloaded; `hf download "
-            f"{hub.repo_id}` fetches it)", url) from None
+        raise MissingFileError(
+            f"revision {revision!r} of {hub.repo_id} is not in the local Hugging Face cache "
+            f"{cache_dir} (offline: nothing is downloaded; `hf download {hub.repo_id}` fetches "
+            "it)", file=url) from None
     snapshot = os.fspath(snapshot)
     parts = hub.path_in_repo.split("/") if hub.path_in_repo else []
     return CachedStorage(os.path.basename(snapshot.rstrip(os.sep)), snapshot, url), \
@@ -223,12 +230,12 @@ def _unavailable(url: str, hub: HubPath, cache_dir: str, error: Exception, hub_m
     errors = hub_module.errors
     hint = "pass storage_options={'token': ...} (or log in with `hf auth login`)"
     if isinstance(error, errors.GatedRepoError):
-        return PermissionError(errno.EACCES, f"{hub.repo_id} is a gated repository: accept its "
-                               f"terms on the Hub and {hint}", url)
+        return AccessDeniedError(errno.EACCES, f"{hub.repo_id} is a gated repository: accept its "
+                                 f"terms on the Hub and {hint}", url)
     if isinstance(error, errors.RepositoryNotFoundError):
-        return FileNotFoundError(errno.ENOENT, f"the Hugging Face Hub has no repository "
-                                 f"{hub.repo_id}, or it is private: {hint}", url)
-    return ConnectionError(f"{url}: the Hugging Face Hub did not answer ({type(error).__name__}: "
+        return MissingFileError(f"the Hugging Face Hub has no repository {hub.repo_id}, or it "
+                                f"is private: {hint}", file=url)
+    return UnreachableError(f"{url}: the Hugging Face Hub did not answer ({type(error).__name__}: "
                            f"{error}) and the local cache {cache_dir} does not hold this revision")
 
 
@@ -238,10 +245,10 @@ class _ReadOnly:
     hub_url: str
 
     def _refuse(self, *args: Any, **kwargs: Any):
-        raise OSError(errno.EROFS, "hf:// locations are read-only: orbax_safetensors does not "
-                      "write to the Hugging Face Hub or into its local cache (save to a local "
-                      "path or a bucket, then upload it with huggingface_hub's upload_folder)",
-                      self.hub_url)
+        raise ReadOnlyLocationError(
+            "hf:// locations are read-only: orbax_safetensors does not write to the Hugging "
+            "Face Hub or into its local cache (save to a local path or a bucket, then upload it "
+            "with huggingface_hub's upload_folder)", self.hub_url)
 
     write = create_sized = write_at = merge = sync = makedirs = rename = _refuse
     sync_directory = remove = remove_tree = rename_tree = lock = remove_once = _refuse

@@ -20,6 +20,7 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from orbax_safetensors.errors import ArgumentError
 from orbax_safetensors.storage import hf_hub
 from orbax_safetensors.storage.base import Storage
 from orbax_safetensors.storage.fsspec_storage import FsspecStorage
@@ -65,11 +66,11 @@ class Location:
         if (hf_hub.is_hub_filesystem(filesystem) if filesystem is not None
                 else hf_hub.is_hub_url(text)):
             if filesystem is not None and storage_options:
-                raise ValueError("pass storage_options or a filesystem, not both")
+                raise ArgumentError("pass storage_options or a filesystem, not both")
             return Location(*hf_hub.resolve(text, storage_options, filesystem), text)
         if filesystem is not None:
             if storage_options:
-                raise ValueError("pass storage_options or a filesystem, not both")
+                raise ArgumentError("pass storage_options or a filesystem, not both")
             fs, path = filesystem, filesystem._strip_protocol(text)
         else:
             try:
