@@ -22,13 +22,17 @@ involved (``located``).
     │   └── CheckpointChangedError            kept changing under a load, on every attempt
     ├── MappingError (ValueError)             names or shapes a mapping cannot map
     ├── CheckpointBusyError (OSError)         another live writer holds the location
+    ├── LocationTakenError (FileExistsError)  a save would replace what it may not
     ├── DistributedError (OSError)            processes of one operation failed
     │   └── PeerFailedError
+    ├── PeerTimeoutError (TimeoutError)       a process never reached a step the others did
+    ├── DistributedSetupError (RuntimeError)  several processes, no jax.distributed client
     ├── StorageError (OSError)                storage that failed after every retry
     ├── AccessDeniedError (PermissionError)   a location that refuses these credentials
     ├── UnreachableError (ConnectionError)    a remote that did not answer, with no cached copy
     ├── ReadOnlyLocationError (OSError)       a write to a location we only read (hf://)
     ├── ProtocolError (RuntimeError)          a step of our own protocol did not hold
+    ├── MissingDependencyError (ImportError)  an optional package a URL or feature needs
     └── UnsupportedOrbaxError (ImportError)   Orbax outside the supported range
 """
 
@@ -143,6 +147,30 @@ class CheckpointBusyError(Error, OSError):
     def __init__(self, path: str, holder: str):
         super().__init__(errno.EBUSY, f"another save is writing this checkpoint ({holder})", path)
         self.holder = holder
+
+
+class LocationTakenError(Error, FileExistsError):
+    """The location holds what a save may not replace: a checkpoint (without
+    ``overwrite=True``), safetensors files no save of ours wrote, or a directory or special
+    file where a file goes. ``errno`` EEXIST, ``filename`` the path."""
+
+    def __init__(self, message: str, path: str):
+        super().__init__(errno.EEXIST, message, path)
+
+
+class MissingDependencyError(Error, ImportError):
+    """An optional package a URL scheme or feature needs is not installed; the message says
+    which and how to install it."""
+
+
+class DistributedSetupError(Error, RuntimeError):
+    """Several JAX processes, but no ``jax.distributed`` client to agree through: call
+    ``jax.distributed.initialize()`` first."""
+
+
+class PeerTimeoutError(Error, TimeoutError):
+    """A process never reached a step the others did (did every process call the
+    operation, in the same order?)."""
 
 
 class AccessDeniedError(Error, PermissionError):

@@ -29,7 +29,8 @@ GROUPS = {
               "SafetensorsHandler", "SafetensorsLayout", "install_orbax_layout"],
     "Errors": ["Error", "ArgumentError", "ArgumentTypeError", "SafetensorsError", "MissingTensorError",
                "MissingFileError", "ChecksumError", "CheckpointChangedError", "StorageError",
-               "AccessDeniedError", "UnreachableError", "ReadOnlyLocationError",
+               "AccessDeniedError", "UnreachableError", "ReadOnlyLocationError", "LocationTakenError",
+               "MissingDependencyError", "DistributedSetupError", "PeerTimeoutError",
                "CheckpointBusyError", "SkippedLeavesWarning", "DistributedError", "PeerFailedError",
                "ProcessFailure", "ProtocolError", "UnsupportedOrbaxError"],
 }

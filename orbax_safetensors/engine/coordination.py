@@ -36,7 +36,13 @@ from collections.abc import Sequence
 
 import jax
 
-from orbax_safetensors.errors import ArgumentError, PeerFailedError, ProcessFailure
+from orbax_safetensors.errors import (
+    ArgumentError,
+    DistributedSetupError,
+    PeerFailedError,
+    PeerTimeoutError,
+    ProcessFailure,
+)
 
 _LOG = logging.getLogger("orbax_safetensors")
 TIMEOUT_S = 30 * 60
@@ -51,7 +57,7 @@ def _client():
 
     client = distributed.global_state.client
     if client is None:
-        raise RuntimeError(
+        raise DistributedSetupError(
             "several JAX processes but no jax.distributed client: call "
             "jax.distributed.initialize() first")
     return client
@@ -178,8 +184,8 @@ class Peers:
                 raise PeerFailedError(f"{self.where}: another process failed", failures)
             waited = time.monotonic() - started
             if waited > TIMEOUT_S:
-                raise TimeoutError(f"{self.where}: process {process} did not reach {step!r} in "
-                                   f"{TIMEOUT_S} s (did every process call this operation?)")
+                raise PeerTimeoutError(f"{self.where}: process {process} did not reach {step!r} "
+                                       f"in {TIMEOUT_S} s (did every process call this operation?)")
             if waited > _WARN_S and not warned:
                 warned = True
                 _LOG.warning("%s: waiting %.0f s for process %d at %r (every process must call "

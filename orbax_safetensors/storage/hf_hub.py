@@ -45,6 +45,7 @@ import fsspec
 from orbax_safetensors.errors import (
     AccessDeniedError,
     ArgumentError,
+    MissingDependencyError,
     MissingFileError,
     ReadOnlyLocationError,
     UnreachableError,
@@ -176,7 +177,7 @@ def remote_commit(fs: fsspec.AbstractFileSystem, hub: HubPath) -> str:
     info = HfApi(endpoint=fs.endpoint, token=fs.token).repo_info(
         hub.repo_id, repo_type=hub.repo_type, revision=hub.revision)
     if not info.sha:
-        raise ConnectionError(f"the Hub gave no commit for {hub.repo_id}@{hub.revision or 'main'}")
+        raise UnreachableError(f"the Hub gave no commit for {hub.repo_id}@{hub.revision or 'main'}")
     return info.sha
 
 
@@ -199,8 +200,8 @@ def _huggingface_hub(url: str):
         import huggingface_hub.errors
         import huggingface_hub.utils
     except ImportError:
-        raise ImportError(f"{url!r}: hf:// paths need huggingface_hub: "
-                          "pip install 'orbax_safetensors[hf]'") from None
+        raise MissingDependencyError(f"{url!r}: hf:// paths need huggingface_hub: "
+                                     "pip install 'orbax_safetensors[hf]'") from None
     return huggingface_hub
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from orbax_safetensors.errors import ArgumentError
+from orbax_safetensors.errors import ArgumentError, MissingDependencyError
 from orbax_safetensors.storage import hf_hub
 from orbax_safetensors.storage.base import Storage
 from orbax_safetensors.storage.fsspec_storage import FsspecStorage
@@ -80,7 +80,7 @@ class Location:
                 extra = _EXTRAS.get(protocol)
                 hint = (f"pip install 'orbax-safetensors[{extra}]'" if extra
                         else "install the fsspec backend for it")
-                raise ImportError(f"{text!r}: {e}; {hint}") from e
+                raise MissingDependencyError(f"{text!r}: {e}; {hint}") from e
         if isinstance(fs, LocalFileSystem):
             return Location(LocalStorage(), os.path.abspath(path), text)
         return Location(FsspecStorage(fs), path.rstrip("/"), text)

@@ -45,9 +45,12 @@ _TRANSIENT_CODES = frozenset({
 class StorageError(Error, OSError):
     """A storage operation that still failed after every retry, or failed for good."""
 
-    def __init__(self, message: str, *, url: str):
+    def __init__(self, message: str, *, url: str, code: int | None = None):
         self.url = url
-        super().__init__(message)
+        if code is None:
+            super().__init__(message)
+        else:  # errno and filename, as an OSError of the operating system has them
+            super().__init__(code, message, url)
 
 
 @dataclasses.dataclass(frozen=True)
