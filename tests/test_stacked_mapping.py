@@ -23,7 +23,9 @@ from jax.sharding import PartitionSpec as P
 
 import orbax_safetensors as ost
 from tests.trees import flat, nest
-from orbax_safetensors.planning.mapping import Mapping, MappingError, Rule, halves_to_interleaved
+from orbax_safetensors.errors import MappingError
+from orbax_safetensors.planning.rules import Mapping, Rule
+from orbax_safetensors.planning.transforms import halves_to_interleaved
 
 L, D, H, K, HD, F, E, V = 8, 8, 4, 2, 4, 16, 4, 16
 SCALE = 0.25  # a power of two: float32 values round-trip bit for bit

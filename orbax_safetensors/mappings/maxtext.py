@@ -48,7 +48,7 @@ import math
 from typing import Any
 
 from orbax_safetensors.mappings._config import attention_dims, config_value
-from orbax_safetensors.planning.mapping import Mapping, Rule
+from orbax_safetensors.planning.rules import Mapping, Rule
 
 @dataclasses.dataclass(frozen=True)
 class _Family:
