@@ -143,6 +143,13 @@ def test_experts_stack_under_layers_and_counts_come_from_the_names():
         _mapping().tree_shapes({**shapes, "extra": (1,)})
 
 
+def test_stack_axes_follow_their_numbers_not_the_order_they_are_written_in():
+    written_backwards = Mapping([Rule("l.{i}.e.{e}.w", "l.w", stack={"e": 1, "i": 0})])
+    names = {f"l.{i}.e.{e}.w": (D,) for i in range(2) for e in range(3)}
+    assert written_backwards.tree_shapes(names) == {"l.w": (2, 3, D)}
+    assert written_backwards.assembly("l.w", stored_shapes=names).pieces[4].stored == "l.1.e.1.w"
+
+
 def test_rules_are_checked_when_written():
     with pytest.raises(MappingError, match="same placeholders"):
         Rule("layers.{i}.w", "layers.w")  # {i} neither in the tree nor stacked

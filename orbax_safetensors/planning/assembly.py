@@ -92,10 +92,11 @@ class Tiling:
 
     def piece_shape(self, shape: tuple[int, ...], size: int | None) -> tuple[int, ...]:
         """A piece's shape in a leaf of ``shape``: without the stacked axes, ``size`` on
-        the concat axis."""
+        the concat axis (``None``: no concat)."""
         own = [s for axis, s in enumerate(shape) if axis not in self.stacked]
-        if self.concat is not None:
-            own[self.concat_piece_axis] = size
+        axis = self.concat_piece_axis
+        if axis is not None and size is not None:
+            own[axis] = size
         return tuple(own)
 
     def place(self, index: Sequence[int], stored: Iterable[tuple[str, Transform]]) -> list[Piece]:

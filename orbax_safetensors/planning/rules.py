@@ -37,9 +37,9 @@ import dataclasses
 import itertools
 import math
 import re
-from typing import Any
 from collections.abc import Iterable, Sequence
 from collections.abc import Mapping as MappingABC
+from typing import Any
 
 import ml_dtypes  # noqa: F401  (numpy learns "bfloat16" and friends: Rule(dtype=...))
 import numpy as np
@@ -198,77 +198,84 @@ class Rule:
         """The transform of one piece between concrete shapes (the piece's, not the
         leaf's: without the stacked axes, its own part of a concatenated axis);
         either shape may be unknown, not both."""
-        where = f"rule {self.stored_patterns[0]!r} ↔ {self.tree!r}"
+        where = self._where
         if stored_shape is None and tree_shape is None:
             raise MappingError(f"{where}: needs the stored or the tree shape")
         stored, tree = _shape(stored_shape), _shape(tree_shape)
-        layout = self._layout(self._transposed(stored, where), tree, dims or {}, where)
+        layout = self._layout(self._transposed(stored), tree, dims or {})
         if tree is not None and layout.tree_shape != tree:
             raise MappingError(
                 f"{where}: stored shape {stored} maps to {layout.tree_shape}, not the tree's {tree}")
-        return dataclasses.replace(layout, permutes=self._permutes(layout.tree_shape, where),
+        return dataclasses.replace(layout, permutes=self._permutes(layout.tree_shape),
                                    scale=self.scale, dtype=self.dtype)
 
-    def _transposed(self, stored: tuple[int, ...] | None, where: str) -> tuple[int, ...] | None:
+    def _transposed(self, stored: tuple[int, ...] | None) -> tuple[int, ...] | None:
         """The stored shape transposed (``None`` when it is unknown)."""
         if stored is None:
             return None
         if self.transpose is None:
             return stored
         if len(self.transpose) != len(stored):
-            raise MappingError(f"{where}: transpose {self.transpose} does not fit stored shape {stored}")
+            raise MappingError(
+                f"{self._where}: transpose {self.transpose} does not fit stored shape {stored}")
         return tuple(stored[p] for p in self.transpose)
 
     def _layout(self, transposed: tuple[int, ...] | None, tree: tuple[int, ...] | None,
-                dims: MappingABC[str, int], where: str) -> Transform:
+                dims: MappingABC[str, int]) -> Transform:
         """The transpose and the reshape groups, walking the transposed and the tree axes."""
         ndim = len(self.transpose) if self.transpose is not None else (
             None if transposed is None else len(transposed))
         groups: list[Group] = []
         i = j = 0  # next transposed axis, next tree axis
         while (i < ndim) if ndim is not None else (j < len(tree)):
-            src, out = self._group(i, j, transposed, tree, dims, where)
+            src, out = self._group(i, j, transposed, tree, dims)
             groups.append((src, out))
             i, j = i + len(src), j + len(out)
         if any(a >= i for a in itertools.chain(self.split, self.merge)):
-            raise MappingError(f"{where}: split/merge axes beyond the tensor's {i} axes")
+            raise MappingError(f"{self._where}: split/merge axes beyond the tensor's {i} axes")
         perm = tuple(self.transpose) if self.transpose is not None else tuple(range(i))
         return Transform(perm, tuple(groups))
 
     def _group(self, i: int, j: int, transposed: tuple[int, ...] | None, tree: tuple[int, ...] | None,
-               dims: MappingABC[str, int], where: str) -> Group:
+               dims: MappingABC[str, int]) -> Group:
         """The reshape group at transposed axis ``i`` and tree axis ``j``: a split, a merge,
         or one axis kept as it is."""
         if i in self.split:
             count = len(self.split[i])
             sizes = _sizes(self.split[i], None if tree is None else tree[j:j + count],
-                           None if transposed is None else transposed[i], dims, f"{where}: split {i}")
+                           None if transposed is None else transposed[i], dims, f"{self._where}: split {i}")
             return (math.prod(sizes),), sizes
         if i in self.merge:
             count = len(self.merge[i])
+            total = None if tree is None or j >= len(tree) else tree[j]
             sizes = _sizes(self.merge[i], None if transposed is None else transposed[i:i + count],
-                           None if tree is None or j >= len(tree) else tree[j], dims, f"{where}: merge {i}")
+                           total, dims, f"{self._where}: merge {i}")
             return sizes, (math.prod(sizes),)
         if transposed is not None:
             return (transposed[i],), (transposed[i],)
         if j < len(tree):
             return (tree[j],), (tree[j],)
-        raise MappingError(f"{where}: tree shape {tree} has too few axes")
+        raise MappingError(f"{self._where}: tree shape {tree} has too few axes")
 
-    def _permutes(self, shape: tuple[int, ...], where: str) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    def _permutes(self, shape: tuple[int, ...]) -> tuple[tuple[int, tuple[int, ...]], ...]:
         """``permute`` as concrete index orders of the axes of a piece of ``shape``."""
         permutes = []
         for axis, permutation in sorted(self.permute.items()):
             if not -len(shape) <= axis < len(shape):
-                raise MappingError(f"{where}: permute axis {axis} of a {len(shape)}-axis tensor")
+                raise MappingError(f"{self._where}: permute axis {axis} of a {len(shape)}-axis tensor")
             axis %= len(shape)
             n = shape[axis]
             order = tuple(int(k) for k in (PERMUTATIONS[permutation] if isinstance(permutation, str)
                                            else permutation)(n))
             if sorted(order) != list(range(n)):
-                raise MappingError(f"{where}: permute {axis}: not a permutation of {n} indices")
+                raise MappingError(f"{self._where}: permute {axis}: not a permutation of {n} indices")
             permutes.append((axis, order))
         return tuple(permutes)
+
+    @property
+    def _where(self) -> str:
+        """How an error about resolving this rule names it."""
+        return f"rule {self.stored_patterns[0]!r} ↔ {self.tree!r}"
 
 
 def _shape(shape: Sequence[int] | None) -> tuple[int, ...] | None:
@@ -413,8 +420,8 @@ class Mapping:
         for name in stored_shapes:
             match = pattern.fullmatch(name)
             if match:
-                for placeholder in seen:
-                    seen[placeholder].add(match.group(placeholder))
+                for placeholder, found in seen.items():
+                    found.add(match.group(placeholder))
         counts = []
         for placeholder, found in seen.items():
             expected = {str(i) for i in range(len(found))}

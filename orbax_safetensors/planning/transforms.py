@@ -41,8 +41,16 @@ import numpy as np
 
 from orbax_safetensors.errors import MappingError
 from orbax_safetensors.planning.boxes import (
-    Box, box_shape, box_size, contiguous_cover, contiguous_parts, flat_range, range_boxes,
-    range_cover, relative_slices)
+    Box,
+    box_shape,
+    box_size,
+    contiguous_cover,
+    contiguous_parts,
+    flat_range,
+    range_boxes,
+    range_cover,
+    relative_slices,
+)
 
 Permutation = str | Callable[[int], Sequence[int]]
 
@@ -253,7 +261,7 @@ class Transform:
     def _covers(self, parts: Sequence[Box]) -> list[list[tuple[Box, int | None]]]:
         """Per group, the transposed boxes a contiguous tree part spans, each with its offset in
         the part's flat range (``None``: a group the reshape leaves alone)."""
-        covers = []
+        covers: list[list[tuple[Box, int | None]]] = []
         for (src, tree), part in zip(self.groups, parts):
             if len(src) == len(tree) == 1:
                 covers.append([(part, None)])
