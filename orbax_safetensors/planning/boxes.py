@@ -23,6 +23,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from orbax_safetensors.errors import ArgumentError
+
 Box = tuple[tuple[int, int], ...]
 
 
@@ -33,7 +35,7 @@ def normalize_index(index: Sequence[slice | int], shape: Sequence[int]) -> Box:
         if isinstance(item, slice):
             start, stop, step = item.indices(size)
             if step != 1:
-                raise ValueError(f"strided shard index {item} is not a box")
+                raise ArgumentError(f"strided shard index {item} is not a box")
         else:
             start, stop = int(item), int(item) + 1
         bounds.append((start, max(start, stop)))
