@@ -46,7 +46,8 @@ from orbax_safetensors.errors import (
     SkippedLeavesWarning,
     UnreachableError,
 )
-from orbax_safetensors.planning.mapping import Mapping, Rule, Transform
+from orbax_safetensors.planning.rules import Mapping, Rule
+from orbax_safetensors.planning.transforms import Transform
 from orbax_safetensors import mappings
 from orbax_safetensors.storage import StorageError
 from orbax_safetensors.integrations.orbax_version import UnsupportedOrbaxError

@@ -24,7 +24,9 @@ from orbax_safetensors.engine import open_checkpoint
 from orbax_safetensors.engine.read import sharded_job
 from orbax_safetensors.storage import Location
 from orbax_safetensors.planning import box_size, normalize_index
-from orbax_safetensors.planning.mapping import Mapping, MappingError, Rule, Transform
+from orbax_safetensors.errors import MappingError
+from orbax_safetensors.planning.rules import Mapping, Rule
+from orbax_safetensors.planning.transforms import Transform
 
 _SETTINGS = settings(max_examples=200, deadline=None, derandomize=True, database=None)
 

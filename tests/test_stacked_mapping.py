@@ -23,7 +23,9 @@ from jax.sharding import PartitionSpec as P
 
 import orbax_safetensors as ost
 from tests.trees import flat, nest
-from orbax_safetensors.planning.mapping import Mapping, MappingError, Rule, halves_to_interleaved
+from orbax_safetensors.errors import MappingError
+from orbax_safetensors.planning.rules import Mapping, Rule
+from orbax_safetensors.planning.transforms import halves_to_interleaved
 
 L, D, H, K, HD, F, E, V = 8, 8, 4, 2, 4, 16, 4, 16
 SCALE = 0.25  # a power of two: float32 values round-trip bit for bit
@@ -139,6 +141,13 @@ def test_experts_stack_under_layers_and_counts_come_from_the_names():
     assert _mapping().tree_shapes(shapes) == {name: value.shape for name, value in _expected(_stored()).items()}
     with pytest.raises(MappingError, match="no single rule maps the stored names: extra"):
         _mapping().tree_shapes({**shapes, "extra": (1,)})
+
+
+def test_stack_axes_follow_their_numbers_not_the_order_they_are_written_in():
+    written_backwards = Mapping([Rule("l.{i}.e.{e}.w", "l.w", stack={"e": 1, "i": 0})])
+    names = {f"l.{i}.e.{e}.w": (D,) for i in range(2) for e in range(3)}
+    assert written_backwards.tree_shapes(names) == {"l.w": (2, 3, D)}
+    assert written_backwards.assembly("l.w", stored_shapes=names).pieces[4].stored == "l.1.e.1.w"
 
 
 def test_rules_are_checked_when_written():

@@ -34,8 +34,9 @@ from orbax_safetensors.errors import (CheckpointChangedError, MappingError, Miss
                                       SafetensorsError, SkippedLeavesWarning)
 from orbax_safetensors.index import parse_size
 from orbax_safetensors.planning import ReadProfile, TensorSource, plan_reads
-from orbax_safetensors.planning import mapping as mapping_rules
-from orbax_safetensors.planning.mapping import Assembly, Transform
+from orbax_safetensors.planning import rules as mapping_rules
+from orbax_safetensors.planning.assembly import Assembly
+from orbax_safetensors.planning.transforms import Transform
 from orbax_safetensors.storage import Location
 
 _LOG = logging.getLogger("orbax_safetensors")

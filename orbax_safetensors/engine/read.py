@@ -63,7 +63,8 @@ from orbax_safetensors.planning import (
     read_once_boxes,
     relative_slices,
 )
-from orbax_safetensors.planning.mapping import Assembly, Piece, Transform
+from orbax_safetensors.planning.assembly import Assembly, Piece
+from orbax_safetensors.planning.transforms import Transform
 from orbax_safetensors.storage import Storage
 
 

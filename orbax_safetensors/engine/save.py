@@ -65,8 +65,8 @@ from orbax_safetensors.planning import (
     plan_single_file,
     relative_slices,
 )
-from orbax_safetensors.planning import mapping as mapping_rules
-from orbax_safetensors.planning.mapping import Assembly
+from orbax_safetensors.planning import rules as mapping_rules
+from orbax_safetensors.planning.assembly import Assembly
 from orbax_safetensors.storage import Location
 from orbax_safetensors.storage.commit import Commit
 

@@ -31,7 +31,7 @@ from orbax_safetensors.engine import (
     prepare_save,
 )
 from orbax_safetensors.index import parse_size
-from orbax_safetensors.planning.mapping import Mapping as NameMapping
+from orbax_safetensors.planning.rules import Mapping as NameMapping
 from orbax_safetensors.storage import Location
 from orbax_safetensors.integrations.orbax_version import check_orbax_version
 

@@ -49,7 +49,7 @@ from typing import Any
 
 from orbax_safetensors.errors import ArgumentError
 from orbax_safetensors.mappings._config import attention_dims, config_value
-from orbax_safetensors.planning.mapping import Mapping, Rule
+from orbax_safetensors.planning.rules import Mapping, Rule
 
 @dataclasses.dataclass(frozen=True)
 class _Family:

@@ -1,5 +1,6 @@
 """Layer 3: pure planning (no devices, no files): what to read and write where."""
 
+from orbax_safetensors.planning.assembly import Assembly, Piece, Tiling
 from orbax_safetensors.planning.boxes import (
     Box,
     bounding_box,
@@ -36,7 +37,9 @@ from orbax_safetensors.planning.read_plan import (
     reshard_parts,
     row_blocks,
 )
+from orbax_safetensors.planning.rules import Mapping, Rule
 from orbax_safetensors.planning.transfers import GAP, Runs, Segment, Transfer, Transfers, coalesce
+from orbax_safetensors.planning.transforms import Transform
 from orbax_safetensors.planning.write_plan import (
     HEADER,
     FilePlan,
@@ -53,13 +56,16 @@ from orbax_safetensors.planning.write_plan import (
 )
 
 __all__ = [
+    "Assembly", "Piece", "Tiling",
     "Box", "bounding_box", "box_shape", "box_size", "byte_runs", "full_box", "intersect",
     "normalize_index", "relative_slices",
     "Batch", "BlockPart", "BounceRead", "ReadPlan", "ReadProfile", "Region", "RegionRead", "SliceRead",
     "StoredSlice", "TensorReads", "TensorSource", "box_runs", "plan_block", "plan_byte_reads", "plan_reads",
     "plan_region_reads", "plan_regions", "plan_tensor_reads", "plan_whole_reads", "read_once_boxes",
     "replication_factor", "reshard_parts", "row_blocks",
+    "Mapping", "Rule",
     "GAP", "Runs", "Segment", "Transfer", "Transfers", "coalesce",
+    "Transform",
     "HEADER", "FilePlan", "SliceSpec", "TensorSpec", "Upload", "WritePlan", "owned_ranges",
     "plan_distributed_files", "plan_file", "plan_hf_checkpoint", "plan_single_file",
     "plan_uploads",

@@ -7,15 +7,23 @@ spaced runs: one run when it splits only the leading dimension (FSDP), one per
 row when it splits the last one (tensor parallel). Offsets are computed with
 numpy so a box of a million runs costs one vectorised expression, not a
 Python loop.
+
+A mapped tensor (``planning.transforms``) is reshaped as well as sliced: its
+box in one shape is a box in the other only where it is contiguous in C order,
+so the last helpers here cover or cut a box into contiguous ones and turn a
+flat index range back into boxes.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Sequence
 
 import numpy as np
+
+from orbax_safetensors.errors import ArgumentError
 
 Box = tuple[tuple[int, int], ...]
 
@@ -27,7 +35,7 @@ def normalize_index(index: Sequence[slice | int], shape: Sequence[int]) -> Box:
         if isinstance(item, slice):
             start, stop, step = item.indices(size)
             if step != 1:
-                raise ValueError(f"strided shard index {item} is not a box")
+                raise ArgumentError(f"strided shard index {item} is not a box")
         else:
             start, stop = int(item), int(item) + 1
         bounds.append((start, max(start, stop)))
@@ -136,3 +144,65 @@ def byte_runs(box: Box, shape: Sequence[int], itemsize: int) -> tuple[np.ndarray
         outer = np.arange(box[d][0], box[d][1], dtype=np.int64) * strides[d]
         offsets = (outer[:, None] + offsets[None, :]).reshape(-1)
     return offsets, run_length
+
+
+def flat_range(box: Box, shape: Sequence[int]) -> tuple[int, int]:
+    """``[first, last + 1)`` flat C-order indices of a box's corners in ``shape``."""
+    first = int(np.ravel_multi_index([a for a, _ in box], shape)) if shape else 0
+    last = int(np.ravel_multi_index([b - 1 for _, b in box], shape)) if shape else 0
+    return first, last + 1
+
+
+def contiguous_cover(box: Box, shape: Sequence[int]) -> Box:
+    """The smallest box containing ``box`` that is contiguous in C order: after the first
+    axis taken by more than one index, every axis whole."""
+    lead = next((d for d, (a, b) in enumerate(box) if b - a > 1), len(box) - 1)
+    return tuple(box[:lead + 1]) + tuple((0, s) for s in shape[lead + 1:])
+
+
+def contiguous_parts(box: Box, shape: Sequence[int]) -> list[Box]:
+    """``box`` cut into boxes contiguous in C order: the axes before its last partial
+    axis are taken one index at a time; one box when it is contiguous already."""
+    partial = [d for d, ((a, b), s) in enumerate(zip(box, shape)) if (a, b) != (0, s)]
+    if not partial:
+        return [box]
+    last = partial[-1]
+    if all(b - a == 1 for a, b in box[:last]):
+        return [box]
+    heads = itertools.product(*(range(a, b) for a, b in box[:last]))
+    return [tuple((i, i + 1) for i in head) + tuple(box[last:]) for head in heads]
+
+
+def range_cover(f0: int, f1: int, shape: Sequence[int]) -> Box:
+    """The smallest contiguous box of ``shape`` holding flat indices ``[f0, f1)``."""
+    first = np.unravel_index(f0, shape) if shape else ()
+    last = np.unravel_index(f1 - 1, shape) if shape else ()
+    box = []
+    for d, (a, b) in enumerate(zip(first, last)):
+        if a == b:
+            box.append((int(a), int(a) + 1))
+            continue
+        return tuple(box) + ((int(a), int(b) + 1),) + tuple((0, s) for s in shape[d + 1:])
+    return tuple(box)
+
+
+def range_boxes(lo: int, hi: int, shape: Sequence[int]) -> list[Box]:
+    """Flat indices ``[lo, hi)`` of ``shape`` as the fewest boxes contiguous in C order, in order."""
+    if lo >= hi:
+        return []
+    if len(shape) == 1:
+        return [((lo, hi),)]
+    inner = math.prod(shape[1:])
+    a, ra = divmod(lo, inner)
+    b, rb = divmod(hi, inner)
+    if a == b:
+        return [((a, a + 1),) + box for box in range_boxes(ra, rb, shape[1:])]
+    boxes = []
+    if ra:
+        boxes += [((a, a + 1),) + box for box in range_boxes(ra, inner, shape[1:])]
+        a += 1
+    if b > a:
+        boxes.append(((a, b),) + tuple((0, s) for s in shape[1:]))
+    if rb:
+        boxes += [((b, b + 1),) + box for box in range_boxes(0, rb, shape[1:])]
+    return boxes

@@ -1,0 +1,485 @@
+"""Mapping checkpoint names and layouts to a params tree: ``Rule`` and ``Mapping``.
+
+A Hugging Face checkpoint is a PyTorch ``state_dict``: ``q_proj.weight`` is a
+``Linear`` weight of shape ``(heads * head_dim, hidden)`` per layer, while a
+Flax model wants a ``DenseGeneral`` kernel ``(hidden, heads, head_dim)`` under
+another name, and a scanned model (MaxText, ``nn.scan``) one kernel holding
+every layer. A ``Rule`` says how one family of tensors differs, declaratively,
+and a ``Mapping`` (a list of rules) answers for every name:
+
+1. names: a pattern on each side whose ``{placeholders}`` each match one
+   dotted segment and carry over to the other side; ``Mapping`` finds the one
+   rule whose pattern matches a name, on either side. No rule, or several, is
+   an error naming the offenders, never a silent guess: a name mapped wrongly
+   would load the wrong bytes without a sound.
+2. sizes: a split, merge or concat declares its sizes as ints, ``-1`` or
+   dimension names (``Mapping``'s ``dims``); the shapes at hand fix them where
+   they can and are checked against them, and ``_sizes`` infers the one
+   unknown size, for all three.
+3. ``Rule.resolve``: a rule between two concrete shapes (one may be unknown)
+   is a ``Transform`` (``planning.transforms``): the layout and the values.
+4. ``Mapping.assembly``: the stored tensors a leaf is made of (a placeholder
+   only the stored side has is *stacked* into a leaf axis; several stored
+   patterns are *concatenated*), each a ``Piece`` placed by the rule's
+   ``Tiling`` (``planning.assembly``).
+
+Rules are checked when they are made, so a mapping that cannot work fails at
+its definition, not halfway through a load; everything else is resolved per
+leaf from the shapes in hand (a target, a checkpoint's headers), before any
+byte is read.
+
+Pure: no devices, no files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import re
+from collections.abc import Iterable, Sequence
+from collections.abc import Mapping as MappingABC
+from typing import Any
+
+import ml_dtypes  # noqa: F401  (numpy learns "bfloat16" and friends: Rule(dtype=...))
+import numpy as np
+
+from orbax_safetensors.errors import MappingError
+from orbax_safetensors.format.dtypes import dtype_for_numpy
+from orbax_safetensors.planning.assembly import Assembly, Tiling, assemble
+from orbax_safetensors.planning.transforms import PERMUTATIONS, Permutation, Transform
+from orbax_safetensors.planning.write_plan import TensorSpec
+
+Size = int | str  # a size in a split/merge/concat: an int (-1: infer it) or a dimension name
+Group = tuple[tuple[int, ...], tuple[int, ...]]  # a reshape group: (transposed sizes, tree sizes)
+_PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def _pattern(text: str, side: str) -> tuple[re.Pattern, tuple[str, ...]]:
+    """``"model.layers.{i}.mlp"`` → a regex where each placeholder is one dotted segment."""
+    names = tuple(_PLACEHOLDER.findall(text))
+    if len(set(names)) != len(names):
+        raise MappingError(f"{side} pattern {text!r} repeats a placeholder")
+    parts, last = [], 0
+    for match in _PLACEHOLDER.finditer(text):
+        parts.append(re.escape(text[last:match.start()]))
+        parts.append(f"(?P<{match.group(1)}>[^.]+)")
+        last = match.end()
+    parts.append(re.escape(text[last:]))
+    return re.compile("".join(parts)), names
+
+
+def _fill(template: str, values: MappingABC[str, str], keep: bool = False) -> str:
+    """The template with its placeholders' values (``keep``: placeholders without one stay)."""
+    return _PLACEHOLDER.sub(lambda m: values[m.group(1)] if m.group(1) in values or not keep
+                            else m.group(0), template)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """How one family of stored tensors appears in the tree.
+
+    ``stored`` and ``tree`` are names with ``{placeholders}``, each matching one
+    dot-separated segment and carried to the other side, e.g.
+    ``Rule("model.layers.{i}.mlp.up_proj.weight", "model.layers_{i}.mlp.up_proj.kernel",
+    transpose=(1, 0))``. Each stored tensor becomes a *piece* of the tree leaf:
+    transposed (``np.transpose(stored, transpose)``), then reshaped:
+
+    * ``split={axis: sizes}``: axis ``axis`` of the transposed tensor becomes
+      ``len(sizes)`` adjacent axes, e.g. ``{1: ("heads", "head_dim")}``;
+    * ``merge={axis: sizes}``: the ``len(sizes)`` adjacent transposed axes from
+      ``axis`` on become one axis;
+
+    then its values: ``permute={axis: p}`` reorders one axis of the piece (index
+    ``j`` holds index ``p(n)[j]`` of the reshaped piece; ``p`` a name in
+    ``PERMUTATIONS`` or a function of the axis size ``n``), ``scale`` multiplies
+    (in float32, float64 for float64 tensors; divided out again on save), and
+    ``dtype`` is the dtype saved (a float32 tree saved as ``"bfloat16"``).
+
+    Pieces form the leaf: ``stack={placeholder: axis}`` names placeholders of
+    the stored side only, each a leaf axis whose index is the placeholder's
+    value (``stack={"i": 1}``: layer ``i`` at index ``i`` of axis 1); several
+    ``stored`` patterns are concatenated along one leaf axis,
+    ``concat={axis: sizes}`` with one size per pattern. ``split``/``merge``/
+    ``permute`` axes count a piece's axes; ``stack``/``concat`` axes the leaf's.
+
+    A size is an int, ``-1`` (inferred), or a dimension name looked up in the
+    ``Mapping``'s ``dims`` (inferred when absent). Sizes are only needed where
+    the shapes at hand do not fix them; where they do they are checked.
+    """
+
+    stored: str | tuple[str, ...]
+    tree: str
+    transpose: tuple[int, ...] | None = None
+    split: MappingABC[int, Sequence[Size]] = dataclasses.field(default_factory=dict)
+    merge: MappingABC[int, Sequence[Size]] = dataclasses.field(default_factory=dict)
+    permute: MappingABC[int, Permutation] = dataclasses.field(default_factory=dict)
+    scale: float | None = None
+    dtype: Any = None
+    stack: MappingABC[str, int] = dataclasses.field(default_factory=dict)
+    concat: MappingABC[int, Sequence[Size]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def stored_patterns(self) -> tuple[str, ...]:
+        return (self.stored,) if isinstance(self.stored, str) else tuple(self.stored)
+
+    @property
+    def _stacked_placeholders(self) -> tuple[str, ...]:
+        """The ``stack`` placeholders in the order of their leaf axes."""
+        return tuple(sorted(self.stack, key=self.stack.__getitem__))
+
+    @property
+    def _tiling(self) -> Tiling:
+        """Where the pieces of a leaf this rule makes sit in it."""
+        return Tiling(tuple(sorted(self.stack.values())), next(iter(self.concat), None))
+
+    def __post_init__(self):
+        where = f"rule {self.stored_patterns[0]!r}"
+        self._check_names()
+        self._check_tiling(where)
+        self._check_layout(where)
+        self._check_values(where)
+
+    def _check_names(self) -> None:
+        """Both sides have the same placeholders, but the stacked ones (the stored side's only)."""
+        _, tree_names = _pattern(self.tree, "tree")
+        for pattern in self.stored_patterns:
+            _, stored_names = _pattern(pattern, "stored")
+            if set(stored_names) != set(tree_names) | set(self.stack) or set(self.stack) & set(tree_names):
+                raise MappingError(
+                    f"rule {pattern!r} ↔ {self.tree!r}: both sides need the same placeholders, "
+                    "except the stacked ones, which only the stored side has")
+
+    def _check_tiling(self, where: str) -> None:
+        if len(set(self.stack.values())) != len(self.stack) or any(
+                not isinstance(a, int) or a < 0 for a in self.stack.values()):
+            raise MappingError(f"{where}: stack axes {dict(self.stack)} must be distinct and >= 0")
+        patterns = self.stored_patterns
+        if len(patterns) > 1 or self.concat:
+            if len(self.concat) != 1 or len(next(iter(self.concat.values()))) != len(patterns):
+                raise MappingError(f"{where}: {len(patterns)} stored patterns need concat={{axis: "
+                                   f"one size per pattern}}")
+            if next(iter(self.concat)) in self.stack.values():
+                raise MappingError(f"{where}: the concat axis is a stack axis")
+
+    def _check_layout(self, where: str) -> None:
+        if self.transpose is not None and sorted(self.transpose) != list(range(len(self.transpose))):
+            raise MappingError(f"{where}: transpose {self.transpose} is not a permutation")
+        for kind, entries in (("split", self.split), ("merge", self.merge)):
+            for axis, sizes in entries.items():
+                if not isinstance(axis, int) or axis < 0:
+                    raise MappingError(f"{where}: {kind} axis {axis!r}: use axes >= 0")
+                if len(sizes) < 1 or (kind == "merge" and len(sizes) < 2):
+                    raise MappingError(f"{where}: {kind} {axis}: {tuple(sizes)} is too short")
+        merged = {a + k for a, sizes in self.merge.items() for k in range(len(sizes))}
+        if merged & set(self.split) or len(merged) != sum(len(s) for s in self.merge.values()):
+            raise MappingError(f"{where}: split and merge axes overlap")
+
+    def _check_values(self, where: str) -> None:
+        for permutation in self.permute.values():
+            if isinstance(permutation, str) and permutation not in PERMUTATIONS:
+                raise MappingError(f"{where}: unknown permutation {permutation!r}; "
+                                   f"known: {', '.join(PERMUTATIONS)}")
+        if self.scale is not None and not (math.isfinite(self.scale) and self.scale != 0):
+            raise MappingError(f"{where}: scale {self.scale} has no inverse")
+        if self.dtype is not None:
+            try:
+                object.__setattr__(self, "dtype", np.dtype(self.dtype))
+            except TypeError as e:
+                raise MappingError(f"{where}: dtype {self.dtype!r}: {e}") from None
+
+    def resolve(
+        self,
+        *,
+        stored_shape: Sequence[int] | None = None,
+        tree_shape: Sequence[int] | None = None,
+        dims: MappingABC[str, int] | None = None,
+    ) -> Transform:
+        """The transform of one piece between concrete shapes (the piece's, not the
+        leaf's: without the stacked axes, its own part of a concatenated axis);
+        either shape may be unknown, not both."""
+        where = self._where
+        if stored_shape is None and tree_shape is None:
+            raise MappingError(f"{where}: needs the stored or the tree shape")
+        stored, tree = _shape(stored_shape), _shape(tree_shape)
+        layout = self._layout(self._transposed(stored), tree, dims or {})
+        if tree is not None and layout.tree_shape != tree:
+            raise MappingError(
+                f"{where}: stored shape {stored} maps to {layout.tree_shape}, not the tree's {tree}")
+        return dataclasses.replace(layout, permutes=self._permutes(layout.tree_shape),
+                                   scale=self.scale, dtype=self.dtype)
+
+    def _transposed(self, stored: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        """The stored shape transposed (``None`` when it is unknown)."""
+        if stored is None:
+            return None
+        if self.transpose is None:
+            return stored
+        if len(self.transpose) != len(stored):
+            raise MappingError(
+                f"{self._where}: transpose {self.transpose} does not fit stored shape {stored}")
+        return tuple(stored[p] for p in self.transpose)
+
+    def _layout(self, transposed: tuple[int, ...] | None, tree: tuple[int, ...] | None,
+                dims: MappingABC[str, int]) -> Transform:
+        """The transpose and the reshape groups, walking the transposed and the tree axes."""
+        ndim = len(self.transpose) if self.transpose is not None else (
+            None if transposed is None else len(transposed))
+        groups: list[Group] = []
+        i = j = 0  # next transposed axis, next tree axis
+        while (i < ndim) if ndim is not None else (j < len(tree)):
+            src, out = self._group(i, j, transposed, tree, dims)
+            groups.append((src, out))
+            i, j = i + len(src), j + len(out)
+        if any(a >= i for a in itertools.chain(self.split, self.merge)):
+            raise MappingError(f"{self._where}: split/merge axes beyond the tensor's {i} axes")
+        perm = tuple(self.transpose) if self.transpose is not None else tuple(range(i))
+        return Transform(perm, tuple(groups))
+
+    def _group(self, i: int, j: int, transposed: tuple[int, ...] | None, tree: tuple[int, ...] | None,
+               dims: MappingABC[str, int]) -> Group:
+        """The reshape group at transposed axis ``i`` and tree axis ``j``: a split, a merge,
+        or one axis kept as it is."""
+        if i in self.split:
+            count = len(self.split[i])
+            sizes = _sizes(self.split[i], None if tree is None else tree[j:j + count],
+                           None if transposed is None else transposed[i], dims, f"{self._where}: split {i}")
+            return (math.prod(sizes),), sizes
+        if i in self.merge:
+            count = len(self.merge[i])
+            total = None if tree is None or j >= len(tree) else tree[j]
+            sizes = _sizes(self.merge[i], None if transposed is None else transposed[i:i + count],
+                           total, dims, f"{self._where}: merge {i}")
+            return sizes, (math.prod(sizes),)
+        if transposed is not None:
+            return (transposed[i],), (transposed[i],)
+        if j < len(tree):
+            return (tree[j],), (tree[j],)
+        raise MappingError(f"{self._where}: tree shape {tree} has too few axes")
+
+    def _permutes(self, shape: tuple[int, ...]) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        """``permute`` as concrete index orders of the axes of a piece of ``shape``."""
+        permutes = []
+        for axis, permutation in sorted(self.permute.items()):
+            if not -len(shape) <= axis < len(shape):
+                raise MappingError(f"{self._where}: permute axis {axis} of a {len(shape)}-axis tensor")
+            axis %= len(shape)
+            n = shape[axis]
+            order = tuple(int(k) for k in (PERMUTATIONS[permutation] if isinstance(permutation, str)
+                                           else permutation)(n))
+            if sorted(order) != list(range(n)):
+                raise MappingError(f"{self._where}: permute {axis}: not a permutation of {n} indices")
+            permutes.append((axis, order))
+        return tuple(permutes)
+
+    @property
+    def _where(self) -> str:
+        """How an error about resolving this rule names it."""
+        return f"rule {self.stored_patterns[0]!r} ↔ {self.tree!r}"
+
+
+def _shape(shape: Sequence[int] | None) -> tuple[int, ...] | None:
+    return None if shape is None else tuple(int(s) for s in shape)
+
+
+def _sizes(spec: Sequence[Size], actual: Sequence[int] | None, total: int | None,
+           dims: MappingABC[str, int], where: str, *, add: bool = False) -> tuple[int, ...]:
+    """Concrete sizes of a split or merge (they multiply to ``total``) or a concat
+    (``add``: they add up to it): ``actual`` when known, checked against ``spec``; else
+    from ``spec``, its one unknown size inferred from ``total``. Either total may be unknown."""
+    declared = [_declared(item, dims) for item in spec]
+    if actual is not None:
+        if len(actual) != len(spec) or any(d is not None and d != a for d, a in zip(declared, actual)):
+            raise MappingError(f"{where}: declared sizes {tuple(spec)} = {tuple(declared)} "
+                               f"do not match the shape's {tuple(actual)}")
+        declared = list(actual)
+    unknown = [k for k, d in enumerate(declared) if d is None]
+    if len(unknown) > 1 or (unknown and total is None):
+        raise MappingError(f"{where}: cannot infer sizes {tuple(spec)} (give them in dims=)")
+    combine = sum if add else math.prod
+    if unknown:
+        known = combine(d for d in declared if d is not None)
+        if not add and (known == 0 or total % known):
+            raise MappingError(f"{where}: {total} is not divisible by {known}")
+        declared[unknown[0]] = total - known if add else total // known
+    sizes = tuple(int(d) for d in declared)
+    if total is not None and combine(sizes) != total:
+        raise MappingError(f"{where}: sizes {sizes} do not {'add up' if add else 'multiply'} to {total}")
+    return sizes
+
+
+def _declared(item: Size, dims: MappingABC[str, int]) -> int | None:
+    """A declared size: an int, a name in ``dims``, or ``None`` (-1, or a name not given)."""
+    if isinstance(item, str):
+        return dims.get(item)
+    return None if int(item) == -1 else int(item)
+
+
+
+class Mapping:
+    """Rules that translate stored tensor names and layouts to a params tree, both ways.
+
+    ``dims`` names sizes the rules' ``split``/``merge``/``concat`` refer to (e.g.
+    ``{"heads": 32, "head_dim": 128}``); they are needed only where no shape
+    fixes them (loading without a target) and are checked everywhere else.
+    Every name must be matched by exactly one rule, on either side: a name no
+    rule maps or several rules map is an error, never a silent guess.
+    """
+
+    def __init__(self, rules: Iterable[Rule], *, dims: MappingABC[str, int] | None = None):
+        self.rules = tuple(rules)
+        self.dims = dict(dims or {})
+        self._stored = [(rule, _pattern(p, "stored")[0]) for rule in self.rules for p in rule.stored_patterns]
+        self._tree = [(rule, _pattern(rule.tree, "tree")[0]) for rule in self.rules]
+
+    def __repr__(self) -> str:
+        return f"Mapping({len(self.rules)} rules, dims={self.dims})"
+
+    def _find(self, name: str, patterns: list[tuple[Rule, re.Pattern]], side: str
+              ) -> tuple[Rule, dict[str, str]]:
+        hits = [(rule, m.groupdict()) for rule, p in patterns for m in [p.fullmatch(name)] if m]
+        if not hits:
+            raise MappingError(f"no rule maps the {side} name {name!r}")
+        if len(hits) > 1:
+            raise MappingError(f"the {side} name {name!r} is mapped by several rules: " + ", ".join(
+                f"{r.stored_patterns[0]!r} ↔ {r.tree!r}" for r, _ in hits))
+        return hits[0]
+
+    def stored_rule(self, tree_name: str) -> tuple[str, Rule]:
+        """``(stored name, rule)`` of a tree leaf that is one stored tensor."""
+        rule, values = self._find(tree_name, self._tree, "tree")
+        if rule.stack or len(rule.stored_patterns) > 1:
+            raise MappingError(f"the tree leaf {tree_name!r} is made of several stored tensors "
+                               "(use Mapping.assembly)")
+        return _fill(rule.stored_patterns[0], values), rule
+
+    def stored_name(self, tree_name: str) -> str:
+        return self.stored_rule(tree_name)[0]
+
+    def tree_name(self, stored_name: str) -> str:
+        """The tree leaf a stored tensor is (part of)."""
+        rule, values = self._find(stored_name, self._stored, "stored")
+        return _fill(rule.tree, values)
+
+    def transform(self, tree_name: str, *, stored_shape: Sequence[int] | None = None,
+                  tree_shape: Sequence[int] | None = None) -> Transform:
+        """The transform of a tree leaf that is one stored tensor, between the shapes given."""
+        _, rule = self.stored_rule(tree_name)
+        return rule.resolve(stored_shape=stored_shape, tree_shape=tree_shape, dims=self.dims)
+
+    def unmapped(self, names: Iterable[str], side: str = "tree") -> list[str]:
+        """The names no rule or several rules map (to report them all at once)."""
+        patterns = self._tree if side == "tree" else self._stored
+        return [n for n in names if sum(bool(p.fullmatch(n)) for _, p in patterns) != 1]
+
+    def assembly(self, tree_name: str, *, tree_shape: Sequence[int] | None = None,
+                 stored_shapes: MappingABC[str, Sequence[int]] | None = None) -> Assembly:
+        """The stored tensors a tree leaf is made of, and how.
+
+        ``tree_shape`` (a target's, or a leaf being saved) fixes how many
+        layers / experts are stacked and every piece's shape; without it they
+        come from ``stored_shapes`` (the checkpoint's tensors: the stacked
+        indices present must run from 0). Where both are known every piece is
+        checked against its stored shape; a stored tensor missing from
+        ``stored_shapes`` is an error only when its shape is needed.
+        """
+        rule, values = self._find(tree_name, self._tree, "tree")
+        where, tree, tiling = repr(tree_name), _shape(tree_shape), rule._tiling
+        if tree is not None:
+            tiling.check(tree, where)
+        counts = ([tree[axis] for axis in tiling.stacked] if tree is not None
+                  else self._stack_counts(rule, values, stored_shapes or {}, where))
+        first = _piece_names(rule, values, (0,) * len(counts))
+        sizes = self._concat_sizes(rule, tree, stored_shapes, first, where) or (None,) * len(first)
+        own = [None if tree is None else tiling.piece_shape(tree, size) for size in sizes]
+        pieces = []
+        for index in itertools.product(*(range(c) for c in counts)):
+            names = _piece_names(rule, values, index)
+            pieces += tiling.place(index, [
+                (name, self._piece_transform(rule, name, shape, stored_shapes, where))
+                for name, shape in zip(names, own)])
+        return assemble(tree, pieces, where)
+
+    def _piece_transform(self, rule: Rule, name: str, tree_shape: tuple[int, ...] | None,
+                         stored_shapes: MappingABC[str, Sequence[int]] | None, where: str) -> Transform:
+        """The transform of the stored tensor ``name``, a piece of ``tree_shape`` when known."""
+        stored_shape = None if stored_shapes is None else stored_shapes.get(name)
+        if tree_shape is None and stored_shape is None:
+            raise MappingError(f"{where}: the stored tensor {name!r} is missing")
+        try:
+            return rule.resolve(stored_shape=stored_shape, tree_shape=tree_shape, dims=self.dims)
+        except MappingError as e:
+            raise MappingError(f"{where} ({name!r}): {e}") from None
+
+    def _stack_counts(self, rule: Rule, values: MappingABC[str, str],
+                      stored_shapes: MappingABC[str, Sequence[int]], where: str) -> list[int]:
+        """How many indices each stacked placeholder takes (in the order of their axes), from
+        the stored names present."""
+        pattern = _pattern(_fill(rule.stored_patterns[0], values, keep=True), "stored")[0]
+        seen: dict[str, set[str]] = {p: set() for p in rule._stacked_placeholders}
+        for name in stored_shapes:
+            match = pattern.fullmatch(name)
+            if match:
+                for placeholder, found in seen.items():
+                    found.add(match.group(placeholder))
+        counts = []
+        for placeholder, found in seen.items():
+            expected = {str(i) for i in range(len(found))}
+            if found != expected:
+                raise MappingError(f"{where}: stacked {{{placeholder}}} takes the values "
+                                   f"{sorted(found, key=lambda v: (len(v), v))}, not 0..n-1")
+            counts.append(len(found))
+        return counts
+
+    def _concat_sizes(self, rule: Rule, tree: tuple[int, ...] | None,
+                      stored_shapes: MappingABC[str, Sequence[int]] | None, first: list[str],
+                      where: str) -> tuple[int, ...] | None:
+        """The concatenated pieces' sizes along the concat axis (``None``: no concat), from
+        the first stored pieces (``first``) where present, else the declared sizes."""
+        if not rule.concat:
+            return None
+        axis, spec = next(iter(rule.concat.items()))
+        actual = None
+        if stored_shapes is not None and all(name in stored_shapes for name in first):
+            piece_axis = rule._tiling.concat_piece_axis
+            actual = [rule.resolve(stored_shape=stored_shapes[name], dims=self.dims).tree_shape[piece_axis]
+                      for name in first]
+        return _sizes(spec, actual, None if tree is None else tree[axis], self.dims,
+                      f"{where}: concat {axis}", add=True)
+
+    def tree_shapes(self, stored_shapes: MappingABC[str, Sequence[int]]) -> dict[str, tuple[int, ...]]:
+        """The tree leaves a checkpoint's tensors make and their shapes (from headers alone,
+        e.g. ``ost.metadata(path).tensors``): the skeleton of a target, before shardings."""
+        bad = self.unmapped(stored_shapes, "stored")
+        if bad:
+            raise MappingError(f"no single rule maps the stored names: {', '.join(sorted(bad))}")
+        leaves = dict.fromkeys(self.tree_name(name) for name in stored_shapes)
+        return {leaf: self.assembly(leaf, stored_shapes=stored_shapes).shape for leaf in leaves}
+
+    def map_specs(self, specs: Sequence[TensorSpec]) -> tuple[list[TensorSpec], dict[str, Assembly]]:
+        """Tree-named specs → stored specs, and each tree leaf's ``Assembly``."""
+        bad = self.unmapped(s.name for s in specs)
+        if bad:
+            # One error listing every offender; _find explains the first one.
+            try:
+                self._find(bad[0], self._tree, "tree")
+            except MappingError as e:
+                raise MappingError(f"{e} (unmapped or ambiguous: {', '.join(bad)})") from None
+        stored_specs, assemblies, owner = [], {}, {}
+        for spec in specs:
+            assembly = self.assembly(spec.name, tree_shape=spec.shape)
+            assemblies[spec.name] = assembly
+            for piece in assembly.pieces:
+                if piece.stored in owner:
+                    raise MappingError(
+                        f"tree leaves {owner[piece.stored]!r} and {spec.name!r} both map to {piece.stored!r}")
+                owner[piece.stored] = spec.name
+                dtype = spec.dtype if piece.transform.dtype is None else dtype_for_numpy(piece.transform.dtype)
+                stored_specs.append(TensorSpec(piece.stored, dtype, piece.transform.stored_shape))
+        return stored_specs, assemblies
+
+
+def _piece_names(rule: Rule, values: MappingABC[str, str], index: Sequence[int]) -> list[str]:
+    """The stored names of the pieces at stack ``index`` of the leaf with placeholder ``values``."""
+    filled = {**values, **{p: str(i) for p, i in zip(rule._stacked_placeholders, index)}}
+    return [_fill(pattern, filled) for pattern in rule.stored_patterns]
