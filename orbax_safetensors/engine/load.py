@@ -154,8 +154,9 @@ def load(
       nest: without a target, return the tensors nested by the dots of their
         names (``{"model": {"layers": {"0": {...}}}}``) instead of flat.
     """
-    loading = _Loading(Location.resolve(path, storage_options, filesystem), LoadTarget(target, strict, mapping, nest),
-                       options or ReadOptions(), LoadStats() if stats is None else stats, progress=progress)
+    loading = _Loading(Location.resolve(path, storage_options, filesystem),
+                       LoadTarget(target, strict, mapping, nest), options or ReadOptions(),
+                       LoadStats() if stats is None else stats, progress=progress)
     with gc_paused():
         return loading.run(loading.plan())
 
@@ -189,9 +190,9 @@ def async_load(
     issued from a background thread can deadlock against collectives the
     caller issues meanwhile on the other processes.
     """
-    loading = _Loading(Location.resolve(path, storage_options, filesystem), LoadTarget(target, strict, mapping, nest),
-                       options or ReadOptions(), LoadStats() if stats is None else stats, progress=progress,
-                       background=True)
+    loading = _Loading(Location.resolve(path, storage_options, filesystem),
+                       LoadTarget(target, strict, mapping, nest), options or ReadOptions(),
+                       LoadStats() if stats is None else stats, progress=progress, background=True)
     with gc_paused():  # not while the reads run: the caller compiles meanwhile
         planned = loading.plan()
     return _in_background(loading, planned)
