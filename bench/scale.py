@@ -91,7 +91,7 @@ LAYERS, HIDDEN, FFN, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 126, 16384, 53248, 128, 
 TP = 8
 DEVICES = (64, 512, 4096)
 PROCESSES = (1, 64, 512)
-# ost.load's defaults on a local disk (ReadOptions, LocalStorage's capabilities, _BOUNCE_BYTES)
+# ost.load's defaults on a local disk (ReadOptions, LocalStorage's capabilities, read_policy.BOUNCE_BYTES)
 PROFILE = ReadProfile(chunk_bytes=32 << 20, max_gap=16 << 10, max_overread=2.0,
                       memory_budget=1 << 30)
 BOUNCE_BYTES = 4 << 20
@@ -189,7 +189,7 @@ def sources(plan: WritePlan) -> dict[str, TensorSource]:
 
 def inputs(layout: Layout, process: int, specs: list[tuple[TensorSpec, Spec]],
            stored: dict[str, TensorSource]) -> Iterator[Inputs]:
-    """Per tensor, what ``engine.read.sharded_job`` derives from ``devices_indices_map``."""
+    """Per tensor, what ``engine.read_jobs.sharded_job`` derives from ``devices_indices_map``."""
     mine = layout.devices_of(process)
     for spec, partition in specs:
         boxes = layout.boxes(spec.shape, partition)

@@ -27,7 +27,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import orbax_safetensors as ost
 from orbax_safetensors.engine.catalog import open_checkpoint
-from orbax_safetensors.engine.read import Job, execute
+from orbax_safetensors.engine.read_execution import execute
+from orbax_safetensors.engine.read_jobs import Job
+from orbax_safetensors.engine.read_policy import ReadPolicy
 from orbax_safetensors.format import parse_file_bytes
 from orbax_safetensors.format.checksums import (
     BLOCK_BYTES,
@@ -239,8 +241,9 @@ def _read_box(path, box, stats: ost.LoadStats, *, checked: bool = True,
         plan = plan_reads([reads], profile, {file: c.layout for file, c in checksums.items()})
         job = Job(reads, lambda buffers: np.concatenate(
             [b.view(np.float32).reshape(box_shape(s)) for b, s in zip(buffers, boxes)], axis=1))
-        (value,) = execute(checkpoint.storage, plan, [job], memory_budget=1 << 30, threads=4,
-                           stats=stats, checksums=checksums)
+        policy = ReadPolicy(profile, threads=4, bounce_bytes=1 << 14, read_once=False, reshard_below=0,
+                            casting="same_kind", checksums=checksums)
+        (value,) = execute(checkpoint.storage, plan, [job], policy, stats)
     return value
 
 

@@ -21,9 +21,10 @@ from jax.sharding import PartitionSpec as P
 
 import orbax_safetensors as ost
 from orbax_safetensors.engine import open_checkpoint
-from orbax_safetensors.engine.read import sharded_job
+from orbax_safetensors.engine.read_jobs import sharded_job
+from orbax_safetensors.engine.read_policy import ReadPolicy
 from orbax_safetensors.storage import Location
-from orbax_safetensors.planning import box_size, normalize_index
+from orbax_safetensors.planning import ReadProfile, box_size, normalize_index
 from orbax_safetensors.errors import MappingError
 from orbax_safetensors.planning.rules import Mapping, Rule
 from orbax_safetensors.planning.transforms import Transform
@@ -304,12 +305,14 @@ def test_each_device_reads_only_its_stored_box(stored_checkpoint, case):
     tensor, so they are staged as one run (the transform takes views), not 8 strided reads."""
     checkpoint = open_checkpoint(Location.resolve(stored_checkpoint))
     mapping, target = _mapping(), _target(CASES[case])
+    policy = ReadPolicy(ReadProfile(chunk_bytes=1 << 20, max_gap=0, max_overread=1.0, memory_budget=1 << 30),
+                        threads=1, bounce_bytes=1 << 20, read_once=False, reshard_below=0,
+                        casting="same_kind", checksums={})
     for tree_name, leaf in [(f"layers_0.{k}.kernel", v["kernel"]) for k, v in target["layers_0"].items()]:
         stored_name = mapping.stored_name(tree_name)
         source = checkpoint.tensors[stored_name]
         transform = mapping.transform(tree_name, stored_shape=source.shape, tree_shape=leaf.shape)
-        job = sharded_job(stored_name, source, np.dtype(np.float32), leaf.sharding,
-                          read_once=False, bounce_bytes=1 << 20, transform=transform)
+        job = sharded_job(stored_name, source, np.dtype(np.float32), leaf.sharding, policy, transform)
         reads = job.reads
         assert reads.shards == (tuple((0, n) for n in source.shape),)
         assert reads.nbytes == reads.needed == source.nbytes

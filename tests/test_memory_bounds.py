@@ -54,7 +54,7 @@ MiB = 1 << 20
 MARGIN = 64 * MiB  # measured noise is below 20 MiB: allocator arenas, XLA's per-device state, thread stacks, Python objects
 BUDGET = 32 * MiB
 THREADS = 16  # ReadOptions.threads default
-BOUNCE = 4 * MiB  # engine.load._BOUNCE_BYTES: one strided-read buffer per read thread
+BOUNCE = 4 * MiB  # engine.read_policy.BOUNCE_BYTES: one strided-read buffer per read thread
 CHILD_TIMEOUT = 180
 
 # Checkpoint A (HF, 3 files): 16 tensors of 16 MiB, 8x the budget.

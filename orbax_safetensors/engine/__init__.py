@@ -15,7 +15,6 @@ from orbax_safetensors.engine.consolidate import (
 )
 from orbax_safetensors.engine.load import (
     CheckpointMetadata,
-    ReadOptions,
     async_load,
     load,
     metadata,
@@ -23,7 +22,8 @@ from orbax_safetensors.engine.load import (
 )
 from orbax_safetensors.engine.pending import unwatch, watch_at_exit
 from orbax_safetensors.engine.progress import Progress, format_bytes, format_seconds, summary_line
-from orbax_safetensors.engine.read import LoadStats
+from orbax_safetensors.engine.read_execution import LoadStats
+from orbax_safetensors.engine.read_policy import ReadOptions
 from orbax_safetensors.engine.save import (
     SaveJob,
     SaveOptions,

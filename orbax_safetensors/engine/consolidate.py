@@ -31,7 +31,7 @@ from orbax_safetensors.storage.executor import Executor
 from orbax_safetensors.engine.integrity import Verifier
 from orbax_safetensors.engine.operation import Operation
 from orbax_safetensors.engine.progress import Progress
-from orbax_safetensors.engine.read import transfer
+from orbax_safetensors.engine.read_execution import transfer
 from orbax_safetensors.engine.save import SaveStats, check_metadata, take_location
 from orbax_safetensors.format import TensorInfo
 from orbax_safetensors.planning import (

@@ -1,0 +1,75 @@
+"""Device assembly: host shards (or raw bytes) into global ``jax.Array``s.
+
+Two ways in. ``device_array`` puts each of this process's host shards on the
+devices holding it and forms the global array
+(``jax.make_array_from_single_device_arrays``). ``bytes_to_array`` turns
+bytes spread over the devices (a tensor read 1/N per process, read once per
+cluster) into the typed, reshaped array of the target sharding: the
+all-gather happens on device, compiled once per (shape, dtype, sharding).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from orbax_safetensors.engine.casting import Cast, apply_cast
+from orbax_safetensors.engine.host_work import host_map
+from orbax_safetensors.planning import Box
+
+
+def device_array(shape: tuple[int, ...], sharding: jax.sharding.Sharding, cast: Cast,
+                 local: dict[Box, list[jax.Device]], host_shard: Callable[[Box], np.ndarray]) -> jax.Array:
+    """The global array of ``sharding`` whose local shards ``host_shard(box)`` gives, each cast
+    to ``cast.to`` (on every core), put on its devices by one batched ``device_put`` (a third
+    of the dispatch cost of one call per shard)."""
+    shards, targets = [], []
+    for shard, devices in zip(host_map(lambda box: apply_cast(host_shard(box), cast), list(local)),
+                              local.values()):
+        shards.extend([shard] * len(devices))
+        targets.extend(devices)
+    arrays = jax.device_put(shards, targets)
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays, dtype=cast.to)
+
+
+def bitcastable(dtype: np.dtype) -> bool:
+    """Dtypes XLA can rebuild from raw bytes on device (not complex, not sub-byte)."""
+    return dtype.kind != "c" and dtype.itemsize >= 1 and dtype.name not in (
+        "float4_e2m1fn", "float6_e2m3fn", "float6_e3m2fn")
+
+
+@functools.lru_cache(maxsize=256)
+def bytes_to_array(nbytes, shape, stored: np.dtype, target: np.dtype, sharding,
+                   bounds: bool = False) -> Callable:
+    """A compiled bytes → typed, reshaped, resharded array (the all-gather happens here);
+    with ``bounds``, also what a range check needs, replicated: the smallest and largest
+    stored value (infinities included, NaN not), whether any is NaN, and whether all are."""
+
+    def convert(flat: jax.Array) -> jax.Array:
+        raw = flat[:nbytes]
+        if stored == np.bool_:
+            typed = raw != 0
+        elif stored.itemsize == 1:
+            typed = jax.lax.bitcast_convert_type(raw, stored)
+        else:
+            typed = jax.lax.bitcast_convert_type(raw.reshape(-1, stored.itemsize), stored)
+        result = typed.reshape(shape).astype(target)
+        if not bounds:
+            return result
+        if not jnp.issubdtype(stored, jnp.inexact):
+            return result, typed.min(), typed.max(), jnp.bool_(False), jnp.bool_(False)
+        wide = typed.astype(jnp.float32)  # every stored float type's values, and ±inf to fill NaN
+        nan = jnp.isnan(wide)
+        return (result, jnp.where(nan, jnp.inf, wide).min(), jnp.where(nan, -jnp.inf, wide).max(),
+                nan.any(), nan.all())
+
+    if not bounds:
+        return jax.jit(convert, out_shardings=sharding)
+    devices = np.array(sorted(sharding.device_set, key=lambda d: d.id))
+    replicated = jax.sharding.NamedSharding(jax.sharding.Mesh(devices, ("all",)),
+                                            jax.sharding.PartitionSpec())
+    return jax.jit(convert, out_shardings=(sharding, replicated, replicated, replicated, replicated))
