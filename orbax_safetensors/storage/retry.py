@@ -72,13 +72,15 @@ class RetryPolicy:
     def backoff(self, retry: int, rng: random.Random) -> float:
         return rng.uniform(0, min(self.max_backoff, self.first_backoff * 2 ** retry))
 
-    def tries(self, rng: random.Random | None = None) -> Iterator[int]:
+    def tries(self, rng: random.Random | None = None, *, first: int = 0) -> Iterator[int]:
         """The attempts this policy allows, numbered from 0, with the backoff slept before
-        each one after the first: the loop body returns on success and goes on to retry."""
+        each one after the first: the loop body returns on success and goes on to retry.
+        ``first``: where a caller resumes that already spent attempts (a load that read a
+        changed checkpoint plans again), without sleeping before it."""
         rng = rng or random.Random()
         started = time.monotonic()
-        for attempt in range(self.attempts):
-            if attempt:
+        for attempt in range(first, self.attempts):
+            if attempt > first:
                 if time.monotonic() - started > self.deadline:
                     return
                 time.sleep(self.backoff(attempt - 1, rng))
