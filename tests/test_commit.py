@@ -74,6 +74,29 @@ def test_verify_lists_leftover_temporaries_and_the_next_save_removes_them(tmp_pa
     assert not _hidden(path)
 
 
+@pytest.mark.parametrize("layout, index", [("hf", "model.safetensors.index.json"),
+                                           ("distributed", "orbax_safetensors.distributed.json")])
+def test_an_overwrite_moves_the_old_index_away_before_any_file_changes(tmp_path, monkeypatch,
+                                                                     layout, index):
+    """A reader that knows no journal (transformers) must never find the old index beside new
+    files: the catalog names the old checkpoint's index, and the commit moves it first."""
+    path = tmp_path / "ckpt"
+    ost.save(path, _tree(1), layout=layout, max_shard_size=20000)
+    renames = []
+    rename = local_storage.LocalStorage.rename
+
+    def recording(self, source, destination, **options):
+        renames.append((os.path.basename(source), os.path.basename(destination)))
+        return rename(self, source, destination, **options)
+
+    monkeypatch.setattr(local_storage.LocalStorage, "rename", recording)
+    ost.save(path, _tree(2), layout=layout, max_shard_size=20000, overwrite=True)
+    moves = [(a, b) for a, b in renames if ".orbax_safetensors.commit-" not in b]
+    assert moves[0][0] == index and moves[0][1].startswith(f".{index}.old-"), moves
+    assert moves[-1][1] == index, moves  # and the new index is put in place last
+    assert _same(ost.load(path), _tree(2))
+
+
 def _interrupted_commit(tmp_path, dies_at: str):
     """A sharded checkpoint being overwritten whose writer dies (no rollback, as under SIGKILL)
     in its commit: right after writing the journal (``"journal written"``), or right before

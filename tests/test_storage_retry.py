@@ -1,6 +1,8 @@
-"""The retry policy of object-store calls: what counts as transient, backoff, final errors."""
+"""The retry policy of object-store calls and snapshot re-reads: what counts as transient, backoff,
+final errors."""
 
 import random
+import time
 
 import pytest
 
@@ -106,3 +108,15 @@ def test_backoff_grows_exponentially_with_full_jitter_and_a_cap():
         samples = [policy.backoff(retry, rng) for _ in range(200)]
         assert 0 <= min(samples) and max(samples) <= bound
         assert max(samples) > 0.8 * bound
+
+
+def test_tries_sleep_between_attempts_and_resume_where_a_caller_left_off(monkeypatch):
+    slept = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    policy = RetryPolicy(attempts=4, first_backoff=0.5, max_backoff=3.0)
+    assert list(policy.tries(random.Random(0))) == [0, 1, 2, 3]
+    assert len(slept) == 3 and all(0 <= s <= b for s, b in zip(slept, [0.5, 1.0, 2.0]))
+    slept.clear()
+    assert list(policy.tries(random.Random(0), first=2)) == [2, 3] and len(slept) == 1
+    gone = RetryPolicy(attempts=4, deadline=-1.0)  # past its deadline after the first attempt
+    assert list(gone.tries()) == [0]

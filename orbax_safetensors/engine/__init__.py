@@ -5,7 +5,7 @@ The names below are the engine's public surface: the user's API (re-exported by
 nothing else from the engine.
 """
 
-from orbax_safetensors.engine.catalog import Checkpoint, open_checkpoint
+from orbax_safetensors.engine.catalog import Checkpoint, Layout, detect_layout, open_checkpoint
 from orbax_safetensors.engine.consolidate import (
     BlockSource,
     CheckpointBlocks,
@@ -41,7 +41,7 @@ from orbax_safetensors.engine.verify import Problem, VerifyReport, verify
 __all__ = [
     "CheckpointMetadata", "LoadStats", "Problem", "ReadOptions", "SaveStats", "VerifyReport",
     "async_load", "async_save", "consolidate", "load", "metadata", "nest", "save", "target", "verify",
-    "BlockSource", "Checkpoint", "CheckpointBlocks", "Progress", "SaveJob", "SaveOptions",
-    "StreamOptions", "check_metadata", "check_tree", "flatten_with_names", "format_bytes", "format_seconds", "metadata_of",
-    "open_checkpoint", "prepare_save", "summary_line", "unwatch", "watch_at_exit", "write_blocks",
+    "BlockSource", "Checkpoint", "CheckpointBlocks", "Layout", "Progress", "SaveJob", "SaveOptions",
+    "StreamOptions", "check_metadata", "check_tree", "detect_layout", "flatten_with_names",
+    "format_bytes", "format_seconds", "metadata_of", "open_checkpoint", "prepare_save", "summary_line", "unwatch", "watch_at_exit", "write_blocks",
 ]

@@ -1,20 +1,21 @@
 """What checkpoint is at a location: the one place that answers it.
 
-``load``, ``metadata``, ``verify``, ``save``'s overwrite check, ``consolidate``
-and ``convert`` all ask here, so they never disagree about what a directory
-holds. A path ending in ``.safetensors`` is one file. A directory is
+``load``, ``metadata``, ``verify``, ``save``'s overwrite check (and its commit,
+which takes the old index away first: ``Survey.markers``), ``consolidate`` and
+``convert`` (``detect_layout``) all ask here, so they never disagree about what
+a directory holds. A path ending in ``.safetensors`` is one file. A directory is
 recognised by its commit marker: ``orbax_safetensors.distributed.json`` (our
 distributed layout), else ``model.safetensors.index.json`` (HF shards; only
 the files the index names count), else ``model.safetensors``. Without any of
 them, the marker of a save of ours writing files under their final names
 makes it an interrupted save (never half-loaded); else its ``*.safetensors``
-files are the checkpoint, every one of them (``UNINDEXED``, what Orbax's
+files are the checkpoint, every one of them (``Layout.UNINDEXED``, what Orbax's
 ``SafetensorsLayout`` and ``safetensors`` users read): ``model-0000i-of-0000N``
 shards only as a whole set 1..N (the rest of an interrupted copy is no
 model), and no tensor in two files. A directory of torch DCP
 ``save_distributed`` files (``shard-*-model-*``) has no marker; their headers
 say where each slice sits. While a commit is in progress the old checkpoint
-is the one there (``commit.read_view``).
+is the one there (``naming.read_view``).
 
 Two questions at two costs. ``survey`` answers from the listing and the
 index alone: the layout, which files the committed checkpoint consists of,
@@ -30,8 +31,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import enum
 import errno
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -60,28 +61,37 @@ from orbax_safetensors.index.distributed_index import DCP_SHARDING_INFO, DCP_VER
 from orbax_safetensors.planning import StoredSlice, TensorSource
 from orbax_safetensors.storage import Location, Storage
 from orbax_safetensors.storage.location import SINGLE_FILE_SUFFIX
-from orbax_safetensors.storage.commit import (
+from orbax_safetensors.storage.naming import (
     DirectoryView,
     files_of_marker,
     is_transient,
-    lock_name,
     read_view,
     writing_markers,
 )
+from orbax_safetensors.storage.retry import SNAPSHOT_REREADS
 
-SINGLE_FILE = "single file"  # a location named *.safetensors
-HF_SINGLE = "hf single file"
-HF_SHARDED = "hf sharded"
-UNINDEXED = "safetensors files (no index)"  # a directory of *.safetensors: all of them
-DISTRIBUTED = "distributed"
-TORCH_DCP = "torch dcp"
-UNKNOWN = "unknown"
-NOTHING = "nothing"  # no such file or directory
+
+class Layout(str, enum.Enum):
+    """What kind of checkpoint the catalog found at a location. A ``str`` whose value is what
+    ``VerifyReport.layout`` (and ``orbax-safetensors verify``) says."""
+
+    SINGLE_FILE = "single file"  # a location named *.safetensors
+    HF_SINGLE = "hf single file"
+    HF_SHARDED = "hf sharded"
+    UNINDEXED = "safetensors files (no index)"  # a directory of *.safetensors: all of them
+    DISTRIBUTED = "distributed"
+    TORCH_DCP = "torch dcp"
+    UNKNOWN = "unknown"
+    NOTHING = "nothing"  # no such file or directory
+
+    def __str__(self) -> str:
+        return self.value
+
 
 _FIRST_READ = 1 << 16  # one request usually covers the whole header
 MAX_INDEX_SIZE = 1 << 30  # an index lists names and slices: megabytes even for huge models
 _HEADER_THREADS = 16
-_OPEN_ATTEMPTS = 50  # an overwrite commits in milliseconds; fifty looks span seconds
+_INDEXES = frozenset({INDEX_NAME, DISTRIBUTED_INDEX_NAME})  # what marks a directory committed
 _MISSING_ATTEMPTS = 3  # looks again at a named file that is missing under an unchanged view
 
 
@@ -124,12 +134,12 @@ class Survey:
     ``DirectCommit`` marker: the next save may remove them, and no other file it
     did not write); ``transient`` our temporaries, backups and journals (not the
     lock of a live writer). ``index`` is the parsed index of
-    an ``HF_SHARDED`` (an ``HFIndex``) or ``DISTRIBUTED`` (tensors, metadata)
+    a ``Layout.HF_SHARDED`` (an ``HFIndex``) or ``Layout.DISTRIBUTED`` (tensors, metadata)
     checkpoint, ``None`` if it has none or it did not parse.
     """
 
     location: Location
-    layout: str
+    layout: Layout
     view: DirectoryView
     committed: frozenset[str] = frozenset()
     present: frozenset[str] = frozenset()
@@ -140,6 +150,12 @@ class Survey:
     def path(self, name: str) -> str:
         """Where the checkpoint's file ``name`` is read from (a backup while a commit is open)."""
         return self.view.path(self.location.storage, self.location.directory, name)
+
+    @property
+    def markers(self) -> frozenset[str]:
+        """The committed checkpoint's commit markers (its indexes): what a save replacing it
+        takes away before any other file changes (``Commit.markers``)."""
+        return self.committed & _INDEXES
 
     @property
     def leftovers(self) -> list[str]:
@@ -161,52 +177,53 @@ def survey(location: Location, findings: Findings, storage: Storage | None = Non
     try:
         view = view or read_view(location.storage, location.path)
     except FileNotFoundError:
-        return Survey(location, NOTHING, DirectoryView(frozenset()))
+        return Survey(location, Layout.NOTHING, DirectoryView(frozenset()))
     except NotADirectoryError:
         findings.problem(_not_a_directory(location), location.url)
-        return Survey(location, UNKNOWN, DirectoryView(frozenset()))
+        return Survey(location, Layout.UNKNOWN, DirectoryView(frozenset()))
     names = view.names
     dcp = {n for n in names if is_distributed_file_name(n)}
     whole = {n for n in names if n.endswith(SINGLE_FILE_SUFFIX)} - dcp  # files of whole tensors
     shards = {n for n in whole if is_shard_file_name(n)} | dcp
-    transient = tuple(sorted(n for n in view.entries if is_transient(n) and n != lock_name(None)))
+    transient = tuple(sorted(n for n in view.entries if is_transient(n)))
     markers = writing_markers(view.entries)
     ours = frozenset().union(*(files_of_marker(location.storage, location.join(m)) for m in markers))
-    found = Survey(location, UNKNOWN, view, present=frozenset(shards), transient=transient, ours=ours)
+    found = Survey(location, Layout.UNKNOWN, view, present=frozenset(shards), transient=transient,
+                   ours=ours)
     committed: set[str] = set()
     index: Any = None
     if DISTRIBUTED_INDEX_NAME in names:
-        layout = DISTRIBUTED
+        layout = Layout.DISTRIBUTED
         index = _parse(found, storage, findings, DISTRIBUTED_INDEX_NAME, parse_distributed_index)
         committed = {DISTRIBUTED_INDEX_NAME} | (
             shards if index is None else {s.file for t in index[0].values() for s in t.slices})
         if INDEX_NAME in names:  # an hf index beside it is replaced too, but never read
             committed |= {INDEX_NAME} | shards
     elif INDEX_NAME in names:
-        layout = HF_SHARDED
+        layout = Layout.HF_SHARDED
         index = _parse(found, storage, findings, INDEX_NAME, parse_index)
         committed = {INDEX_NAME} | (shards if index is None else set(index.files))
     elif SINGLE_FILE_NAME in names:
-        layout = HF_SINGLE
+        layout = Layout.HF_SINGLE
     elif (whole or dcp) and markers:
         # Before anything else without an index: a save writing files under their final names
         # (object stores) has removed the old index first, and its marker is what tells a
         # reader that the files there now are half old, half new.
-        layout = DISTRIBUTED if dcp else HF_SHARDED
+        layout = Layout.DISTRIBUTED if dcp else Layout.HF_SHARDED
         findings.problem(f"holds *{SINGLE_FILE_SUFFIX} files and the marker of a save in progress "
                          f"({markers[0]}) "
                          "but no index: an interrupted save, or one still writing (the index is "
                          "put in place last, so this checkpoint was never committed)", location.url)
     elif whole:
-        layout = UNINDEXED
+        layout = Layout.UNINDEXED
         if _check_unindexed(location, whole, dcp, findings):
             committed = set(whole)
         else:  # no checkpoint, but files a save without overwrite must not remove
             shards |= whole
     elif dcp:
-        layout, committed = TORCH_DCP, set(dcp)
+        layout, committed = Layout.TORCH_DCP, set(dcp)
     else:
-        layout = UNKNOWN
+        layout = Layout.UNKNOWN
         findings.problem(f"no {INDEX_NAME}, {DISTRIBUTED_INDEX_NAME} or *{SINGLE_FILE_SUFFIX} "
                          "file in this directory", location.url)
     if SINGLE_FILE_NAME in names:  # beside an index too: an overwrite replaces it
@@ -266,10 +283,10 @@ def _survey_file(location: Location, leftovers: bool) -> Survey:
     that file and its own temporaries are the checkpoint's."""
     storage, name = location.storage, location.file_name
     if not storage.exists(location.path):
-        return Survey(location, NOTHING, DirectoryView(frozenset()))
+        return Survey(location, Layout.NOTHING, DirectoryView(frozenset()))
     transient = tuple(sorted(n for n in storage.listdir(location.directory)
-                             if is_transient(n, name) and n != lock_name(name))) if leftovers else ()
-    return Survey(location, SINGLE_FILE, DirectoryView(frozenset({name})),
+                             if is_transient(n, name))) if leftovers else ()
+    return Survey(location, Layout.SINGLE_FILE, DirectoryView(frozenset({name})),
                   frozenset({name}), frozenset({name}), transient)
 
 
@@ -339,8 +356,7 @@ class Checkpoint:
         (the index is put in place last, so for our saves the commit), in nanoseconds since
         the epoch; ``None`` where the store keeps no times. One metadata request per file,
         so asked for only by who reports it (Orbax's ``commit_timestamp_nsecs``)."""
-        indexes = [self.survey.path(n) for n in (INDEX_NAME, DISTRIBUTED_INDEX_NAME)
-                   if n in self.survey.committed]
+        indexes = [self.survey.path(n) for n in sorted(self.survey.markers)]
         times = [self.storage.modified(file) for file in (*self.files, *indexes)]
         return None if not times or None in times else max(times)
 
@@ -368,18 +384,18 @@ class Checkpoint:
 def read(found: Survey, storage: Storage, findings: Findings) -> Checkpoint:
     """Every header the checkpoint ``found`` needs, checked, and its tensors' slices."""
     reader = _Reader(found, storage, findings)
-    if found.layout == SINGLE_FILE:
+    if found.layout == Layout.SINGLE_FILE:
         return reader.whole_tensors([found.location.path], None)
-    if found.layout == HF_SINGLE:
+    if found.layout == Layout.HF_SINGLE:
         return reader.whole_tensors([found.path(SINGLE_FILE_NAME)], None)
-    if found.layout == HF_SHARDED and found.index is not None:
+    if found.layout == Layout.HF_SHARDED and found.index is not None:
         return reader.hf_sharded(found.index)
-    if found.layout == UNINDEXED:
+    if found.layout == Layout.UNINDEXED:
         return reader.whole_tensors(sorted((found.path(n) for n in found.committed), key=natural_key),
                                     None)
-    if found.layout == DISTRIBUTED and found.index is not None:
+    if found.layout == Layout.DISTRIBUTED and found.index is not None:
         return reader.distributed(*found.index)
-    if found.layout == TORCH_DCP:
+    if found.layout == Layout.TORCH_DCP:
         return reader.torch_dcp()
     return Checkpoint(storage, found, {}, {})  # what is wrong is already reported
 
@@ -578,13 +594,13 @@ def open_checkpoint(location: Location) -> Checkpoint:
     between the listing and the read. Close the result (a context manager).
     """
     storage = location.storage
-    for attempt in range(_OPEN_ATTEMPTS):
+    for attempt in SNAPSHOT_REREADS.tries():
         view = _view_or_none(location)
         snapshot = storage.snapshot()
         found = None
         try:
             found = survey(location, Findings(collect=False), snapshot, view=view)
-            if found.layout == NOTHING:
+            if found.layout == Layout.NOTHING:
                 _raise_nothing(location)
             checkpoint = read(found, snapshot, Findings(collect=False))
         except Exception as e:
@@ -595,17 +611,26 @@ def open_checkpoint(location: Location) -> Checkpoint:
             # missing file may also be a commit that ran to completion between the two.
             raced = isinstance(e, MissingFileError) and attempt + 1 < _MISSING_ATTEMPTS or (
                 found is not None and _view_or_none(location) != view)
-            if raced and attempt + 1 < _OPEN_ATTEMPTS:
-                time.sleep(min(0.001 * 2 ** attempt, 0.05))
+            if raced and attempt + 1 < SNAPSHOT_REREADS.attempts:
                 continue
             raise
         if checkpoint.unchanged():
             return checkpoint
         snapshot.close()
-        time.sleep(min(0.001 * 2 ** attempt, 0.05))
     raise CheckpointChangedError(
-        f"the checkpoint kept changing while it was being opened ({_OPEN_ATTEMPTS} attempts)",
+        f"the checkpoint kept changing while it was being opened ({attempt + 1} attempts)",
         file=location.url)
+
+
+def detect_layout(location: Location) -> Layout:
+    """What kind of checkpoint is at ``location``, from its listing and index alone (no header
+    is read), for a caller that chooses what to do by it (``convert``). Raises as a load would
+    where there is none: ``FileNotFoundError`` where nothing is, ``SafetensorsError`` naming
+    what is there instead (an interrupted save, a directory of other files)."""
+    found = survey(location, Findings(collect=False))
+    if found.layout == Layout.NOTHING:
+        _raise_nothing(location)
+    return found.layout
 
 
 def _view_or_none(location: Location) -> DirectoryView | None:

@@ -356,7 +356,7 @@ def take_location(location: Location, peers: Peers, *, overwrite: bool, fresh: b
     """
     token = uuid.uuid4().hex[:12]
     commit = Commit.for_location(location, token, ())
-    error, old = None, frozenset()
+    error, old, markers = None, frozenset(), frozenset()
     if peers.is_primary and not fresh:
         try:
             commit.acquire()
@@ -372,12 +372,13 @@ def take_location(location: Location, peers: Peers, *, overwrite: bool, fresh: b
                                       f"wrote and no index names ({shown}); pass overwrite=True to "
                                       "replace them, or remove them", location.url)
             old = (found.present if overwrite else frozenset()) | found.ours
+            markers = found.markers
             commit.clear_leftovers()
         except BaseException as e:
             commit.release()
             error = e
     shared = json.loads(peers.share("location", json.dumps({
-        "token": token, "old": sorted(old),
+        "token": token, "old": sorted(old), "markers": sorted(markers),
         "error": "" if error is None else ProcessFailure.of(0, error).to_json()})))
     if error is not None:
         raise error
@@ -387,9 +388,9 @@ def take_location(location: Location, peers: Peers, *, overwrite: bool, fresh: b
             raise FileExistsError(failure.errno, failure.message, failure.filename)
         raise DistributedError(f"{location.url}: process 0 could not begin the save", {0: failure})
     if peers.is_primary:
-        commit.old = old
+        commit.old, commit.markers = old, markers
         return commit
-    return Commit.for_location(location, shared["token"], shared["old"])
+    return Commit.for_location(location, shared["token"], shared["old"], shared["markers"])
 
 
 def check_tree(tree: Any, layout: str = "hf") -> tuple[dict[str, Any], list[TensorSpec]]:

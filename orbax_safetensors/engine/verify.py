@@ -73,7 +73,7 @@ class VerifyReport:
         return not self.problems
 
     def to_json(self) -> dict[str, Any]:
-        return {"path": self.path, "ok": self.ok, "layout": self.layout, "files": self.files,
+        return {"path": self.path, "ok": self.ok, "layout": str(self.layout), "files": self.files,
                 "tensors": self.tensors, "bytes": self.bytes,
                 "problems": [dataclasses.asdict(p) for p in self.problems],
                 "leftovers": self.leftovers, "bytes_checked": self.bytes_checked,
@@ -116,7 +116,7 @@ def verify(
     location = Location.resolve(path, storage_options, filesystem)
     findings = catalog.Findings(collect=True)
     found = catalog.survey(location, findings, leftovers=True)
-    if found.layout == catalog.NOTHING:
+    if found.layout == catalog.Layout.NOTHING:
         what = "safetensors file" if location.is_single_file else "safetensors checkpoint"
         reason = catalog.missing_reason(location).removeprefix("file ")
         raise MissingFileError(f"no {what} here: it {reason}", file=location.url)

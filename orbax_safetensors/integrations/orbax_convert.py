@@ -71,6 +71,7 @@ from orbax_safetensors.engine import (
     CheckpointBlocks,
     Progress,
     StreamOptions,
+    detect_layout,
     flatten_with_names,
     nest as nest_names,
     open_checkpoint,
@@ -199,13 +200,15 @@ def detect_format(
     storage_options: Mapping[str, Any] | None = None,
     filesystem: fsspec.AbstractFileSystem | None = None,
 ) -> tuple[str, str]:
-    """``("orbax", item directory)`` or ``("safetensors", src)``; raises for anything else."""
+    """``("orbax", item directory)`` or ``("safetensors", src)``; raises for anything else.
+    An Orbax item is recognised here (the engine knows nothing of Orbax); a safetensors
+    checkpoint by the catalog, which alone knows their layouts."""
     text = os.fspath(src)
     item = _orbax_item_dir(text)
     if item is not None:
         return ORBAX, item
     try:
-        open_checkpoint(Location.resolve(src, storage_options, filesystem)).close()
+        detect_layout(Location.resolve(src, storage_options, filesystem))
     except (FileNotFoundError, SafetensorsError) as e:
         if not _exists(text):
             raise FileNotFoundError(f"{text!r} does not exist") from None

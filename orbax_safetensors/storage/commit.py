@@ -1,8 +1,11 @@
 """Making a checkpoint visible, and keeping the old one whole until then.
 
-The one place that knows temporary names, the order of uncommit and commit,
-the lock against a second writer, rollback and cleanup. Two strategies,
-chosen once from what the backend declares (``Capabilities.cheap_rename``):
+The one place that knows the order of uncommit and commit, the lock against a
+second writer, rollback and cleanup; the names these steps put on disk, and
+what a reader makes of them, are ``naming``'s. Which of the old files mark a
+checkpoint committed (its index) is the catalog's answer, handed in
+(``Commit.markers``). Two strategies, chosen once from what the backend
+declares (``Capabilities.cheap_rename``):
 
 * ``StagedCommit`` -- renames are metadata (local disks, NFS, ``memory://``).
   Every file is written under a temporary name. The commit writes a journal
@@ -10,7 +13,7 @@ chosen once from what the backend declares (``Capabilities.cheap_rename``):
   every old file a new one replaces to a backup name, renames the new files in
   (the index last) and removes the journal: that removal is the commit point.
   Until it, the old checkpoint is the committed one -- a reader that finds a
-  journal reads the old files from their backups (``read_view``) -- so a
+  journal reads the old files from their backups (``naming.read_view``) -- so a
   crash, an error or Ctrl-C at any step leaves the old checkpoint loadable; an
   error or Ctrl-C also rolls back (backups renamed back, temporaries removed),
   and the next writer rolls back what a crashed one left. One file replacing
@@ -33,168 +36,32 @@ drops it with its process) and its debris is removed by the next writer.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import os
-import re
 import socket
 import threading
 from collections.abc import Callable, Collection, Iterable, Sequence
 
-from orbax_safetensors.index import DISTRIBUTED_INDEX_NAME, INDEX_NAME
 from orbax_safetensors.storage.base import Storage
 from orbax_safetensors.storage.location import Location
+from orbax_safetensors.storage.naming import (
+    Journal,
+    backup_name,
+    is_staged_by_writer,
+    is_transient,
+    is_written_by,
+    journal_name,
+    journals,
+    lock_name,
+    marker_bytes,
+    original_name,
+    part_name,
+    read_journal,
+    temporary_name,
+    writing_marker_name,
+)
 
 _LOG = logging.getLogger("orbax_safetensors")
-
-LOCK_NAME = ".orbax_safetensors.lock"
-_JOURNAL = re.compile(r"^\.orbax_safetensors\.commit-([0-9a-f]{12})\.json$")
-# What a ``DirectCommit`` puts down before its files go to their final names: the names it
-# writes. Earlier saves marked only distributed saves, with an empty temporary of their index.
-_WRITING = re.compile(r"^\.orbax_safetensors\.writing-([0-9a-f]{12})\.json$")
-_LEGACY_WRITING = re.compile(r"^\.orbax_safetensors\.distributed\.json\.tmp-[0-9a-f]{12}$")
-# .NAME.tmp-TOKEN (a file before its commit), .NAME.part-TOKEN-OFFSET (a part of one, object
-# stores), .NAME.old-TOKEN (an old file replaced by a commit in progress)
-_TRANSIENT = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|part|old)-(?P<token>[0-9a-f]{12})(?:-\d{20})?$")
-_MAX_JOURNAL_BYTES = 64 << 20
-_VIEW_ATTEMPTS = 20
-_INDEX_NAMES = frozenset({INDEX_NAME, DISTRIBUTED_INDEX_NAME})  # what marks a directory committed
-
-
-def temporary_name(name: str, token: str) -> str:
-    return f".{name}.tmp-{token}"
-
-
-def part_name(name: str, token: str, offset: int) -> str:
-    return f".{name}.part-{token}-{offset:020d}"
-
-
-def backup_name(name: str, token: str) -> str:
-    return f".{name}.old-{token}"
-
-
-def journal_name(token: str) -> str:
-    return f".orbax_safetensors.commit-{token}.json"
-
-
-def writing_marker_name(token: str) -> str:
-    return f".orbax_safetensors.writing-{token}.json"
-
-
-def lock_name(single_file: str | None) -> str:
-    return LOCK_NAME if single_file is None else f".{single_file}.lock"
-
-
-def is_transient(name: str, single_file: str | None = None) -> bool:
-    """Whether ``name`` is a temporary, part, backup, journal or lock of ours (of the file
-    ``single_file`` only, when a directory is shared with other files)."""
-    if single_file is not None:
-        match = _TRANSIENT.match(name)
-        return name == lock_name(single_file) or bool(match and match["name"] == single_file)
-    return name == LOCK_NAME or bool(_TRANSIENT.match(name) or _JOURNAL.match(name)
-                                     or _WRITING.match(name))
-
-
-def writing_markers(names: Iterable[str]) -> list[str]:
-    """The markers among a directory's ``names`` that a ``DirectCommit`` puts down while its
-    files go to their final names: a save in progress, or one that died (without their index
-    those files would read as a checkpoint of their own: some tensors, or old and new mixed)."""
-    return sorted(n for n in names if _WRITING.match(n) or _LEGACY_WRITING.match(n))
-
-
-def files_of_marker(storage: Storage, path: str) -> frozenset[str]:
-    """The files the save that put down the marker at ``path`` writes: its own, which the next
-    save may remove. Empty for a marker that lists none (an earlier save's) or that is gone."""
-    try:
-        size = storage.size(path)
-        raw = json.loads(storage.read(path, 0, min(size, _MAX_JOURNAL_BYTES))) if size else {}
-    except (OSError, ValueError):
-        return frozenset()
-    files = raw.get("files") if isinstance(raw, dict) else None
-    if not isinstance(files, list) or not all(isinstance(f, str) and "/" not in f for f in files):
-        return frozenset()
-    return frozenset(files)
-
-
-@dataclasses.dataclass(frozen=True)
-class DirectoryView:
-    """What a reader takes for the checkpoint in a directory at one moment.
-
-    ``names`` are the entries to consider (hidden ones excluded); ``moved``
-    maps a name to the backup it is read from while a commit is in progress;
-    ``listing`` is every entry the directory held, with its version. Two views
-    compare equal only when a reader resolving names through either opens the
-    same files: a commit that ran to completion in between leaves the same
-    names but other versions.
-    """
-
-    names: frozenset[str]
-    moved: tuple[tuple[str, str], ...] = ()
-    listing: tuple[tuple[str, str], ...] = ()
-
-    @property
-    def entries(self) -> frozenset[str]:
-        """Every name the directory held, hidden ones included."""
-        return frozenset(name for name, _ in self.listing)
-
-    def path(self, storage: Storage, directory: str, name: str) -> str:
-        return storage.join(directory, dict(self.moved).get(name, name))
-
-    def relocate(self, storage: Storage, path: str) -> str | None:
-        """Where the file a reader opened at ``path`` (under another view of the same
-        directory) is to be found under this one; None if this view has no such file."""
-        directory, name = storage.split(path)
-        name = original_name(name)
-        return self.path(storage, directory, name) if name in self.names else None
-
-
-def original_name(name: str) -> str:
-    """The checkpoint file a name stands for: ``X`` for ``X`` and for its backup ``.X.old-T``."""
-    match = _TRANSIENT.match(name)
-    return match["name"] if match and ".old-" in name else name
-
-
-def read_view(storage: Storage, directory: str) -> DirectoryView:
-    """The committed checkpoint's names in ``directory`` (FileNotFoundError if it is absent).
-
-    With a journal present, a commit is in progress or its writer died in it:
-    the old checkpoint is the committed one, its files where the journal's
-    writer left them (moved to backups, or not yet).
-    """
-    for _ in range(_VIEW_ATTEMPTS):
-        versions = storage.list_versions(directory)
-        listing = tuple(sorted(versions.items()))
-        journals = sorted(n for n in versions if _JOURNAL.match(n))
-        if not journals:
-            return DirectoryView(frozenset(n for n in versions if not n.startswith(".")), (), listing)
-        try:
-            journal = _read_journal(storage, storage.join(directory, journals[0]))
-        except FileNotFoundError:
-            continue  # the commit completed between the listing and the read: look again
-        moved = tuple(sorted((n, backup_name(n, journal.token)) for n in journal.old
-                             if backup_name(n, journal.token) in versions))
-        return DirectoryView(frozenset(journal.old), moved, listing)
-    raise OSError(f"{directory}: commits kept completing while its listing was read")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Journal:
-    token: str
-    old: tuple[str, ...]  # the files of the checkpoint being replaced
-    new: tuple[str, ...]  # the files being put in place, the index last
-    replaced: tuple[str, ...]  # the new names that held a file before (moved to backups)
-
-    def to_bytes(self) -> bytes:
-        return json.dumps(dataclasses.asdict(self)).encode()
-
-
-def _read_journal(storage: Storage, path: str) -> _Journal:
-    size = storage.size(path)
-    if size > _MAX_JOURNAL_BYTES:
-        raise OSError(f"{path}: commit journal of {size} bytes is not ours")
-    raw = json.loads(storage.read(path, 0, size))
-    return _Journal(raw["token"], tuple(raw["old"]), tuple(raw["new"]), tuple(raw["replaced"]))
 
 
 def holder_description() -> str:
@@ -255,26 +122,31 @@ class Commit:
     """One save's commit protocol over one location (a directory, or one file in a directory).
 
     ``old`` are the names of what is there now (the committed checkpoint and
-    checkpoint files left beside it), replaced by the commit. A single-file
+    checkpoint files left beside it), replaced by the commit; ``markers`` those
+    of them that mark the old checkpoint committed (its indexes, as the catalog
+    found them), taken away before any other file changes. A single-file
     location shares its directory with other files: only that file's own
     temporaries and lock are ever touched.
     """
 
-    def __init__(self, location: Location, token: str, old: Collection[str]):
+    def __init__(self, location: Location, token: str, old: Collection[str],
+                 markers: Collection[str] = ()):
         self.location = location
         self.storage = location.storage
         self.directory = location.directory
         self.single_file = location.file_name
         self.token = token
         self.old = frozenset(old)
+        self.markers = frozenset(markers)
         self._lock = _WriterLock(self.storage, self.path(lock_name(self.single_file)))
         self._made = _MadeDirectories(self.storage)
 
     @staticmethod
-    def for_location(location: Location, token: str, old: Collection[str]) -> Commit:
+    def for_location(location: Location, token: str, old: Collection[str],
+                     markers: Collection[str] = ()) -> Commit:
         """The strategy the backend's capabilities call for, chosen here and nowhere else."""
         strategy = StagedCommit if location.storage.capabilities.cheap_rename else DirectCommit
-        return strategy(location, token, old)
+        return strategy(location, token, old, markers)
 
     def path(self, name: str) -> str:
         return self.storage.join(self.directory, name)
@@ -337,17 +209,10 @@ class Commit:
 
     def _own(self, listing: Iterable[str]) -> list[str]:
         """This save's temporaries, parts and marker among ``listing``."""
-        own = []
-        for name in listing:
-            match = _TRANSIENT.match(name)
-            if (match and match["token"] == self.token and match["kind"] != "old"
-                    or name == writing_marker_name(self.token)):
-                own.append(self.path(name))
-        return own
+        return [self.path(n) for n in listing if is_written_by(n, self.token)]
 
     def _leftovers(self, listing: Iterable[str]) -> list[str]:
-        own = lock_name(self.single_file)
-        return [self.path(n) for n in listing if n != own and is_transient(n, self.single_file)]
+        return [self.path(n) for n in listing if is_transient(n, self.single_file)]
 
 
 class StagedCommit(Commit):
@@ -359,8 +224,8 @@ class StagedCommit(Commit):
 
     def _recover(self) -> None:
         if self.single_file is None:
-            for name in sorted(n for n in self.storage.listdir(self.directory) if _JOURNAL.match(n)):
-                self._roll_back(_read_journal(self.storage, self.path(name)))
+            for name in journals(self.storage.listdir(self.directory)):
+                self._roll_back(read_journal(self.storage, self.path(name)))
 
     def clear_leftovers(self) -> None:
         if not self._lock.held:
@@ -381,7 +246,7 @@ class StagedCommit(Commit):
             self._make_durable()
             return
         replaced = tuple(n for n in names if storage.exists(self.path(n)))
-        journal = _Journal(self.token, tuple(sorted(self.old)), tuple(names), replaced)
+        journal = Journal(self.token, tuple(sorted(self.old)), tuple(names), replaced)
         journal_path = self.path(journal_name(self.token))
         journal_temporary = self.temporary(journal_name(self.token))
         try:
@@ -395,7 +260,7 @@ class StagedCommit(Commit):
             # old index next to new files.
             # The renames need not each be durable: until the journal is gone, a power cut
             # anywhere among them still leaves the old checkpoint readable through it.
-            old_indexes = sorted(self.old & _INDEX_NAMES)
+            old_indexes = sorted(self.markers)
             for name in old_indexes:
                 storage.rename(self.path(name), self.path(backup_name(name, self.token)),
                                durable=False)
@@ -428,7 +293,7 @@ class StagedCommit(Commit):
             _LOG.warning("committed %s, but flushing the directory failed (a power cut now may "
                          "lose the commit): %s", self.directory, e)
 
-    def _roll_back(self, journal: _Journal) -> None:
+    def _roll_back(self, journal: Journal) -> None:
         """Puts the old checkpoint's files back and removes the new ones, then the journal."""
         storage = self.storage
         for name in reversed(journal.new):
@@ -468,9 +333,8 @@ class DirectCommit(Commit):
         # One object replacing itself (or appearing) is atomic; anything else has a window.
         self._writing = tuple(files)
         if self.single_file is None and not (len(files) == 1 and self.old <= set(files)):
-            self.storage.write(self.path(writing_marker_name(self.token)),
-                               [json.dumps({"files": sorted(files)}).encode()])
-        for name in sorted(self.old & _INDEX_NAMES):
+            self.storage.write(self.path(writing_marker_name(self.token)), [marker_bytes(files)])
+        for name in sorted(self.markers):
             self.storage.remove(self.path(name))
 
     def commit(self, new: Sequence[str], index: tuple[str, bytes] | None,
@@ -516,17 +380,13 @@ class DirectorySwap:
     """
 
     def __init__(self, location: Location, token: str):
-        self.storage = location.storage
+        self.storage, self.token = location.storage, token
         self.target = location.path
         self.parent, self.name = self.storage.split(location.path)
         self.staged = self.storage.join(self.parent, temporary_name(self.name, token))
         self.backup = self.storage.join(self.parent, backup_name(self.name, token))
         self._lock = _WriterLock(self.storage, self.storage.join(self.parent, lock_name(self.name)))
         self._made = _MadeDirectories(self.storage)
-        # What the writing library makes of a staged name: Orbax writes STAGED.orbax-checkpoint-tmp
-        # (with a timestamp in some versions) and renames it to STAGED once complete.
-        self._staged_by_writer = re.compile(
-            re.escape(temporary_name(self.name, "")) + r"[0-9a-f]{12}\..+")
 
     def acquire(self) -> None:
         self._made.make(self.parent)
@@ -543,9 +403,9 @@ class DirectorySwap:
     def _recover(self) -> None:
         for entry in sorted(self.storage.listdir(self.parent)):
             path = self.storage.join(self.parent, entry)
-            if self._staged_by_writer.fullmatch(entry):
+            if is_staged_by_writer(entry, self.name):
                 self.storage.remove_tree(path)  # a dead writer's, under the library's name
-            elif entry == lock_name(self.name) or not is_transient(entry, self.name):
+            elif not is_transient(entry, self.name):
                 continue
             elif original_name(entry) == self.name and not self.storage.exists(self.target):
                 self.storage.rename_tree(path, self.target)  # a dead writer's old directory
@@ -581,7 +441,7 @@ class DirectorySwap:
         staged = self.storage.split(self.staged)[1]
         try:
             for entry in self.storage.listdir(self.parent):
-                if entry == staged or entry.startswith(staged + "."):
+                if entry == staged or is_staged_by_writer(entry, self.name, self.token):
                     self.storage.remove_tree(self.storage.join(self.parent, entry))
         except Exception as e:  # must not mask the failure being reported
             _LOG.warning("could not remove %s after a failed write (the next conversion "

@@ -1,4 +1,4 @@
-"""Retries with exponential backoff for requests to object stores.
+"""Retries with exponential backoff: requests to object stores, and snapshot re-reads.
 
 gcsfs and s3fs retry some failures themselves, but not all of them (a
 connection reset in the middle of a ranged GET surfaces as an aiohttp error;
@@ -12,14 +12,21 @@ object and the operation.
 Only idempotent operations are retried, and all of ours are: a ranged read, a
 whole-object write, a compose, a delete. A write that succeeded on the server
 but whose response was lost is simply written again.
+
+A reader that finds the checkpoint changed under it (an overwrite committed
+between its listing and its reads) looks again under ``SNAPSHOT_REREADS``, the
+one policy for every such loop (the directory's view, opening a checkpoint,
+reading one): a commit takes milliseconds to seconds, so many short, jittered
+looks, and no deadline (one look may be a whole load).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 from orbax_safetensors.errors import Error
@@ -68,6 +75,25 @@ class RetryPolicy:
     def backoff(self, retry: int, rng: random.Random) -> float:
         return rng.uniform(0, min(self.max_backoff, self.first_backoff * 2 ** retry))
 
+    def tries(self, rng: random.Random | None = None, *, first: int = 0) -> Iterator[int]:
+        """The attempts this policy allows, numbered from 0, with the backoff slept before
+        each one after the first: the loop body returns on success and goes on to retry.
+        ``first``: where a caller resumes that already spent attempts (a load that read a
+        changed checkpoint plans again), without sleeping before it."""
+        rng = rng or random.Random()
+        started = time.monotonic()
+        for attempt in range(first, self.attempts):
+            if attempt > first:
+                if time.monotonic() - started > self.deadline:
+                    return
+                time.sleep(self.backoff(attempt - 1, rng))
+            yield attempt
+
+
+# Reading one version of a checkpoint again after it changed under the reader. Fifty looks whose
+# sleeps, capped at 0.1 s, add up to about two seconds on average: an overwrite commits in less.
+SNAPSHOT_REREADS = RetryPolicy(attempts=50, first_backoff=0.002, max_backoff=0.1, deadline=math.inf)
+
 
 def is_transient(error: BaseException) -> bool:
     """Whether ``error`` (or an error it was raised from) is worth another attempt."""
@@ -97,9 +123,7 @@ def is_transient(error: BaseException) -> bool:
 def call(policy: RetryPolicy, url: str, operation: str, fn: Callable[[], T],
          rng: random.Random | None = None) -> T:
     """``fn()``, retried under ``policy`` while it fails transiently; errors name ``url``."""
-    rng = rng or random.Random()
-    attempt, started = 0, time.monotonic()
-    while True:
+    for attempt in policy.tries(rng):
         try:
             return fn()
         except (FileNotFoundError, FileExistsError, PermissionError):
@@ -108,9 +132,8 @@ def call(policy: RetryPolicy, url: str, operation: str, fn: Callable[[], T],
             if not is_transient(e):
                 raise StorageError(f"{url}: {operation} failed: {type(e).__name__}: {e}",
                                    url=url) from e
-            attempt += 1
-            if attempt >= policy.attempts or time.monotonic() - started > policy.deadline:
-                raise StorageError(
-                    f"{url}: {operation} failed after {attempt} attempt{'s' * (attempt > 1)} "
-                    f"(transient errors; the last: {type(e).__name__}: {e})", url=url) from e
-            time.sleep(policy.backoff(attempt - 1, rng))
+            last = e
+    tried = attempt + 1
+    raise StorageError(f"{url}: {operation} failed after {tried} attempt{'s' * (tried > 1)} "
+                       f"(transient errors; the last: {type(last).__name__}: {last})",
+                       url=url) from last
