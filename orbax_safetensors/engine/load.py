@@ -38,11 +38,9 @@ from orbax_safetensors.errors import CheckpointChangedError, SkippedLeavesWarnin
 from orbax_safetensors.planning import TensorSource
 from orbax_safetensors.planning import rules as mapping_rules
 from orbax_safetensors.storage import Location
+from orbax_safetensors.storage.retry import SNAPSHOT_REREADS
 
 _LOG = logging.getLogger("orbax_safetensors")
-# Where a backend cannot pin what a load reads (object stores), a load that read a file changed
-# meanwhile is read again; a commit takes milliseconds to seconds, a retry as long as a load.
-_READ_ATTEMPTS = 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,9 +246,11 @@ class _Loading:
                               collectives=self.peers.is_collective and not self.background)
 
     def _plan(self, first: int) -> _Planned:
-        for attempt in range(first, _READ_ATTEMPTS):
-            if attempt > first:
-                time.sleep(min(0.01 * 2 ** attempt, 0.2))
+        """Plans on one version of the checkpoint, opened from attempt ``first`` on. Where a
+        backend cannot pin what a load reads (object stores), a load that read a file changed
+        meanwhile plans and reads again: a commit takes milliseconds to seconds, a retry as
+        long as a load, under the one policy for snapshot re-reads."""
+        for attempt in SNAPSHOT_REREADS.tries(first=first):
             checkpoint, planned = open_checkpoint(self.location), None
             try:
                 if attempt == 0 and self.peers.is_collective:  # after what may fail alone: the lookup
@@ -266,8 +266,8 @@ class _Loading:
             if planned is not None:
                 self._report_skipped(planned.plan)
                 return planned
-        raise CheckpointChangedError(f"the checkpoint kept changing while it was read ({_READ_ATTEMPTS} "
-                                     "attempts)", file=self.location.url)
+        raise CheckpointChangedError(f"the checkpoint kept changing while it was read "
+                                     f"({SNAPSHOT_REREADS.attempts} attempts)", file=self.location.url)
 
     def _report_skipped(self, plan: LoadPlan) -> None:
         """A ``strict=False`` load says which leaves it left out: a warning (pointing at the
