@@ -32,13 +32,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
-import errno
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from orbax_safetensors.storage.executor import Executor
 from orbax_safetensors.engine.integrity import StoredChecksums
-from orbax_safetensors.errors import CheckpointChangedError, MissingFileError, SafetensorsError
+from orbax_safetensors.errors import (CheckpointChangedError, LocationTakenError, MissingFileError,
+                                      SafetensorsError)
 from orbax_safetensors.format import PREFIX_SIZE, Header, checksums, header_size, parse_header
 from orbax_safetensors.index import (
     DISTRIBUTED_INDEX_NAME,
@@ -247,8 +247,8 @@ def refuse_non_files(found: Survey) -> None:
     for path in paths:
         kind = storage.special_kind(path) or ("a directory" if storage.isdir(path) else None)
         if kind is not None:
-            raise FileExistsError(errno.EEXIST, f"is {kind}, not a file, where the save would "
-                                  "write one; move it away or save elsewhere", path)
+            raise LocationTakenError(f"is {kind}, not a file, where the save would write one; "
+                                     "move it away or save elsewhere", path)
 def _check_unindexed(location: Location, whole: set[str], dcp: set[str], findings: Findings) -> bool:
     """Whether the safetensors files of a directory without index are a checkpoint: every one
     of them, but only whole (``model-0000i-of-0000N`` shards without all of 1..N are a copy or
@@ -646,8 +646,8 @@ def _view_or_none(location: Location) -> DirectoryView | None:
 def _raise_nothing(location: Location) -> None:
     if location.is_single_file:
         raise MissingFileError(missing_reason(location).removeprefix("file "), file=location.path)
-    raise FileNotFoundError(f"no safetensors checkpoint at {location.url!r}: "
-                            f"it {missing_reason(location).removeprefix('file ')}")
+    raise MissingFileError(f"no safetensors checkpoint here: it "
+                           f"{missing_reason(location).removeprefix('file ')}", file=location.url)
 
 
 def missing_reason(location: Location) -> str:
