@@ -203,13 +203,8 @@ def _gather_checksums(op: Operation, checksums: Checksums,
     """Process 0: every file's final header and whole crc32c, from every process's pieces."""
     if not checksums.files:  # the same plan everywhere: every process skips it alike
         return {}, {}
-    crcs: dict[str, dict[str, np.ndarray] | None] = {}
-
-    def gather() -> None:
-        crcs["all"] = checksums.gathered(op.peers)
-
-    op.run("checksummed", gather, clean_up)
-    return final_headers(list(checksums.files.values()), crcs["all"] or {}) if op.is_primary else ({}, {})
+    crcs = op.run("checksummed", lambda: checksums.gathered(op.peers), clean_up)
+    return final_headers(list(checksums.files.values()), crcs or {}) if op.is_primary else ({}, {})
 
 
 class InPlace(Strategy):
