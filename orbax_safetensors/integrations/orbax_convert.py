@@ -181,8 +181,8 @@ def convert(
     label = f"convert {os.fspath(src)} -> {target.url}"
     if fmt == ORBAX:
         return _orbax_to_safetensors(item, target, options, label=label, started=started)
-    return _safetensors_to_orbax(Location.resolve(src, storage_options, filesystem), target,
-                                 options, nest=nest, label=label, started=started)
+    with open_checkpoint(Location.resolve(src, storage_options, filesystem)) as checkpoint:
+        return _write_orbax(checkpoint, target, options, nest=nest, label=label, started=started)
 
 
 def detect_format(
@@ -464,12 +464,6 @@ def _set_chunk_shape(spec: dict, chunk: tuple[int, ...]) -> None:
         for codec in metadata.get("codecs", []):
             if codec.get("name") == "sharding_indexed":
                 codec["configuration"]["chunk_shape"] = list(chunk)
-
-
-def _safetensors_to_orbax(src: Location, dst: Location, options: StreamOptions, *, nest: bool,
-                          label: str, started: float) -> ConvertStats:
-    with open_checkpoint(src) as checkpoint:
-        return _write_orbax(checkpoint, dst, options, nest=nest, label=label, started=started)
 
 
 def _write_orbax(checkpoint: Checkpoint, dst: Location, options: StreamOptions, *, nest: bool,
