@@ -141,18 +141,18 @@ def _child_failed_copy(args):
     """``async_save``'s host copy fails on process 1 (a host out of memory)."""
     import importlib
 
-    save_module = importlib.import_module("orbax_safetensors.engine.save")
+    host_shards = importlib.import_module("orbax_safetensors.engine.host_shards")
 
     path = args["path"]
     if jax.process_index() == 1:
-        original = save_module._host_shards
+        original = host_shards.copy_to_host
 
         def out_of_memory(*a, **k):
             raise MemoryError("cannot allocate the host copy")
-        save_module._host_shards = out_of_memory
+        host_shards.copy_to_host = out_of_memory
     outcome = _outcome(lambda: ost.async_save(path, _global(_values())).result())
     if jax.process_index() == 1:
-        save_module._host_shards = original
+        host_shards.copy_to_host = original
     outcome["after"] = _outcome(lambda: ost.save(path + "-next", _global(_values())))
     outcome["left"] = sorted(os.listdir(path)) if os.path.isdir(path) else None
     return outcome

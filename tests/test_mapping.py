@@ -391,7 +391,7 @@ def test_distributed_layout_stores_mapped_slices(tmp_path, stored_checkpoint):
 
 
 def test_mapped_shards_never_view_the_callers_array_when_copying():
-    from orbax_safetensors.engine.save import HostShard, _map_shards
+    from orbax_safetensors.engine.host_shards import HostShard, _map_shards
 
     assembly = Mapping([Rule("w", "w", split={0: (2, 3)})]).assembly("w", tree_shape=(2, 3, 2))  # a reshape
     value = np.arange(12, dtype=np.float32).reshape(2, 3, 2)

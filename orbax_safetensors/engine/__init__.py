@@ -6,13 +6,7 @@ nothing else from the engine.
 """
 
 from orbax_safetensors.engine.catalog import Checkpoint, Layout, detect_layout, open_checkpoint
-from orbax_safetensors.engine.consolidate import (
-    BlockSource,
-    CheckpointBlocks,
-    StreamOptions,
-    consolidate,
-    write_blocks,
-)
+from orbax_safetensors.engine.consolidate import BlockSource, CheckpointBlocks, consolidate, write_blocks
 from orbax_safetensors.engine.load import (
     CheckpointMetadata,
     async_load,
@@ -24,24 +18,25 @@ from orbax_safetensors.engine.pending import unwatch, watch_at_exit
 from orbax_safetensors.engine.progress import Progress, format_bytes, format_seconds, summary_line
 from orbax_safetensors.engine.read_execution import LoadStats
 from orbax_safetensors.engine.read_policy import ReadOptions
-from orbax_safetensors.engine.save import (
-    SaveJob,
-    SaveOptions,
-    SaveStats,
-    async_save,
-    check_metadata,
-    check_tree,
-    prepare_save,
-    save,
-)
+from orbax_safetensors.engine.save import async_save, check_tree, prepare_save, save
+from orbax_safetensors.engine.session import SaveJob, SaveStats, WriteSession
 from orbax_safetensors.engine.targets import target
 from orbax_safetensors.engine.tree_names import flatten_with_names, nest
 from orbax_safetensors.engine.verify import Problem, VerifyReport, verify
+from orbax_safetensors.engine.write_options import (
+    DEFAULT_BLOCK_BYTES,
+    DEFAULT_MAX_SHARD_SIZE,
+    SaveOptions,
+    StreamOptions,
+    check_metadata,
+)
 
 __all__ = [
     "CheckpointMetadata", "LoadStats", "Problem", "ReadOptions", "SaveStats", "VerifyReport",
     "async_load", "async_save", "consolidate", "load", "metadata", "nest", "save", "target", "verify",
     "BlockSource", "Checkpoint", "CheckpointBlocks", "Layout", "Progress", "SaveJob", "SaveOptions",
     "StreamOptions", "check_metadata", "check_tree", "detect_layout", "flatten_with_names",
-    "format_bytes", "format_seconds", "metadata_of", "open_checkpoint", "prepare_save", "summary_line", "unwatch", "watch_at_exit", "write_blocks",
+    "format_bytes", "format_seconds", "metadata_of", "open_checkpoint", "prepare_save",
+    "summary_line", "unwatch", "watch_at_exit", "write_blocks",
+    "DEFAULT_BLOCK_BYTES", "DEFAULT_MAX_SHARD_SIZE", "WriteSession",
 ]

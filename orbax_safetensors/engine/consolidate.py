@@ -25,20 +25,26 @@ import fsspec
 import jax
 import numpy as np
 
-from orbax_safetensors.engine import catalog, option_checks, write
+from orbax_safetensors.engine import catalog, write
 from orbax_safetensors.engine.coordination import Peers
-from orbax_safetensors.storage.executor import Executor
 from orbax_safetensors.engine.integrity import Verifier
 from orbax_safetensors.engine.operation import Operation
 from orbax_safetensors.engine.progress import Progress
 from orbax_safetensors.engine.read_execution import transfer
-from orbax_safetensors.engine.save import SaveStats, check_metadata, take_location
+from orbax_safetensors.engine.session import SaveStats, WriteSession, take_location
+from orbax_safetensors.engine.write_options import (
+    DEFAULT_BLOCK_BYTES,
+    DEFAULT_MAX_SHARD_SIZE,
+    StreamOptions,
+    check_metadata,
+)
 from orbax_safetensors.format import TensorInfo
 from orbax_safetensors.planning import (
     Box,
     FilePlan,
     TensorSpec,
     Transfers,
+    WritePlan,
     box_shape,
     full_box,
     plan_block,
@@ -46,6 +52,7 @@ from orbax_safetensors.planning import (
     row_blocks,
 )
 from orbax_safetensors.storage import Location
+from orbax_safetensors.storage.executor import Executor
 
 _PREFETCH = 4  # blocks read ahead of the writer
 
@@ -103,36 +110,14 @@ class CheckpointBlocks:
         return memoryview(out.reshape(-1))
 
 
-@dataclasses.dataclass(frozen=True)
-class StreamOptions:
-    """How a block source is written: ``consolidate``'s and ``convert``'s options, as one value."""
-
-    max_shard_size: int | str = "5GB"
-    metadata: Mapping[str, str] | None = None
-    overwrite: bool = False
-    block_bytes: int | str = "64MB"
-    progress: bool | None = None
-    checksums: bool = True
-
-    def __post_init__(self):
-        """Checks every field where the call is made, naming it (``block_bytes=0`` used to
-        fail after the source was opened, naming no option); sizes are stored as ints."""
-        for field in ("max_shard_size", "block_bytes"):
-            object.__setattr__(self, field, option_checks.size(field, getattr(self, field)))
-        for field in ("overwrite", "checksums"):
-            option_checks.flag(field, getattr(self, field))
-        if self.progress is not None:
-            option_checks.flag("progress", self.progress)
-
-
 def consolidate(
     src: str | os.PathLike,
     dst: str | os.PathLike,
     *,
-    max_shard_size: int | str = "5GB",
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     metadata: Mapping[str, str] | None = None,
     overwrite: bool = False,
-    block_bytes: int | str = "64MB",
+    block_bytes: int | str = DEFAULT_BLOCK_BYTES,
     progress: bool | None = None,
     checksums: bool = True,
     storage_options: Mapping[str, Any] | None = None,
@@ -169,55 +154,54 @@ def write_blocks(location: Location, source: BlockSource, options: StreamOptions
     """Writes an HF checkpoint at ``location`` whose tensor bytes come from ``source``.
 
     The same planning, bounded memory, progress line, lock and commit as any
-    save; metadata is the source's, overridden by ``options.metadata``.
+    save (a ``WriteSession``); metadata is the source's, overridden by
+    ``options.metadata``. Every process writes its share of the files.
     """
     started = time.perf_counter() if started is None else started
     metadata = {**source.metadata, **(options.metadata or {})}
     check_metadata(metadata, checksums=options.checksums)
     plan = plan_hf_checkpoint(source.specs, max_shard_size=options.max_shard_size,
                               metadata=metadata, checksums=options.checksums)
-    blocks = options.block_bytes
-    peers = Peers.collective("consolidate", location.url)  # every process writes files of it
+    peers = Peers.collective("consolidate", location.url)
     commit = take_location(location, peers, overwrite=options.overwrite)
-    mine = [f for i, f in enumerate(plan.files) if i % jax.process_count() == jax.process_index()]
+    mine = plan.files[jax.process_index()::jax.process_count()]  # shared out round-robin
     report = Progress(label, sum(t.nbytes for f in mine for t in f.tensors),
                       enabled=options.progress).start()
-    operation = Operation(peers)
-    try:
-        with Executor(_PREFETCH, name="orbax_safetensors-prefetch") as pool:
-            strategy = write.Streamed(
-                mine, lambda file: _file_chunks(source, file, blocks, pool, report),
-                lambda op, crcs: ([f.name for f in plan.files], plan.index(_gathered(op, crcs))))
-            written = strategy.write(operation, commit)
-        write.commit_written(operation, commit, written)
-    finally:
-        commit.release()
-    report.close()
-    return SaveStats(bytes_written=written.bytes_written, requests=written.requests,
-                     files=written.files_written, seconds=time.perf_counter() - started)
+    with Executor(_PREFETCH, name="orbax_safetensors-prefetch") as pool:
+        blocks = _Blocks(source, plan, mine, options.block_bytes, pool)
+        return WriteSession(Operation(peers, report), commit, blocks, SaveStats(), started).run()
 
 
-def _file_chunks(source: BlockSource, file: FilePlan, block_bytes: int, pool: Executor,
-                 report: Progress) -> Iterator[memoryview | bytes]:
-    """The output file's data in order, blocks read a few ahead of the writer."""
-    pending = []
-    for info in file.tensors:
-        blocks = [None] if info.dtype.is_packed else row_blocks(  # packed values are not cut
-            full_box(info.shape), info.dtype.bits // 8, block_bytes)
-        for block in blocks:
-            pending.append(pool.submit(source.read_block, info, block))
-            if len(pending) > _PREFETCH:
-                yield _reported(pending.pop(0).result(), report)
-    for future in pending:
-        yield _reported(future.result(), report)
+@dataclasses.dataclass(frozen=True)
+class _Blocks:
+    """A block source's write (a session's planner): this process's ``files`` of ``plan``
+    streamed front to back, read ``block_bytes`` at a time a few blocks ahead on ``pool``;
+    process 0 commits every process's files with the index."""
 
+    source: BlockSource
+    plan: WritePlan
+    files: list[FilePlan]
+    block_bytes: int
+    pool: Executor
 
-def _gathered(op: Operation, file_crcs: dict[str, int]) -> dict[str, int]:
-    """Every process's files' whole crc32c, for the index process 0 commits."""
-    return {name: crc for raw in op.exchange("crc32c", json.dumps(file_crcs))
-            for name, crc in json.loads(raw).items()}
+    def strategy(self) -> write.Strategy:
+        return write.Streamed(self.files, self._chunks, self._index)
 
+    def _chunks(self, file: FilePlan) -> Iterator[memoryview | bytes]:
+        """The output file's data in order, blocks read a few ahead of the writer."""
+        pending = []
+        for info in file.tensors:
+            blocks = [None] if info.dtype.is_packed else row_blocks(  # packed values are not cut
+                full_box(info.shape), info.dtype.bits // 8, self.block_bytes)
+            for block in blocks:
+                pending.append(self.pool.submit(self.source.read_block, info, block))
+                if len(pending) > _PREFETCH:
+                    yield pending.pop(0).result()
+        for future in pending:
+            yield future.result()
 
-def _reported(chunk: memoryview, report: Progress) -> memoryview:
-    report.advance(len(chunk))
-    return chunk
+    def _index(self, op: Operation, file_crcs: dict[str, int]) -> tuple[list[str], tuple[str, bytes]]:
+        """Every file, and the index with every process's files' whole crc32c."""
+        every = {name: crc for raw in op.exchange("crc32c", json.dumps(file_crcs))
+                 for name, crc in json.loads(raw).items()}
+        return [f.name for f in self.plan.files], self.plan.index(every)

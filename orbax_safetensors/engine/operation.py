@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 import jax
 
@@ -26,6 +26,8 @@ from orbax_safetensors.engine.coordination import Peers
 from orbax_safetensors.storage.executor import Executor
 from orbax_safetensors.engine.progress import Progress
 from orbax_safetensors.errors import DistributedError, PeerFailedError, ProcessFailure
+
+T = TypeVar("T")
 
 
 class Operation:
@@ -106,15 +108,16 @@ class Operation:
         raise DistributedError(f"{self.where}: save failed, nothing was committed",
                                failures) from error
 
-    def run(self, step: str, action: Callable[[], None],
-            clean_up: Callable[[], None] = lambda: None) -> None:
-        """``action`` on every process, then ``agree`` on the outcome."""
-        error = None
+    def run(self, step: str, action: Callable[[], T],
+            clean_up: Callable[[], None] = lambda: None) -> T:
+        """``action`` on every process, then ``agree`` on the outcome; its result."""
+        error, result = None, None
         try:
-            action()
+            result = action()
         except BaseException as e:
             error = e
         self.agree(step, error, clean_up)
+        return result
 
     def on_primary(self, step: str, action: Callable[[], None],
                    clean_up: Callable[[], None] = lambda: None) -> None:

@@ -1,146 +1,60 @@
 """``save``: a PyTree of arrays → a safetensors checkpoint, every process writing its own bytes.
 
-A save runs in four steps, each in its own room. The caller's thread checks
-the tree, takes the location (``take_location``: the lock, the overwrite
-check through the catalog, one ``Commit`` strategy for every process) and
-copies this process's shards to the host. Then, on a background thread for
-``async_save``, the plan is made (files, headers, offsets, this process's
-byte ranges: ``planning``), a write strategy chosen from the backend's
-capabilities executes it (``write``), and process 0 commits
-(``storage/commit``). Every step that can fail ends in an agreement between
-the processes (``Operation``), so they stop together and each raises its
-own original error.
+The caller's thread checks the tree and the options (``SaveOptions``, resolved
+once for the location), takes the location (``session.take_location``) and
+copies this process's shards to the host (``host_shards``). What is left is
+a ``WriteSession``: on a background thread for ``async_save`` (and, so that
+Ctrl-C can cancel it, for ``save``), it plans with the layout the options name
+(``HfLayout``, ``DistributedLayout``: values, planned only when the session
+runs), writes with the strategy the plan picks (``write``) and commits
+(``storage/commit``).
 """
 
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
-import errno
+import functools
 import json
-import logging
 import os
-import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import fsspec
 import jax
 import numpy as np
 
-from orbax_safetensors.engine import catalog, write
+from orbax_safetensors.engine import write
+from orbax_safetensors.engine import host_shards
 from orbax_safetensors.engine.coordination import Peers, describe_sharding
 from orbax_safetensors.engine.gc_pause import gc_paused
+from orbax_safetensors.engine.host_shards import HostShard, merge_shards, payload, whole_tensor
 from orbax_safetensors.engine.operation import Operation
 from orbax_safetensors.engine.pending import SaveFuture
 from orbax_safetensors.engine.progress import Progress
-from orbax_safetensors.engine.resharding import resharding, row_sharding
+from orbax_safetensors.engine.session import SaveStats, WriteSession, take_location
 from orbax_safetensors.engine.tree_names import flatten_with_names
-from orbax_safetensors.errors import DistributedError, ProcessFailure
+from orbax_safetensors.engine.write_options import SaveOptions
 from orbax_safetensors.format import check_name, dtype_for_numpy, to_bytes
-from orbax_safetensors.format import check_metadata as format_check_metadata
-from orbax_safetensors.format.checksums import RESERVED_KEYS
 from orbax_safetensors.index import (
     DISTRIBUTED_INDEX_NAME,
-    parse_size,
     DistributedTensor,
     SliceEntry,
     serialize_distributed_index,
 )
 from orbax_safetensors.planning import (
-    Box,
     FilePlan,
     SliceSpec,
     TensorSpec,
     box_shape,
-    full_box,
-    normalize_index,
     owned_ranges,
     plan_distributed_files,
     plan_hf_checkpoint,
-    plan_regions,
     plan_single_file,
-    relative_slices,
 )
 from orbax_safetensors.planning import rules as mapping_rules
-from orbax_safetensors.planning.assembly import Assembly
 from orbax_safetensors.storage import Location
-from orbax_safetensors.storage.commit import Commit
-
-_LOG = logging.getLogger("orbax_safetensors")
-_CANCEL_WAIT = 2.0  # seconds a cancelled save's clean-up may hold the caller
-LAYOUTS = ("hf", "distributed")
-
-
-@dataclasses.dataclass
-class SaveStats:
-    """What one process's save cost; the result of ``save`` and of ``async_save(...).result()``.
-
-    ``bytes_written`` counts tensor bytes this process wrote: the shards it
-    holds with ``replica_id == 0``, so across processes every byte is written
-    exactly once. ``tensors_resharded`` counts tensors whose shards were thin
-    strips across processes, moved to row blocks on device before the copy
-    (``planning.reshard_parts``), so each process writes contiguous rows.
-    ``blocking_seconds`` is how long ``async_save`` held the caller (the
-    device→host copies); ``seconds`` runs until the commit.
-    """
-
-    bytes_written: int = 0
-    requests: int = 0
-    files: int = 0
-    tensors_resharded: int = 0
-    blocking_seconds: float = 0.0
-    seconds: float = 0.0
-
-
-@dataclasses.dataclass(frozen=True)
-class SaveOptions:
-    """What to write, besides the tree (``save``'s keyword arguments, as one value)."""
-
-    layout: str = "hf"
-    max_shard_size: int | str | None = None  # None: DEFAULT_MAX_SHARD_SIZE (set by prepare_save)
-    metadata: Mapping[str, str] | None = None
-    overwrite: bool = False
-    mapping: mapping_rules.Mapping | None = None
-    checksums: bool = True
-    progress: bool = False
-
-
-DEFAULT_MAX_SHARD_SIZE = "5GB"
-
-
-def check_max_shard_size(location: Location, max_shard_size: int | str | None) -> None:
-    """A bad size, or one that cannot apply (a single ``.safetensors`` file), is the caller's
-    error, raised before anything starts."""
-    if max_shard_size is None:
-        return
-    parse_size(max_shard_size)
-    if location.is_single_file:
-        raise ValueError(f"{location.url!r} is one .safetensors file, which max_shard_size cannot "
-                         "split: save to a directory (no .safetensors suffix) to get "
-                         "model-0000i-of-0000N.safetensors files and an index, or drop max_shard_size")
-
-
-def check_metadata(metadata: Mapping[str, str] | None, *, checksums: bool) -> None:
-    """The caller's ``__metadata__`` must be what every reader reads (string keys and values,
-    a header under 100 MB) and, with checksums, leave our checksum entries to us."""
-    format_check_metadata(metadata or {})
-    taken = sorted(set(metadata or ()) & set(RESERVED_KEYS)) if checksums else []
-    if taken:
-        raise ValueError(f"metadata keys {taken} are reserved for the checksums a save writes "
-                         "(pass checksums=False to write none)")
-
-
-@dataclasses.dataclass(frozen=True)
-class HostShard:
-    """A shard this process writes: its box in the tensor and a host copy of its values."""
-
-    name: str
-    box: Box
-    data: np.ndarray | tuple[np.ndarray, ...] | _Gathered  # a tuple: row blocks of the box
 
 
 def save(
@@ -202,35 +116,9 @@ def save(
         draws it, else a plain line every 10 s and one at the end.
     """
     with gc_paused():
-        job = prepare_save(Location.resolve(path, storage_options, filesystem), tree,
-                           SaveOptions(layout, max_shard_size, metadata, overwrite, mapping, checksums,
-                                       progress), copy=False)
-        return wait_interruptibly(job, job.start())
-
-
-def wait_interruptibly(job: SaveJob, future: SaveFuture) -> SaveStats:
-    """The job's result; Ctrl-C cancels it and raises ``KeyboardInterrupt`` promptly.
-
-    A caller that sees ``KeyboardInterrupt`` knows nothing new was committed:
-    cancelling and committing exclude each other (``Operation.cancel``). The
-    writers stop at their next chunk and roll back; the caller waits for that
-    up to ``_CANCEL_WAIT`` seconds (a disk may hold an uninterruptible ``fsync``
-    longer), after which the clean-up finishes in the background, still
-    holding the location's lock. An interrupt that comes after the commit point
-    is too late to undo the save: it returns normally, with a warning.
-    """
-    try:
-        return future.result()
-    except KeyboardInterrupt:
-        if not job.operation.cancel():
-            _LOG.warning("interrupted after %s was committed: the save is complete",
-                         job.operation.where)
-            return future.result()
-        try:
-            future.exception(timeout=_CANCEL_WAIT)
-        except (concurrent.futures.TimeoutError, KeyboardInterrupt):
-            pass
-        raise
+        session = prepare_save(Location.resolve(path, storage_options, filesystem), tree, SaveOptions(
+            layout, max_shard_size, metadata, overwrite, mapping, checksums, progress), copy=False)
+        return session.wait(session.start())
 
 
 def async_save(
@@ -259,14 +147,13 @@ def async_save(
     returns once it has rolled back (``engine.pending.SaveFuture``).
     """
     with gc_paused():  # not while the background writes run: the caller trains meanwhile
-        job = prepare_save(Location.resolve(path, storage_options, filesystem), tree,
-                           SaveOptions(layout, max_shard_size, metadata, overwrite, mapping, checksums,
-                                       progress), copy=True)
-    return job.start()
+        session = prepare_save(Location.resolve(path, storage_options, filesystem), tree, SaveOptions(
+            layout, max_shard_size, metadata, overwrite, mapping, checksums, progress), copy=True)
+    return session.start()
 
 
 def prepare_save(location: Location, tree: Any, options: SaveOptions, *, copy: bool,
-                 new_directory: bool = False) -> SaveJob:
+                 new_directory: bool = False) -> WriteSession:
     """Takes the location and copies this process's shards to the host; ``start()`` on the
     result plans, writes and commits.
 
@@ -285,14 +172,9 @@ def prepare_save(location: Location, tree: Any, options: SaveOptions, *, copy: b
     peers = _peers(tree, location)
     try:
         arrays, tree_specs = check_tree(tree, options.layout)
-        specs, assemblies = tree_specs, None
-        if options.mapping is not None:  # plan in stored names and shapes; shards are mapped below
-            specs, assemblies = options.mapping.map_specs(tree_specs)
-        if location.is_single_file and options.layout == "distributed":
-            raise ValueError(f"{location.url!r}: the distributed layout is a directory of files")
-        check_max_shard_size(location, options.max_shard_size)
-        options = dataclasses.replace(options, max_shard_size=options.max_shard_size or DEFAULT_MAX_SHARD_SIZE)
-        check_metadata(options.metadata, checksums=options.checksums)
+        specs, assemblies = (tree_specs, None) if options.mapping is None else \
+            options.mapping.map_specs(tree_specs)  # planned in stored names; shards mapped on copy
+        options = options.resolve(location)
     except BaseException as e:
         peers.fail(e)
         raise
@@ -302,27 +184,25 @@ def prepare_save(location: Location, tree: Any, options: SaveOptions, *, copy: b
         peers.check_same("tree", [_describe(spec, arrays[spec.name]) for spec in tree_specs]
                          + [f"options {dataclasses.replace(options, progress=False)!r}"], "the tree or options")
     commit = take_location(location, peers, overwrite=options.overwrite, fresh=new_directory)
-    # Several processes writing one hf file: thin strips are written as row blocks instead.
-    several_writers = peers.is_collective and options.layout == "hf" and assemblies is None
-    reshard_below = location.storage.capabilities.max_gap if several_writers else 0
     try:
-        shards, resharded = _host_shards(arrays, {s.name: s for s in tree_specs}, copy=copy,
-                                         assemblies=assemblies, reshard_below=reshard_below, peers=peers)
+        shards, resharded = host_shards.copy_to_host(
+            arrays, {s.name: s for s in tree_specs}, copy=copy, assemblies=assemblies,
+            reshard_below=_reshard_below(location, peers, options, mapped=assemblies is not None),
+            peers=peers)
     except BaseException as e:
         peers.fail(e)
         commit.release()
         raise
     stats = SaveStats(tensors_resharded=resharded, blocking_seconds=time.perf_counter() - started)
-    report = None
-    if options.progress and jax.process_index() == 0:
-        sizes = {s.name: s for s in specs}
-        report = Progress(f"save {location.url}", sum(
-            sizes[s.name].dtype.nbytes(box_shape(s.box)) for s in shards), enabled=True).start()
-    if options.layout == "distributed":
-        strategy = lambda: _distributed(shards, {s.name: s for s in specs}, options)  # noqa: E731
-    else:
-        strategy = lambda: _hf(location, shards, specs, options)  # noqa: E731
-    return SaveJob(Operation(peers, report), commit, strategy, stats, started)
+    layout = _LAYOUTS[options.layout](location, shards, specs, options)
+    return WriteSession(Operation(peers, layout.progress()), commit, layout, stats, started)
+
+
+def _reshard_below(location: Location, peers: Peers, options: SaveOptions, *, mapped: bool) -> int:
+    """Runs under this many bytes are thin strips, resharded into row blocks before the copy:
+    where several processes write one hf file (unmapped), the backend's gap; else none."""
+    several_writers = peers.is_collective and options.layout == "hf" and not mapped
+    return location.storage.capabilities.max_gap if several_writers else 0
 
 
 def _peers(tree: Any, location: Location) -> Peers:
@@ -339,58 +219,6 @@ def _describe(spec: TensorSpec, array: Any) -> str:
     of a global array (data of one process alone is process 0's to write, whatever others hold)."""
     sharding = None if not isinstance(array, jax.Array) or array.is_fully_addressable else array.sharding
     return f"{spec.name}: {spec.dtype.code}{list(spec.shape)} {describe_sharding(sharding)}"
-
-
-def take_location(location: Location, peers: Peers, *, overwrite: bool, fresh: bool = False) -> Commit:
-    """Process 0 locks the location and asks the catalog what is there; every process gets
-    the same ``Commit`` (token, the files it replaces), or every process raises.
-
-    Refuses to replace a committed checkpoint unless ``overwrite``; debris of a
-    save of ours that never committed (its temporaries, the files its marker
-    lists) is no reason to refuse, and is removed. Without ``overwrite``, no
-    other file is removed: checkpoint-named files that are neither committed
-    nor ours (shards without an index, of the user's or of another tool) make
-    the save refuse, naming them. ``overwrite`` replaces every checkpoint-named
-    file there (a reader that globs shard files must not find old ones beside
-    the new), never other files (config.json, a tokenizer, a README).
-    """
-    token = uuid.uuid4().hex[:12]
-    commit = Commit.for_location(location, token, ())
-    error, old, markers = None, frozenset(), frozenset()
-    if peers.is_primary and not fresh:
-        try:
-            commit.acquire()
-            found = catalog.survey(location, catalog.Findings(collect=True))
-            catalog.refuse_non_files(found)
-            if found.committed and not overwrite:
-                raise FileExistsError(errno.EEXIST, "already holds a checkpoint; pass "
-                                      "overwrite=True to replace it", location.url)
-            foreign = sorted(found.present - found.committed - found.ours)
-            if foreign and not overwrite:
-                shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-                raise FileExistsError(errno.EEXIST, f"holds safetensors files that no save of ours "
-                                      f"wrote and no index names ({shown}); pass overwrite=True to "
-                                      "replace them, or remove them", location.url)
-            old = (found.present if overwrite else frozenset()) | found.ours
-            markers = found.markers
-            commit.clear_leftovers()
-        except BaseException as e:
-            commit.release()
-            error = e
-    shared = json.loads(peers.share("location", json.dumps({
-        "token": token, "old": sorted(old), "markers": sorted(markers),
-        "error": "" if error is None else ProcessFailure.of(0, error).to_json()})))
-    if error is not None:
-        raise error
-    if shared["error"]:
-        failure = ProcessFailure.from_json(shared["error"])
-        if failure.type == FileExistsError.__name__:  # the refusal, the same on every process
-            raise FileExistsError(failure.errno, failure.message, failure.filename)
-        raise DistributedError(f"{location.url}: process 0 could not begin the save", {0: failure})
-    if peers.is_primary:
-        commit.old, commit.markers = old, markers
-        return commit
-    return Commit.for_location(location, shared["token"], shared["old"], shared["markers"])
 
 
 def check_tree(tree: Any, layout: str = "hf") -> tuple[dict[str, Any], list[TensorSpec]]:
@@ -435,175 +263,74 @@ def _spec(name: str, array: jax.Array | np.ndarray) -> TensorSpec:
     return spec
 
 
-def _host_shards(
-    arrays: Mapping[str, Any], specs: Mapping[str, TensorSpec], *, copy: bool,
-    assemblies: Mapping[str, Assembly] | None = None, reshard_below: int = 0, peers: Peers,
-) -> tuple[list[HostShard], int]:
-    """Host values of the shards this process writes (``replica_id == 0``), and how many
-    arrays were resharded into row blocks first (runs under ``reshard_below`` bytes).
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """A save's host shards, to be planned and written in one layout (a session's planner)."""
 
-    All device→host transfers are started before the first is awaited. With
-    ``copy`` (``async_save``) the caller may donate or overwrite its arrays as
-    soon as we return, so accelerator shards are copied to host memory and
-    numpy leaves are copied. CPU shards are not: their immutable buffers
-    already are host memory, and the view we keep is a reference XLA honours
-    (a donation of a still-referenced buffer is skipped, not performed), so a
-    gigabyte memcpy on the caller's critical path buys nothing there. A
-    resharded array is ours, never the caller's: its shards are brought to the
-    host at once (copied off an accelerator, viewed on CPU), so at most one
-    such extra array is alive on device at a time. The resharding is a device
-    collective: the processes meet first, so none enters it after another failed.
-    In a collective save, data of this process alone (numpy leaves, arrays on its
-    own devices) is written by process 0, as one value for all.
-    """
-    owned, resharded = [], 0
-    for name, array in arrays.items():
-        spec = specs[name]
-        if isinstance(array, jax.Array) and not (peers.is_collective and array.is_fully_addressable):
-            rows = (row_sharding(array.sharding, spec.shape, spec.dtype.bits // 8, reshard_below)
-                    if reshard_below and not spec.dtype.is_packed else None)
-            if rows is not None:
-                peers.meet(f"reshard/{name}")
-                array, resharded = resharding(array.sharding, rows)(array), resharded + 1
-            mine = [shard for shard in array.addressable_shards if shard.replica_id == 0]
-            for shard in mine:
-                shard.data.copy_to_host_async()
-            for shard in mine:  # a resharded array's shards come to the host now, not later
-                data = shard.data if rows is None else np.asarray(shard.data)
-                owned.append((name, normalize_index(shard.index, spec.shape), data, rows is not None))
-        elif peers.is_primary:
-            owned.append((name, full_box(spec.shape), array, False))
-    shards = [HostShard(name, box, np.array(
-        data, copy=True if copy and not ours and _copied(data) else None))
-              for name, box, data, ours in owned]
-    for shard in shards:
-        if specs[shard.name].dtype.is_packed and shard.box != full_box(specs[shard.name].shape):
-            raise ValueError(
-                f"leaf {shard.name!r}: {specs[shard.name].dtype.code} packs values below a byte, "
-                "so it can only be saved from an unsharded (replicated) array")
-    return (shards if assemblies is None else _map_shards(shards, assemblies, copy=copy)), resharded
+    location: Location
+    shards: list[HostShard]
+    specs: list[TensorSpec]  # stored names and shapes
+    options: SaveOptions
+
+    def progress(self) -> Progress | None:
+        """Process 0's progress line, if asked for: the bytes this process writes."""
+        if not self.options.progress or jax.process_index() != 0:
+            return None
+        sizes = {s.name: s for s in self.specs}
+        return Progress(f"save {self.location.url}", sum(
+            sizes[s.name].dtype.nbytes(box_shape(s.box)) for s in self.shards), enabled=True).start()
 
 
-def _map_shards(shards: list[HostShard], assemblies: Mapping[str, Assembly],
-                *, copy: bool) -> list[HostShard]:
-    """Tree shards → stored names, boxes and bytes, one shard at a time (see ``Mapping``):
-    each piece of the leaf the shard meets (a layer of a stacked leaf, a projection of a
-    fused one) gets the shard's part of it, so every process writes its own rows of
-    every per-layer tensor and nothing is gathered.
+class HfLayout(_Layout):
+    """The hf layout: whole tensors, in one file or in files of ``max_shard_size`` under an
+    index, written the way the backend's capabilities call for (``write.for_storage``)."""
 
-    A transposed shard is a fresh array; a merely reshaped one may still view
-    the caller's, so ``async_save`` copies it like any other shard.
-    """
-    mapped = []
-    for shard in shards:
-        for piece in assemblies[shard.name].pieces:
-            part = piece.part(shard.box)
-            if part is None:
-                continue
-            inside, own = part
-            values = np.asarray(shard.data)[relative_slices(inside, shard.box)].reshape(box_shape(own))
-            for box, data in piece.transform.to_stored(own, values):
-                if copy and np.may_share_memory(data, shard.data):
-                    data = data.copy()
-                mapped.append(HostShard(piece.stored, box, data))
-    return mapped
+    def strategy(self) -> write.Strategy:
+        location, shards, options = self.location, self.shards, self.options
+        if location.is_single_file:
+            plan = plan_single_file(location.file_name, self.specs, options.metadata,
+                                    checksums=options.checksums)
+        else:
+            plan = plan_hf_checkpoint(self.specs, max_shard_size=options.max_shard_size,
+                                      metadata=options.metadata, checksums=options.checksums)
+        by_name = collections.defaultdict(list)
+        for shard in shards:
+            by_name[shard.name].append(shard)
 
+        def streamed(file: FilePlan) -> Iterator[memoryview | bytes]:
+            for info in file.tensors:
+                yield to_bytes(whole_tensor(info.shape, by_name[info.name]))
 
-def _copied(data: Any) -> bool:
-    """Whether ``async_save`` must copy this value (see ``_host_shards``)."""
-    return not isinstance(data, jax.Array) or any(d.platform != "cpu" for d in data.devices())
+        return write.for_storage(
+            location.storage, plan,
+            lambda: owned_ranges(plan.files, [(s.name, s.box) for s in shards], write.WRITE_CHUNK_BYTES),
+            lambda: [to_bytes(s.data) for s in shards], streamed)
 
 
-@dataclasses.dataclass
-class SaveJob:
-    """The half of a save that runs after the host copies (on a background thread for
-    ``async_save``): plan, write with the chosen strategy, commit."""
+class DistributedLayout(_Layout):
+    """Our distributed layout: each process writes whole files of its own slices; process 0
+    commits them with the index of every process's slices."""
 
-    operation: Operation
-    commit: Commit
-    strategy: Callable[[], write.Strategy]
-    stats: SaveStats
-    started: float
+    def strategy(self) -> write.Strategy:
+        specs = {s.name: s for s in self.specs}
+        merged = merge_shards(self.shards, specs)
+        data = {(s.name, s.box): s.data for s in merged}
+        files = plan_distributed_files(
+            jax.process_index(), [SliceSpec(s.name, specs[s.name].dtype, s.box) for s in merged],
+            max_shard_size=self.options.max_shard_size, metadata=dict(self.options.metadata or {}),
+            checksums=self.options.checksums)
+        slices_in = {file.name: slices for file, slices in files}
 
-    def start(self) -> SaveFuture:
-        """Writes and commits on a background thread (not a daemon: the interpreter waits for
-        it at exit); the future gives the stats or the error (``engine.pending``)."""
-        future = SaveFuture(self.operation.where, self.operation.cancel)
-        future.run_in(threading.Thread(target=self.run, args=(future,), name="orbax_safetensors-save"))
-        return future
+        def chunks(file: FilePlan) -> Iterator[memoryview | bytes]:
+            order = {s.name: data[(s.name, s.box)] for s in slices_in[file.name]}
+            for info in file.tensors:
+                yield from payload(order[info.name])
 
-    def abandon(self) -> None:
-        """A prepared save that will never start (its caller gave up on it): the location is
-        let go (lock, a directory it made), and processes waiting on this one fail at once."""
-        self.operation.peers.fail(concurrent.futures.CancelledError(
-            f"the save to {self.operation.where} was given up before it started"))
-        self.commit.release()
+        return write.Streamed([f for f, _ in files], chunks, functools.partial(self._index, files))
 
-    def run(self, future: SaveFuture) -> None:
-        try:
-            try:
-                planned: list[write.Strategy] = []
-                self.operation.run("planned", lambda: planned.append(self.strategy()))
-                written = planned[0].write(self.operation, self.commit)
-                write.commit_written(self.operation, self.commit, written)
-            except BaseException as e:
-                self.operation.peers.fail(e)
-                if self.operation.is_primary and not self.operation.committing:
-                    self.commit.abandon()
-                raise
-            finally:
-                self.commit.release()
-                if self.operation.progress is not None:
-                    self.operation.progress.close()
-            self.stats.bytes_written = written.bytes_written
-            self.stats.requests = written.requests
-            self.stats.files = written.files_written
-            self.stats.seconds = time.perf_counter() - self.started
-            future.finish(self.stats)
-        except BaseException as e:  # the caller sees it through the future
-            future.finish(error=e)
-
-
-def _hf(location: Location, shards: list[HostShard], specs: list[TensorSpec],
-        options: SaveOptions) -> write.Strategy:
-    """The hf layout's plan, and the strategy the backend calls for."""
-    if location.is_single_file:
-        plan = plan_single_file(location.file_name, specs, options.metadata, checksums=options.checksums)
-    else:
-        plan = plan_hf_checkpoint(specs, max_shard_size=options.max_shard_size,
-                                  metadata=options.metadata, checksums=options.checksums)
-    by_name = collections.defaultdict(list)
-    for shard in shards:
-        by_name[shard.name].append(shard)
-
-    def streamed(file: FilePlan) -> Iterator[memoryview | bytes]:
-        for info in file.tensors:
-            yield to_bytes(_whole_tensor(info.shape, by_name[info.name]))
-
-    return write.for_storage(
-        location.storage, plan,
-        lambda: owned_ranges(plan.files, [(s.name, s.box) for s in shards], write.WRITE_CHUNK_BYTES),
-        lambda: [to_bytes(s.data) for s in shards], streamed)
-
-
-def _distributed(shards: list[HostShard], specs: Mapping[str, TensorSpec],
-                 options: SaveOptions) -> write.Strategy:
-    """Each process writes whole files of its own slices; process 0 commits them with the index
-    of every process's slices."""
-    merged = _merge_shards(shards, specs)
-    data = {(s.name, s.box): s.data for s in merged}
-    metadata = dict(options.metadata or {})
-    files = plan_distributed_files(
-        jax.process_index(), [SliceSpec(s.name, specs[s.name].dtype, s.box) for s in merged],
-        max_shard_size=options.max_shard_size, metadata=metadata, checksums=options.checksums)
-    slices_in = {file.name: slices for file, slices in files}
-
-    def chunks(file: FilePlan) -> Iterator[memoryview | bytes]:
-        order = {s.name: data[(s.name, s.box)] for s in slices_in[file.name]}
-        for info in file.tensors:
-            yield from _payload(order[info.name])
-
-    def to_commit(op: Operation, file_crcs: dict[str, int]) -> tuple[list[str], tuple[str, bytes]]:
+    def _index(self, files: list[tuple[FilePlan, list[SliceSpec]]], op: Operation,
+               file_crcs: dict[str, int]) -> tuple[list[str], tuple[str, bytes]]:
+        """Every process's files, and the index of every process's slices and file checksums."""
         mine = {"slices": [[s.name, file.name, [a for a, _ in s.box], list(s.shape)]
                            for file, slices in files for s in slices], "crc32c": file_crcs}
         every = [json.loads(raw) for raw in op.exchange("slices", json.dumps(mine))]
@@ -611,73 +338,12 @@ def _distributed(shards: list[HostShard], specs: Mapping[str, TensorSpec],
         slices: dict[str, list[SliceEntry]] = collections.defaultdict(list)
         for name, file, offsets, shape in entries:
             slices[name].append(SliceEntry(file, tuple(offsets), tuple(shape)))
-        tensors = {name: DistributedTensor(spec.dtype, spec.shape, tuple(slices[name]))
-                   for name, spec in specs.items()}
+        tensors = {spec.name: DistributedTensor(spec.dtype, spec.shape, tuple(slices[spec.name]))
+                   for spec in self.specs}
         crcs = {file: crc for document in every for file, crc in document["crc32c"].items()}
-        return (sorted({file for _, file, _, _ in entries}),
-                (DISTRIBUTED_INDEX_NAME, serialize_distributed_index(tensors, metadata, crcs)))
-
-    return write.Streamed([f for f, _ in files], chunks, to_commit)
+        index = serialize_distributed_index(tensors, dict(self.options.metadata or {}), crcs)
+        return sorted({file for _, file, _, _ in entries}), (DISTRIBUTED_INDEX_NAME, index)
 
 
-def _merge_shards(shards: list[HostShard], specs: Mapping[str, TensorSpec]) -> list[HostShard]:
-    """One slice per tensor where this process's shards of it form a box.
-
-    The distributed layout stores at most one slice of a tensor per file, so
-    fewer, larger slices mean fewer files; shards that do not form a box stay
-    separate slices (and spread over several files). Shards that are row
-    blocks of the slice are written one after the other, not copied together.
-    """
-    by_name: dict[str, list[HostShard]] = collections.defaultdict(list)
-    for shard in shards:
-        by_name[shard.name].append(shard)
-    merged = []
-    for name, group in by_name.items():
-        regions = plan_regions(specs[name].shape, [p.box for p in group])
-        if len(group) == 1 or len(regions) != 1:
-            merged.extend(group)
-            continue
-        box = regions[0].box
-        rows = sorted(group, key=lambda p: p.box)
-        if all(p.box[1:] == box[1:] for p in rows):  # row blocks: concatenation in order
-            merged.append(HostShard(name, box, tuple(p.data for p in rows)))
-            continue
-        merged.append(HostShard(name, box, _Gathered(box, tuple(group))))
-    return merged
-
-
-@dataclasses.dataclass(frozen=True)
-class _Gathered:
-    """Shards that together form one slice, copied into it only when the slice is written:
-    a file's tensors are gathered one at a time as the file streams out, not the whole
-    tree up front (column shards of a tensor on one process, say)."""
-
-    box: Box
-    shards: tuple[HostShard, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.data.nbytes for p in self.shards)
-
-    def array(self) -> np.ndarray:
-        data = np.empty(box_shape(self.box), self.shards[0].data.dtype)
-        for shard in self.shards:
-            data[relative_slices(shard.box, self.box)] = shard.data
-        return data
-
-
-def _payload(data: np.ndarray | tuple[np.ndarray, ...] | _Gathered) -> list[memoryview]:
-    """The on-disk bytes of a slice: one array, row blocks back to back, or gathered shards."""
-    if isinstance(data, _Gathered):
-        return [to_bytes(data.array())]
-    return [to_bytes(a) for a in (data if isinstance(data, tuple) else (data,))]
-
-
-def _whole_tensor(shape: tuple[int, ...], shards: list[HostShard]) -> np.ndarray:
-    """A whole tensor from the shards one process holds of it (all of them, here)."""
-    if len(shards) == 1 and shards[0].box == full_box(shape):
-        return shards[0].data
-    whole = np.empty(shape, shards[0].data.dtype)
-    for shard in shards:
-        whole[tuple(slice(a, b) for a, b in shard.box)] = shard.data
-    return whole
+_LAYOUTS: dict[str, type[_Layout]] = {"hf": HfLayout, "distributed": DistributedLayout}
+LAYOUTS = tuple(_LAYOUTS)

@@ -203,13 +203,8 @@ def _gather_checksums(op: Operation, checksums: Checksums,
     """Process 0: every file's final header and whole crc32c, from every process's pieces."""
     if not checksums.files:  # the same plan everywhere: every process skips it alike
         return {}, {}
-    crcs: dict[str, dict[str, np.ndarray] | None] = {}
-
-    def gather() -> None:
-        crcs["all"] = checksums.gathered(op.peers)
-
-    op.run("checksummed", gather, clean_up)
-    return final_headers(list(checksums.files.values()), crcs["all"] or {}) if op.is_primary else ({}, {})
+    crcs = op.run("checksummed", lambda: checksums.gathered(op.peers), clean_up)
+    return final_headers(list(checksums.files.values()), crcs or {}) if op.is_primary else ({}, {})
 
 
 class InPlace(Strategy):
@@ -295,9 +290,7 @@ class InParts(Strategy):
         payloads = self.payloads()
         checksums = Checksums(self.plan.files)
         _begin(op, commit, names)
-        last = [u for u in self.uploads if u.file in checksums.files
-                and any((r.targets == HEADER).any() for r in u.ranges)]
-        now = [u for u in self.uploads if not any(u is v for v in last)]
+        last, now = self._headers_last(checksums)
 
         def views(item: Upload) -> list[memoryview]:
             return [v for r in item.ranges for v in _views(r.segments, payloads, headers.get(item.file, b""))]
@@ -314,14 +307,9 @@ class InParts(Strategy):
             with op.executor(_WRITE_THREADS, "orbax_safetensors-upload") as pool:
                 pool.wait([pool.submit(self._counted, checksums, item, views, upload) for item in now])
 
-        # (file, offset, length, object key, position in the object) of every range
-        mine = [[u.file, r.offset, r.length, u.key, position]
-                for u in self.uploads
-                for r, position in zip(u.ranges, itertools.accumulate(
-                    (r.length for r in u.ranges), initial=0))]
         own_parts = sorted({commit.part(u.file, u.key) for u in self.uploads})
         op.run("uploaded", upload_all, lambda: storage.discard(own_parts))
-        every = [tuple(p) for raw in op.exchange("parts", json.dumps(mine), lambda: storage.discard(own_parts))
+        every = [tuple(p) for raw in op.exchange("parts", json.dumps(self._ranges()), lambda: storage.discard(own_parts))
                  for p in json.loads(raw)]
         part_objects = sorted({commit.part(file, key) for file, _, _, key, _ in every})
         final, file_crcs = _gather_checksums(
@@ -343,6 +331,21 @@ class InParts(Strategy):
         op.on_primary("merged", assemble)
         return Written(names, self.plan.index(file_crcs), sum(len(p) for p in payloads),
                        len(self.uploads), len({u.file for u in self.uploads}), file_crcs)
+
+    def _headers_last(self, checksums: Checksums) -> tuple[list[Upload], list[Upload]]:
+        """The uploads holding a checksummed file's header (uploaded once it is final), and
+        the others."""
+        last = [u for u in self.uploads if u.file in checksums.files
+                and any((r.targets == HEADER).any() for r in u.ranges)]
+        return last, [u for u in self.uploads if not any(u is v for v in last)]
+
+    def _ranges(self) -> list[list]:
+        """(file, offset, length, object key, position in the object) of every range this
+        process uploads, for process 0 to assemble the files from."""
+        return [[u.file, r.offset, r.length, u.key, position]
+                for u in self.uploads
+                for r, position in zip(u.ranges, itertools.accumulate(
+                    (r.length for r in u.ranges), initial=0))]
 
     @staticmethod
     def _counted(checksums: Checksums, item: Upload, views: Callable[[Upload], list[memoryview]],

@@ -26,7 +26,8 @@ import warnings
 from collections.abc import Sequence
 
 from orbax_safetensors.engine import (
-    Progress, consolidate, format_bytes, format_seconds, summary_line, verify)
+    DEFAULT_BLOCK_BYTES, DEFAULT_MAX_SHARD_SIZE, Progress, consolidate, format_bytes, format_seconds,
+    summary_line, verify)
 from orbax_safetensors.engine import metadata as read_metadata
 from orbax_safetensors.errors import SafetensorsError
 from orbax_safetensors.format import dtype_for_numpy
@@ -180,11 +181,12 @@ def _quiet_libraries() -> None:
 
 
 def _add_job_options(command: argparse.ArgumentParser) -> None:
-    command.add_argument("--max-shard-size", default="5GB",
-                         help="bytes per safetensors file, e.g. 2GB or 500MiB (default 5GB)")
-    command.add_argument("--block-bytes", default="64MB",
+    command.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE,
+                         help="bytes per safetensors file, e.g. 2GB or 500MiB "
+                              f"(default {DEFAULT_MAX_SHARD_SIZE})")
+    command.add_argument("--block-bytes", default=DEFAULT_BLOCK_BYTES,
                          help="the most bytes of one tensor moved at once; bounds memory "
-                              "(default 64MB)")
+                              f"(default {DEFAULT_BLOCK_BYTES})")
     command.add_argument("--overwrite", action="store_true", help="replace the checkpoint at DST (never a directory that is not one)")
     command.add_argument("--no-progress", dest="progress", action="store_false",
                          help="no progress line (it shows only when stderr is a terminal)")

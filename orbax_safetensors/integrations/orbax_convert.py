@@ -67,6 +67,8 @@ from orbax.checkpoint import future as ocp_future
 from orbax.checkpoint import type_handlers
 
 from orbax_safetensors.engine import (
+    DEFAULT_BLOCK_BYTES,
+    DEFAULT_MAX_SHARD_SIZE,
     Checkpoint,
     CheckpointBlocks,
     Progress,
@@ -117,8 +119,8 @@ def convert(
     src: str | os.PathLike,
     dst: str | os.PathLike,
     *,
-    max_shard_size: int | str = "5GB",
-    block_bytes: int | str = "64MB",
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    block_bytes: int | str = DEFAULT_BLOCK_BYTES,
     nest: bool = True,
     metadata: Mapping[str, str] | None = None,
     overwrite: bool = False,
@@ -176,23 +178,12 @@ def convert(
     options = StreamOptions(max_shard_size, metadata, overwrite, block_bytes, progress, checksums)
     fmt, item = detect_format(src, storage_options, filesystem)
     target = Location.resolve(dst, storage_options, filesystem)
-    occupied = _occupied(target)
-    if occupied and not overwrite:
-        raise FileExistsError(f"{target.url!r} already exists and is not empty; pass "
-                              "overwrite=True (--overwrite) to replace it")
-    if occupied and fmt == SAFETENSORS:
-        foreign = _not_orbax(target.url)
-        if foreign:  # replacing an Orbax checkpoint replaces the directory: only if it is one
-            raise FileExistsError(
-                f"{target.url!r} is not an Orbax checkpoint (it holds "
-                f"{', '.join(repr(n) for n in foreign[:5])}{', ...' if len(foreign) > 5 else ''}); "
-                "convert replaces only an Orbax checkpoint, even with overwrite: choose another "
-                "destination")
+    _check_destination(target, fmt, overwrite=options.overwrite)
     label = f"convert {os.fspath(src)} -> {target.url}"
     if fmt == ORBAX:
         return _orbax_to_safetensors(item, target, options, label=label, started=started)
-    return _safetensors_to_orbax(Location.resolve(src, storage_options, filesystem), target,
-                                 options, nest=nest, label=label, started=started)
+    with open_checkpoint(Location.resolve(src, storage_options, filesystem)) as checkpoint:
+        return _write_orbax(checkpoint, target, options, nest=nest, label=label, started=started)
 
 
 def detect_format(
@@ -218,6 +209,23 @@ def detect_format(
             f"{text!r} is neither an Orbax PyTree checkpoint (no {_TREE_METADATA_FILE}) "
             f"nor a safetensors checkpoint ({detail})") from None
     return SAFETENSORS, text
+
+
+def _check_destination(target: Location, source_format: str, *, overwrite: bool) -> None:
+    """Refuses a ``target`` that holds anything, unless ``overwrite``; and, for an Orbax
+    output (which replaces the whole directory), one that is not an Orbax checkpoint."""
+    if not _occupied(target):
+        return
+    if not overwrite:
+        raise FileExistsError(f"{target.url!r} already exists and is not empty; pass "
+                              "overwrite=True (--overwrite) to replace it")
+    foreign = _not_orbax(target.url) if source_format == SAFETENSORS else []
+    if foreign:  # replacing an Orbax checkpoint replaces the directory: only if it is one
+        raise FileExistsError(
+            f"{target.url!r} is not an Orbax checkpoint (it holds "
+            f"{', '.join(repr(n) for n in foreign[:5])}{', ...' if len(foreign) > 5 else ''}); "
+            "convert replaces only an Orbax checkpoint, even with overwrite: choose another "
+            "destination")
 
 
 def _occupied(location: Location) -> bool:
@@ -459,12 +467,6 @@ def _set_chunk_shape(spec: dict, chunk: tuple[int, ...]) -> None:
         for codec in metadata.get("codecs", []):
             if codec.get("name") == "sharding_indexed":
                 codec["configuration"]["chunk_shape"] = list(chunk)
-
-
-def _safetensors_to_orbax(src: Location, dst: Location, options: StreamOptions, *, nest: bool,
-                          label: str, started: float) -> ConvertStats:
-    with open_checkpoint(src) as checkpoint:
-        return _write_orbax(checkpoint, dst, options, nest=nest, label=label, started=started)
 
 
 def _write_orbax(checkpoint: Checkpoint, dst: Location, options: StreamOptions, *, nest: bool,

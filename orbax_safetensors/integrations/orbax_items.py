@@ -22,15 +22,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from orbax_safetensors.engine import (
     async_load,
     ReadOptions,
-    SaveJob,
     SaveOptions,
-    check_metadata,
+    WriteSession,
     check_tree,
     load,
     metadata,
     prepare_save,
 )
-from orbax_safetensors.index import parse_size
 from orbax_safetensors.planning.rules import Mapping as NameMapping
 from orbax_safetensors.storage import Location
 from orbax_safetensors.integrations.orbax_version import check_orbax_version
@@ -50,7 +48,7 @@ class SafetensorsSave(ocp_args.CheckpointArgs):
 
     item: Any
     layout: str = "hf"
-    max_shard_size: int | str | None = None  # None: ost.save's default ("5GB"; one file for *.safetensors)
+    max_shard_size: int | str | None = None  # None: ost.save's default (one file for *.safetensors)
     metadata: Mapping[str, str] | None = None
     storage_options: Mapping[str, Any] | None = None
     filesystem: fsspec.AbstractFileSystem | None = None
@@ -67,9 +65,7 @@ class SafetensorsSave(ocp_args.CheckpointArgs):
         _, specs = check_tree(self.item, self.layout)
         if self.mapping is not None:
             self.mapping.map_specs(specs)
-        if self.max_shard_size is not None:
-            parse_size(self.max_shard_size)
-        check_metadata(self.metadata, checksums=self.checksums)
+        _options(self)  # sizes and metadata
 
 
 @dataclasses.dataclass
@@ -97,7 +93,13 @@ def _url(path: Any) -> str:
     return str(path)
 
 
-def prepare_item_save(directory: Any, args: SafetensorsSave, *, fresh: bool) -> SaveJob:
+def _options(args: SafetensorsSave) -> SaveOptions:
+    """``ost.save``'s options, as ``args`` ask for them (checked and resolved as they are built)."""
+    return SaveOptions(args.layout, args.max_shard_size, args.metadata, overwrite=args.overwrite,
+                       mapping=args.mapping, checksums=args.checksums)
+
+
+def prepare_item_save(directory: Any, args: SafetensorsSave, *, fresh: bool) -> WriteSession:
     """Plans the item and copies this process's shards to the host; ``start()`` writes.
 
     The copies make the caller's arrays free as soon as this returns, which is
@@ -108,11 +110,8 @@ def prepare_item_save(directory: Any, args: SafetensorsSave, *, fresh: bool) -> 
     otherwise the path is the caller's, and taken as ``ost.save`` takes it (a
     checkpoint there is refused unless ``args.overwrite``, then replaced whole).
     """
-    return prepare_save(
-        Location.resolve(_url(directory), args.storage_options, args.filesystem), args.item,
-        SaveOptions(args.layout, args.max_shard_size, args.metadata, overwrite=args.overwrite,
-                    mapping=args.mapping, checksums=args.checksums),
-        copy=True, new_directory=fresh)
+    return prepare_save(Location.resolve(_url(directory), args.storage_options, args.filesystem),
+                        args.item, _options(args), copy=True, new_directory=fresh)
 
 
 def restore_item(directory: Any, args: SafetensorsRestore | None) -> Any:

@@ -38,7 +38,7 @@ from orbax.checkpoint import handlers as ocp_handlers
 from orbax.checkpoint._src.futures import future as orbax_futures
 from orbax.checkpoint._src.futures import synchronization
 
-from orbax_safetensors.engine import CheckpointMetadata, SaveJob, metadata, unwatch, watch_at_exit
+from orbax_safetensors.engine import CheckpointMetadata, WriteSession, metadata, unwatch, watch_at_exit
 from orbax_safetensors.integrations.orbax_items import (
     SafetensorsRestore,
     SafetensorsSave,
@@ -60,7 +60,7 @@ class _WritesOnceAwaited(ocp_future.Future):
     our writes. The signals to wait for (Orbax's directory creation) are those of the
     operation that was current in ``async_save``; they are read there, while it is."""
 
-    def __init__(self, job: SaveJob, directory: Any):
+    def __init__(self, job: WriteSession, directory: Any):
         self._job, self._directory = job, directory
         self._operation_id = synchronization.OperationIdGenerator.get_current_operation_id()
         self._signals = orbax_futures.AwaitableSignalsContract.get_awaitable_signals_from_contract(

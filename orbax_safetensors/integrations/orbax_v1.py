@@ -58,7 +58,7 @@ import numpy as np
 from orbax.checkpoint.experimental import v1 as ocp_v1
 from orbax.checkpoint.experimental.v1._src.context import context as orbax_context
 
-from orbax_safetensors.engine import ReadOptions, SaveJob, metadata_of, open_checkpoint
+from orbax_safetensors.engine import ReadOptions, WriteSession, metadata_of, open_checkpoint
 from orbax_safetensors.errors import ArgumentError, SafetensorsError
 from orbax_safetensors.storage import Location
 from orbax_safetensors.integrations.orbax_items import (
@@ -95,9 +95,9 @@ async def _save(directory: Any, checkpointable: Any) -> Awaitable[None]:
 
 class _Writes:
     """The writes of a prepared save, run when awaited. Dropped without being awaited, the
-    save is let go (``SaveJob.abandon``): no lock left on the caller's path."""
+    save is let go (``WriteSession.abandon``): no lock left on the caller's path."""
 
-    def __init__(self, job: SaveJob, creation: Any):
+    def __init__(self, job: WriteSession, creation: Any):
         self._job, self._creation, self._awaited = job, creation, False
 
     def __await__(self):

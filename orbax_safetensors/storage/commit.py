@@ -98,10 +98,6 @@ class _WriterLock:
         self.storage, self.path = storage, path
         self._release: Callable[[], None] | None = None
 
-    @property
-    def held(self) -> bool:
-        return self._release is not None
-
     def take(self, then: Callable[[], None]) -> None:
         """Takes the lock (fails fast naming the holder), then runs ``then`` -- the clean-up of
         what dead writers left, which only the holder may do -- releasing the lock if it fails."""
@@ -118,6 +114,30 @@ class _WriterLock:
             release()
 
 
+class _Claim:
+    """A writer's hold on a location: the lock beside it, and the directories made for it."""
+
+    def __init__(self, storage: Storage, directory: str, lock_path: str):
+        self.directory = directory
+        self._lock = _WriterLock(storage, lock_path)
+        self._made = _MadeDirectories(storage)
+
+    def take(self, recover: Callable[[], None]) -> None:
+        """Makes the directory if it is missing, takes the lock (fails fast naming the holder)
+        and runs ``recover`` under it; lets all of it go if any of that fails."""
+        self._made.make(self.directory)
+        try:
+            self._lock.take(recover)
+        except BaseException:
+            self._made.remove_empty()
+            raise
+
+    def release(self) -> None:
+        """Releases the lock; a directory made here and left empty (the write failed) goes too."""
+        self._lock.release()
+        self._made.remove_empty()
+
+
 class Commit:
     """One save's commit protocol over one location (a directory, or one file in a directory).
 
@@ -130,7 +150,7 @@ class Commit:
     """
 
     def __init__(self, location: Location, token: str, old: Collection[str],
-                 markers: Collection[str] = ()):
+                 markers: Collection[str] = (), claim: _Claim | None = None):
         self.location = location
         self.storage = location.storage
         self.directory = location.directory
@@ -138,15 +158,36 @@ class Commit:
         self.token = token
         self.old = frozenset(old)
         self.markers = frozenset(markers)
-        self._lock = _WriterLock(self.storage, self.path(lock_name(self.single_file)))
-        self._made = _MadeDirectories(self.storage)
+        self._claim = claim  # held by the writer that took the location (``take``)
 
     @staticmethod
     def for_location(location: Location, token: str, old: Collection[str],
                      markers: Collection[str] = ()) -> Commit:
-        """The strategy the backend's capabilities call for, chosen here and nowhere else."""
-        strategy = StagedCommit if location.storage.capabilities.cheap_rename else DirectCommit
-        return strategy(location, token, old, markers)
+        """The commit of a save another process took the location for (or one whose caller
+        owns a fresh location), replacing ``old`` after moving the ``markers`` away."""
+        return _strategy(location)(location, token, old, markers)
+
+    @staticmethod
+    def take(location: Location, token: str,
+             survey: Callable[[], tuple[Collection[str], Collection[str]]]) -> Commit:
+        """The commit of the writer that takes ``location``: it locks it (failing fast, naming
+        the holder), rolls back commits a dead writer left half done, asks ``survey`` which
+        files the commit replaces and which of them mark the checkpoint committed (the
+        catalog's answer; what ``survey`` raises, a refusal, lets the location go) and removes
+        what dead writers left: from here on every temporary there is ours to remove.
+        ``release`` lets the location go."""
+        strategy = _strategy(location)
+        storage, directory = location.storage, location.directory
+        claim = _Claim(storage, directory, storage.join(directory, lock_name(location.file_name)))
+        claim.take(lambda: strategy._recover(location))
+        try:
+            old, markers = survey()
+            commit = strategy(location, token, old, markers, claim)
+            commit._clear_leftovers()
+        except BaseException:
+            claim.release()
+            raise
+        return commit
 
     def path(self, name: str) -> str:
         return self.storage.join(self.directory, name)
@@ -159,26 +200,17 @@ class Commit:
         """Where a part of ``name`` starting at ``offset`` is uploaded before being merged."""
         return self.path(part_name(name, self.token, offset))
 
-    def acquire(self) -> None:
-        """Takes the location's lock (fails fast naming the holder) and rolls back a commit a
-        dead writer left half done: from here on every temporary there is ours to remove."""
-        self._made.make(self.directory)
-        try:
-            self._lock.take(self._recover)
-        except BaseException:
-            self._made.remove_empty()
-            raise
-
     def release(self) -> None:
-        """Releases the lock; a directory this save made and left empty (it failed) goes too."""
-        self._lock.release()
-        self._made.remove_empty()
+        """Lets the location go, if this writer took it (``take``)."""
+        if self._claim is not None:
+            self._claim.release()
 
-    def _recover(self) -> None:
+    @classmethod
+    def _recover(cls, location: Location) -> None:
         """Rolls back commits a dead writer left half done."""
 
-    def clear_leftovers(self) -> None:
-        """Removes what dead writers left (once the caller has looked at what is there)."""
+    def _clear_leftovers(self) -> None:
+        """Removes what dead writers left (once ``survey`` has looked at what is there)."""
 
     def begin(self, files: Sequence[str]) -> None:
         """Before any process writes: what must happen before files change. ``files``: the
@@ -222,14 +254,16 @@ class StagedCommit(Commit):
     def temporary(self, name: str) -> str:
         return self.path(temporary_name(name, self.token))
 
-    def _recover(self) -> None:
-        if self.single_file is None:
-            for name in journals(self.storage.listdir(self.directory)):
-                self._roll_back(read_journal(self.storage, self.path(name)))
+    @classmethod
+    def _recover(cls, location: Location) -> None:
+        """Each journal left is a dead writer's commit: rolled back as a commit of its token."""
+        if location.file_name is None:
+            storage, directory = location.storage, location.directory
+            for name in journals(storage.listdir(directory)):
+                journal = read_journal(storage, storage.join(directory, name))
+                cls(location, journal.token, journal.old)._roll_back(journal)
 
-    def clear_leftovers(self) -> None:
-        if not self._lock.held:
-            return  # only the lock's holder knows no live writer owns them
+    def _clear_leftovers(self) -> None:
         for path in self._leftovers(self.storage.listdir(self.directory)):
             self.storage.remove(path)
 
@@ -385,20 +419,13 @@ class DirectorySwap:
         self.parent, self.name = self.storage.split(location.path)
         self.staged = self.storage.join(self.parent, temporary_name(self.name, token))
         self.backup = self.storage.join(self.parent, backup_name(self.name, token))
-        self._lock = _WriterLock(self.storage, self.storage.join(self.parent, lock_name(self.name)))
-        self._made = _MadeDirectories(self.storage)
+        self._claim = _Claim(self.storage, self.parent, self.storage.join(self.parent, lock_name(self.name)))
 
     def acquire(self) -> None:
-        self._made.make(self.parent)
-        try:
-            self._lock.take(self._recover)
-        except BaseException:
-            self._made.remove_empty()
-            raise
+        self._claim.take(self._recover)
 
     def release(self) -> None:
-        self._lock.release()
-        self._made.remove_empty()
+        self._claim.release()
 
     def _recover(self) -> None:
         for entry in sorted(self.storage.listdir(self.parent)):
@@ -447,3 +474,8 @@ class DirectorySwap:
             _LOG.warning("could not remove %s after a failed write (the next conversion "
                          "will): %s", self.staged, e)
             failure.add_note(f"removing {self.staged} failed too: {e}")
+
+
+def _strategy(location: Location) -> type[Commit]:
+    """The strategy the backend's capabilities call for, chosen here and nowhere else."""
+    return StagedCommit if location.storage.capabilities.cheap_rename else DirectCommit

@@ -1,0 +1,97 @@
+"""What a write is asked to do: one value per call, checked and resolved where the call is made.
+
+``save`` and ``async_save`` (and Orbax's ``SafetensorsSave``) take a
+``SaveOptions``; ``consolidate`` and ``convert`` a ``StreamOptions`` (a block
+source has no tree, layout or mapping, and is read ``block_bytes`` at a
+time). Each checks its fields when built, naming the one that is wrong, and
+holds sizes as ints: nothing below the public entry parses a size, and every
+default is written here once. The one step that needs the location,
+``SaveOptions.resolve``, gives ``max_shard_size`` its default, which only a
+directory has (a ``.safetensors`` path is one file, which no size splits).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from orbax_safetensors.engine import option_checks
+from orbax_safetensors.errors import ArgumentError
+from orbax_safetensors.format import check_metadata as format_check_metadata
+from orbax_safetensors.format.checksums import RESERVED_KEYS
+from orbax_safetensors.index import parse_size
+from orbax_safetensors.planning import rules as mapping_rules
+from orbax_safetensors.storage import Location
+
+DEFAULT_MAX_SHARD_SIZE = "5GB"  # bytes per file of a checkpoint directory, as transformers
+DEFAULT_BLOCK_BYTES = "64MB"  # the most bytes of one tensor a block source hands over at once
+_DEFAULT_MAX_SHARD_BYTES = parse_size(DEFAULT_MAX_SHARD_SIZE)
+
+
+def check_metadata(metadata: Mapping[str, str] | None, *, checksums: bool) -> None:
+    """The caller's ``__metadata__`` must be what every reader reads (string keys and values,
+    a header under 100 MB) and, with checksums, leave our checksum entries to us."""
+    format_check_metadata(metadata or {})
+    taken = sorted(set(metadata or ()) & set(RESERVED_KEYS)) if checksums else []
+    if taken:
+        raise ArgumentError(f"metadata keys {taken} are reserved for the checksums a save writes "
+                            "(pass checksums=False to write none)")
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveOptions:
+    """What to write, besides the tree (``save``'s keyword arguments, as one value).
+
+    ``max_shard_size`` is held in bytes; ``None`` until ``resolve`` says where the
+    save goes: a directory's default, or nothing for one ``.safetensors`` file.
+    """
+
+    layout: str = "hf"
+    max_shard_size: int | str | None = None
+    metadata: Mapping[str, str] | None = None
+    overwrite: bool = False
+    mapping: mapping_rules.Mapping | None = None
+    checksums: bool = True
+    progress: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_shard_size is not None:
+            object.__setattr__(self, "max_shard_size",
+                               option_checks.size("max_shard_size", self.max_shard_size))
+        check_metadata(self.metadata, checksums=self.checksums)
+
+    def resolve(self, location: Location) -> SaveOptions:
+        """These options for a save to ``location``; what cannot apply there (a size or the
+        distributed layout for one ``.safetensors`` file) is the caller's error."""
+        if not location.is_single_file:
+            return self if self.max_shard_size is not None else dataclasses.replace(
+                self, max_shard_size=_DEFAULT_MAX_SHARD_BYTES)
+        if self.max_shard_size is not None:
+            raise ArgumentError(
+                f"{location.url!r} is one .safetensors file, which max_shard_size cannot split: "
+                "save to a directory (no .safetensors suffix) to get "
+                "model-0000i-of-0000N.safetensors files and an index, or drop max_shard_size")
+        if self.layout == "distributed":
+            raise ArgumentError(f"{location.url!r}: the distributed layout is a directory of files")
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamOptions:
+    """How a block source is written: ``consolidate``'s and ``convert``'s options, as one value."""
+
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE
+    metadata: Mapping[str, str] | None = None
+    overwrite: bool = False
+    block_bytes: int | str = DEFAULT_BLOCK_BYTES
+    progress: bool | None = None
+    checksums: bool = True
+
+    def __post_init__(self) -> None:
+        """Checks every field where the call is made, naming it (``block_bytes=0`` used to
+        fail after the source was opened, naming no option); sizes are stored as ints."""
+        for field in ("max_shard_size", "block_bytes"):
+            object.__setattr__(self, field, option_checks.size(field, getattr(self, field)))
+        for field in ("overwrite", "checksums"):
+            option_checks.flag(field, getattr(self, field))
+        if self.progress is not None:
+            option_checks.flag("progress", self.progress)
