@@ -19,7 +19,7 @@ from orbax_safetensors.engine.progress import Progress, format_bytes, format_sec
 from orbax_safetensors.engine.read_execution import LoadStats
 from orbax_safetensors.engine.read_policy import ReadOptions
 from orbax_safetensors.engine.save import async_save, check_tree, prepare_save, save
-from orbax_safetensors.engine.session import SaveJob, SaveStats, WriteSession
+from orbax_safetensors.engine.session import SaveStats, WriteSession
 from orbax_safetensors.engine.targets import target
 from orbax_safetensors.engine.tree_names import flatten_with_names, nest
 from orbax_safetensors.engine.verify import Problem, VerifyReport, verify
@@ -34,7 +34,7 @@ from orbax_safetensors.engine.write_options import (
 __all__ = [
     "CheckpointMetadata", "LoadStats", "Problem", "ReadOptions", "SaveStats", "VerifyReport",
     "async_load", "async_save", "consolidate", "load", "metadata", "nest", "save", "target", "verify",
-    "BlockSource", "Checkpoint", "CheckpointBlocks", "Layout", "Progress", "SaveJob", "SaveOptions",
+    "BlockSource", "Checkpoint", "CheckpointBlocks", "Layout", "Progress", "SaveOptions",
     "StreamOptions", "check_metadata", "check_tree", "detect_layout", "flatten_with_names",
     "format_bytes", "format_seconds", "metadata_of", "open_checkpoint", "prepare_save",
     "summary_line", "unwatch", "watch_at_exit", "write_blocks",

@@ -38,6 +38,7 @@ from orbax_safetensors.engine.write_options import (
     StreamOptions,
     check_metadata,
 )
+from orbax_safetensors.errors import SafetensorsError
 from orbax_safetensors.format import TensorInfo
 from orbax_safetensors.planning import (
     Box,
@@ -95,7 +96,7 @@ class CheckpointBlocks:
         if block is None:
             stored = source.whole
             if stored is None:
-                raise ValueError(f"tensor {info.name!r}: {info.dtype.code} slices cannot be joined")
+                raise SafetensorsError(f"{info.dtype.code} slices cannot be joined", tensor=info.name)
             out = np.empty(stored.info.nbytes, np.uint8)
             for request in Transfers.single(stored.offset, 0, stored.info.nbytes):
                 transfer(storage, stored.file, request, [out], self.verifier)

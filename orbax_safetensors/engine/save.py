@@ -36,6 +36,7 @@ from orbax_safetensors.engine.progress import Progress
 from orbax_safetensors.engine.session import SaveStats, WriteSession, take_location
 from orbax_safetensors.engine.tree_names import flatten_with_names
 from orbax_safetensors.engine.write_options import SaveOptions
+from orbax_safetensors.errors import ArgumentError, ArgumentTypeError
 from orbax_safetensors.format import check_name, dtype_for_numpy, to_bytes
 from orbax_safetensors.index import (
     DISTRIBUTED_INDEX_NAME,
@@ -228,7 +229,7 @@ def check_tree(tree: Any, layout: str = "hf") -> tuple[dict[str, Any], list[Tens
     construction, before Orbax starts a step it would then have to abandon.
     """
     if layout not in LAYOUTS:
-        raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
+        raise ArgumentError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
     names, leaves, _ = flatten_with_names(tree)
     for name in names:
         check_name(name)
@@ -238,14 +239,14 @@ def check_tree(tree: Any, layout: str = "hf") -> tuple[dict[str, Any], list[Tens
 
 def _checked_array(name: str, leaf: Any) -> jax.Array | np.ndarray:
     if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"leaf {name!r} is a typed PRNG key ({leaf.dtype}), which has no safetensors dtype: "
             "save jax.random.key_data(key) (uint32) and rebuild it with jax.random.wrap_key_data")
     if isinstance(leaf, jax.Array):
         return leaf
     if isinstance(leaf, (np.ndarray, np.generic)):
         return np.asarray(leaf)
-    raise TypeError(
+    raise ArgumentTypeError(
         f"leaf {name!r} is a {type(leaf).__name__}, not an array; safetensors stores "
         "arrays only (convert scalars with np.asarray, or drop the leaf)")
 
@@ -254,12 +255,12 @@ def _spec(name: str, array: jax.Array | np.ndarray) -> TensorSpec:
     try:
         dtype = dtype_for_numpy(array.dtype)
     except ValueError as e:
-        raise ValueError(f"leaf {name!r}: {e}") from None
+        raise ArgumentError(f"leaf {name!r}: {e}") from None
     spec = TensorSpec(name, dtype, tuple(array.shape))
     try:
         spec.nbytes
     except ValueError as e:
-        raise ValueError(f"leaf {name!r}: {e}") from None
+        raise ArgumentError(f"leaf {name!r}: {e}") from None
     return spec
 
 

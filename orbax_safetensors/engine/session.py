@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import errno
 import json
 import logging
 import threading
@@ -39,7 +38,7 @@ from orbax_safetensors.engine import catalog, write
 from orbax_safetensors.engine.coordination import Peers
 from orbax_safetensors.engine.operation import Operation
 from orbax_safetensors.engine.pending import SaveFuture
-from orbax_safetensors.errors import DistributedError, ProcessFailure
+from orbax_safetensors.errors import DistributedError, LocationTakenError, ProcessFailure
 from orbax_safetensors.storage import Location
 from orbax_safetensors.storage.commit import Commit
 
@@ -97,8 +96,8 @@ def take_location(location: Location, peers: Peers, *, overwrite: bool, fresh: b
         raise error
     if shared["error"]:
         failure = ProcessFailure.from_json(shared["error"])
-        if failure.type == FileExistsError.__name__:  # the refusal, the same on every process
-            raise FileExistsError(failure.errno, failure.message, failure.filename)
+        if failure.type == LocationTakenError.__name__:  # the refusal, the same on every process
+            raise LocationTakenError(failure.message, failure.filename)
         raise DistributedError(f"{location.url}: process 0 could not begin the save", {0: failure})
     return commit or Commit.for_location(location, shared["token"], shared["old"], shared["markers"])
 
@@ -119,14 +118,14 @@ def _replaced(location: Location, *, overwrite: bool) -> tuple[frozenset[str], f
     found = catalog.survey(location, catalog.Findings(collect=True))
     catalog.refuse_non_files(found)
     if found.committed and not overwrite:
-        raise FileExistsError(errno.EEXIST, "already holds a checkpoint; pass "
-                              "overwrite=True to replace it", location.url)
+        raise LocationTakenError("already holds a checkpoint; pass overwrite=True to replace it",
+                                 location.url)
     foreign = sorted(found.present - found.committed - found.ours)
     if foreign and not overwrite:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-        raise FileExistsError(errno.EEXIST, f"holds safetensors files that no save of ours "
-                              f"wrote and no index names ({shown}); pass overwrite=True to "
-                              "replace them, or remove them", location.url)
+        raise LocationTakenError(f"holds safetensors files that no save of ours wrote and no "
+                                 f"index names ({shown}); pass overwrite=True to replace them, "
+                                 "or remove them", location.url)
     return (found.present if overwrite else frozenset()) | found.ours, found.markers
 
 
@@ -211,5 +210,3 @@ class WriteSession:
             f"the save to {self.operation.where} was given up before it started"))
         self.commit.release()
 
-
-SaveJob = WriteSession  # the engine's public name for a prepared save, before sessions had one

@@ -58,7 +58,7 @@ from orbax_safetensors.planning import (
     WritePlan,
     plan_uploads,
 )
-from orbax_safetensors.storage import Replayable, Storage
+from orbax_safetensors.storage import Replayable, Storage, StorageError
 from orbax_safetensors.storage.commit import Commit
 
 WRITE_CHUNK_BYTES = 64 << 20  # the largest single write request
@@ -363,7 +363,7 @@ class InParts(Strategy):
             spans = sorted(by_file[file.name])
             covered = sum(n for _, n, _, _ in spans)
             if covered != file.size or any(a[0] + a[1] != b[0] for a, b in zip(spans, spans[1:])):
-                raise OSError(f"{file.name}: the processes' parts do not tile the file")
+                raise ProtocolError(f"{file.name}: the processes' parts do not tile the file")
             if len({path for _, _, path, _ in spans}) == len(spans):
                 commit.storage.merge(commit.temporary(file.name), [p for _, _, p, _ in spans],
                                      [n for _, n, _, _ in spans])
@@ -489,8 +489,9 @@ def check_stored(storage: Storage, paths: dict[str, int]) -> None:
     def check(path: str) -> None:
         stored = storage.stored_crc32c(path)
         if stored is not None and stored != paths[path]:
-            raise OSError(errno.EIO, f"the store holds other bytes than were written (its crc32c "
-                          f"{stored:#010x}, ours {paths[path]:#010x}); nothing was committed", path)
+            raise StorageError(f"the store holds other bytes than were written (its crc32c "
+                               f"{stored:#010x}, ours {paths[path]:#010x}); nothing was committed",
+                               url=path, code=errno.EIO)
 
     with Executor(_WRITE_THREADS, name="orbax_safetensors-check") as pool:
         pool.map(check, paths)

@@ -29,7 +29,7 @@ from orbax_safetensors.engine import (
     DEFAULT_BLOCK_BYTES, DEFAULT_MAX_SHARD_SIZE, Progress, consolidate, format_bytes, format_seconds,
     summary_line, verify)
 from orbax_safetensors.engine import metadata as read_metadata
-from orbax_safetensors.errors import SafetensorsError
+from orbax_safetensors.errors import Error
 from orbax_safetensors.format import dtype_for_numpy
 
 _INSPECT_EXAMPLES = """examples:
@@ -273,7 +273,7 @@ def _main(argv: Sequence[str] | None) -> int:
             raise  # the reader of our output left: no failure of the command to report
         _fail(args, str(e) or type(e).__name__)  # a pipe of the storage's, not stdout
         return 1
-    except (SafetensorsError, OSError, ValueError) as e:  # FileNotFound, FileExists, bad sizes
+    except (Error, OSError) as e:  # ours, each worded; and the system's, naming the file
         _fail(args, str(e) or type(e).__name__)
         return 1
     except Exception as e:  # anything else still gets one line, with its type to search for

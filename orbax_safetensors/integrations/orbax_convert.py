@@ -79,11 +79,16 @@ from orbax_safetensors.engine import (
     open_checkpoint,
     write_blocks,
 )
-from orbax_safetensors.errors import SafetensorsError
+from orbax_safetensors.errors import (
+    ArgumentError,
+    LocationTakenError,
+    MissingFileError,
+    SafetensorsError,
+)
 from orbax_safetensors.format import TensorInfo, dtype_for_numpy, from_bytes, to_bytes
 from orbax_safetensors.index import natural_key
 from orbax_safetensors.planning import Box, TensorSpec, box_shape, full_box, row_blocks
-from orbax_safetensors.storage import Location
+from orbax_safetensors.storage import Location, StorageError
 from orbax_safetensors.storage.commit import DirectorySwap
 
 ORBAX = "orbax"
@@ -202,7 +207,7 @@ def detect_format(
         detect_layout(Location.resolve(src, storage_options, filesystem))
     except (FileNotFoundError, SafetensorsError) as e:
         if not _exists(text):
-            raise FileNotFoundError(f"{text!r} does not exist") from None
+            raise MissingFileError("does not exist", file=text) from None
         detail = ("neither a directory nor a .safetensors file"
                   if isinstance(e, FileNotFoundError) else str(e))
         raise SafetensorsError(
@@ -217,15 +222,15 @@ def _check_destination(target: Location, source_format: str, *, overwrite: bool)
     if not _occupied(target):
         return
     if not overwrite:
-        raise FileExistsError(f"{target.url!r} already exists and is not empty; pass "
-                              "overwrite=True (--overwrite) to replace it")
+        raise LocationTakenError("already exists and is not empty; pass overwrite=True "
+                                 "(--overwrite) to replace it", target.url)
     foreign = _not_orbax(target.url) if source_format == SAFETENSORS else []
     if foreign:  # replacing an Orbax checkpoint replaces the directory: only if it is one
-        raise FileExistsError(
-            f"{target.url!r} is not an Orbax checkpoint (it holds "
+        raise LocationTakenError(
+            f"is not an Orbax checkpoint (it holds "
             f"{', '.join(repr(n) for n in foreign[:5])}{', ...' if len(foreign) > 5 else ''}); "
             "convert replaces only an Orbax checkpoint, even with overwrite: choose another "
-            "destination")
+            "destination", target.url)
 
 
 def _occupied(location: Location) -> bool:
@@ -271,7 +276,7 @@ def _orbax_item_dir(path: str) -> str | None:
     except Exception:  # not a path Orbax can open (an fsspec-only URL): not an Orbax checkpoint
         return None
     if len(items) > 1:
-        raise ValueError(
+        raise ArgumentError(
             f"{path!r} is a checkpoint step with several Orbax items "
             f"({', '.join(p.name for p in items)}): convert one of them")
     return os.fspath(items[0]) if items else None
@@ -320,7 +325,7 @@ class OrbaxBlocks:
         arrays: dict[str, Any] = {}
         for name, leaf in zip(names, leaves):
             if not isinstance(leaf, ocp.metadata.ArrayMetadata):
-                raise ValueError(
+                raise ArgumentError(
                     f"{name!r} is a {type(leaf).__name__.removesuffix('Metadata').lower()}: "
                     "safetensors holds only arrays")
             arrays[name] = leaf
@@ -437,7 +442,7 @@ class _StreamedTensorHandler(type_handlers.NumpyHandler):
     async def _write_one(self, value: _StreamedTensor, info: Any) -> None:
         dtype = value.source.dtype
         if dtype.is_packed:
-            raise ValueError(f"tensor {value.name!r}: Orbax cannot store {dtype.code} "
+            raise ArgumentError(f"tensor {value.name!r}: Orbax cannot store {dtype.code} "
                              "(sub-byte) arrays")
         blocks = row_blocks(full_box(value.shape), dtype.bits // 8, value.block_bytes)
         spec = type_handlers.get_json_tspec_write(
@@ -474,7 +479,7 @@ def _write_orbax(checkpoint: Checkpoint, dst: Location, options: StreamOptions, 
     names = sorted(checkpoint.tensors, key=natural_key)
     for name in names:
         if 0 in checkpoint.tensors[name].shape:
-            raise ValueError(f"tensor {name!r} has zero size, which Orbax cannot save")
+            raise ArgumentError(f"tensor {name!r} has zero size, which Orbax cannot save")
     report = Progress(label, sum(checkpoint.tensors[n].nbytes for n in names),
                       enabled=options.progress).start()
     blocks = CheckpointBlocks(checkpoint)
@@ -533,8 +538,8 @@ def _orbax_failures(destination: str) -> Iterator[None]:
     except ValueError as e:
         raised = _chain(e)
         if _DISK_FULL.search(str(e)):
-            raise OSError(errno.ENOSPC, "no space left on device writing the Orbax checkpoint",
-                          destination) from e
+            raise StorageError("no space left on device writing the Orbax checkpoint",
+                               url=destination, code=errno.ENOSPC) from e
         raise
     except BaseException as e:
         raised = _chain(e)
