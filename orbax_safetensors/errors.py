@@ -10,30 +10,7 @@ location or a failed peer an ``OSError``, an argument of the wrong type a
 ``TypeError``.
 
 A checkpoint finding always names the file, and the tensor when one is
-involved (``located``).
-
-    Error
-    ├── ArgumentError (ValueError)            a call that cannot be honoured as asked
-    ├── ArgumentTypeError (TypeError)         an argument of the wrong type
-    ├── SafetensorsError (ValueError)         a file, index or request against the rules
-    │   ├── MissingFileError (FileNotFoundError)
-    │   ├── MissingTensorError (KeyError)
-    │   ├── ChecksumError
-    │   └── CheckpointChangedError            kept changing under a load, on every attempt
-    ├── MappingError (ValueError)             names or shapes a mapping cannot map
-    ├── CheckpointBusyError (OSError)         another live writer holds the location
-    ├── LocationTakenError (FileExistsError)  a save would replace what it may not
-    ├── DistributedError (OSError)            processes of one operation failed
-    │   └── PeerFailedError
-    ├── PeerTimeoutError (TimeoutError)       a process never reached a step the others did
-    ├── DistributedSetupError (RuntimeError)  several processes, no jax.distributed client
-    ├── StorageError (OSError)                storage that failed after every retry
-    ├── AccessDeniedError (PermissionError)   a location that refuses these credentials
-    ├── UnreachableError (ConnectionError)    a remote that did not answer, with no cached copy
-    ├── ReadOnlyLocationError (OSError)       a write to a location we only read (hf://)
-    ├── ProtocolError (RuntimeError)          a step of our own protocol did not hold
-    ├── MissingDependencyError (ImportError)  an optional package a URL or feature needs
-    └── UnsupportedOrbaxError (ImportError)   Orbax outside the supported range
+involved (``located``). ``Error``'s docstring draws the family.
 """
 
 from __future__ import annotations
@@ -44,7 +21,33 @@ import json
 
 
 class Error(Exception):
-    """The root of everything orbax_safetensors raises on purpose."""
+    """The root of everything orbax_safetensors raises on purpose: ``except ost.Error``
+    catches each condition the library detects and words, and no bug. Each member is also
+    the builtin a user would catch without knowing the library (in parentheses)::
+
+        Error
+        ├── ArgumentError (ValueError)            a call that cannot be honoured as asked
+        ├── ArgumentTypeError (TypeError)         an argument of the wrong type
+        ├── SafetensorsError (ValueError)         a file, index or request against the rules
+        │   ├── MissingFileError (FileNotFoundError)
+        │   ├── MissingTensorError (KeyError)
+        │   ├── ChecksumError
+        │   └── CheckpointChangedError            kept changing under a load, on every attempt
+        ├── MappingError (ValueError)             names or shapes a mapping cannot map
+        ├── CheckpointBusyError (OSError)         another live writer holds the location
+        ├── LocationTakenError (FileExistsError)  a save would replace what it may not
+        ├── DistributedError (OSError)            processes of one operation failed
+        │   └── PeerFailedError
+        ├── PeerTimeoutError (TimeoutError)       a process never reached a step the others did
+        ├── DistributedSetupError (RuntimeError)  several processes, no jax.distributed client
+        ├── StorageError (OSError)                storage that failed after every retry
+        ├── AccessDeniedError (PermissionError)   a location that refuses these credentials
+        ├── UnreachableError (ConnectionError)    a remote that did not answer, with no cached copy
+        ├── ReadOnlyLocationError (OSError)       a write to a location we only read (hf://)
+        ├── ProtocolError (RuntimeError)          a step of our own protocol did not hold
+        ├── MissingDependencyError (ImportError)  an optional package a URL or feature needs
+        └── UnsupportedOrbaxError (ImportError)   Orbax outside the supported range
+    """
 
 
 class ArgumentError(Error, ValueError):

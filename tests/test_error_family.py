@@ -9,6 +9,7 @@ for a condition we detect, outside the few places listed below with the reason e
 from __future__ import annotations
 
 import ast
+import re
 import builtins
 import errno
 import inspect
@@ -113,3 +114,16 @@ def test_the_family_reaches_the_user_through_the_public_api(tmp_path):
     assert isinstance(taken.value, FileExistsError) and taken.value.errno == errno.EEXIST
     with pytest.raises(ost.MappingError):
         ost.Mapping([ost.Rule("x.{i}.{i}", "y.{i}")])
+
+
+def test_the_family_tree_in_the_docs_is_the_real_one():
+    # ost.Error's docstring (docs/api.md) draws the family: each line's parent and builtin hold.
+    drawn = re.findall(r"^ *([│ ]*)[├└]── (\w+)(?: \((\w+)\))?", ost.Error.__doc__, re.M)
+    assert {name for _, name, _ in drawn} == {cls.__name__ for cls in _exported_exceptions()} - {"Error"}
+    parents: dict[int, type] = {}
+    for indent, name, builtin in drawn:
+        cls, depth = getattr(ost, name), len(indent) // 4
+        parents[depth + 1] = cls
+        assert issubclass(cls, parents.get(depth, ost.Error)), name
+        if builtin:
+            assert issubclass(cls, getattr(builtins, builtin)), (name, builtin)
