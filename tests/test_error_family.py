@@ -112,6 +112,8 @@ def test_the_family_reaches_the_user_through_the_public_api(tmp_path):
     with pytest.raises(ost.Error) as taken:
         ost.save(tmp_path / "c", tree)
     assert isinstance(taken.value, FileExistsError) and taken.value.errno == errno.EEXIST
+    with pytest.raises(ost.ArgumentError, match="s3x://bucket/x.*Protocol not known"):
+        ost.load("s3x://bucket/x")  # a mistyped scheme: fsspec's own ValueError, named
     with pytest.raises(ost.MappingError):
         ost.Mapping([ost.Rule("x.{i}.{i}", "y.{i}")])
 

@@ -81,6 +81,8 @@ class Location:
                 hint = (f"pip install 'orbax-safetensors[{extra}]'" if extra
                         else "install the fsspec backend for it")
                 raise MissingDependencyError(f"{text!r}: {e}; {hint}") from e
+            except ValueError as e:  # a protocol fsspec does not know, options its backend refuses
+                raise ArgumentError(f"{text!r}: {e}") from None
         if isinstance(fs, LocalFileSystem):
             return Location(LocalStorage(), os.path.abspath(path), text)
         return Location(FsspecStorage(fs), path.rstrip("/"), text)
