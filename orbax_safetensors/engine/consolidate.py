@@ -103,7 +103,7 @@ class CheckpointBlocks:
             return memoryview(out)
         itemsize = info.dtype.bits // 8
         out = np.empty(box_shape(block) + (itemsize,), np.uint8)
-        for part in plan_block(source, block):
+        for part in plan_block(source, block, self.verifier.layouts):
             temp = np.empty(part.shape + (itemsize,), np.uint8)
             for request in part.transfers:
                 transfer(storage, part.file, request, [temp.reshape(-1)], self.verifier)

@@ -27,7 +27,7 @@ import numpy as np
 
 from orbax_safetensors.errors import ChecksumError, ProtocolError, SafetensorsError
 from orbax_safetensors.format import Header
-from orbax_safetensors.format.checksums import FileChecksums, Tally
+from orbax_safetensors.format.checksums import BlockLayout, FileChecksums, Tally
 from orbax_safetensors.index import decode_crc, encode_crc
 
 _LISTED = 4  # damaged byte ranges a message spells out; the rest are counted
@@ -130,6 +130,11 @@ class Verifier:
         self._tallies = {file: Tally(c.layout) for file, c in self._checksums.items()}
         self._lock = threading.Lock()
         self.bytes_verified = 0
+
+    @property
+    def layouts(self) -> dict[str, BlockLayout]:
+        """Each checked file's checksum blocks (reads that cover them whole check fastest)."""
+        return {file: c.layout for file, c in self._checksums.items()}
 
     def checks(self, file: str) -> bool:
         return file in self._checksums

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from orbax_safetensors.engine.consolidate import BlockSource
-from orbax_safetensors.errors import ArgumentError
+from orbax_safetensors.errors import ArgumentError, MappingError
 from orbax_safetensors.format import DType, TensorInfo, dtype_for_numpy, from_bytes, to_bytes
 from orbax_safetensors.index import natural_key
 from orbax_safetensors.planning import Assembly, Box, Mapping, Piece, TensorSpec, box_shape, intersect, relative_slices
@@ -40,7 +40,7 @@ def _info(spec: TensorSpec) -> TensorInfo:
 
 def _output_dtype(dtype: DType, wanted: np.dtype | None) -> DType:
     """``wanted`` for a floating-point tensor, else the tensor's own (ids stay integers)."""
-    if wanted is None or not np.issubdtype(dtype.numpy, np.floating):
+    if wanted is None or not dtype.is_float:
         return dtype
     return dtype_for_numpy(wanted)
 
@@ -63,6 +63,12 @@ class TreeBlocks:
         self._source = source
         self._stored = {spec.name: spec for spec in source.specs}
         shapes = {name: spec.shape for name, spec in self._stored.items()}
+        idle = mapping.idle_rules(shapes)
+        if idle:
+            raise MappingError("the checkpoint has no tensor for " + ", ".join(
+                f"{rule.stored_patterns[0]!r} (→ {rule.tree!r})" for rule in idle[:5])
+                + (f" and {len(idle) - 5} more rules" if len(idle) > 5 else "")
+                + ": is the mapping for this model's family and config?")
         tree_shapes = mapping.tree_shapes(shapes)
         self.assemblies: dict[str, Assembly] = {
             leaf: mapping.assembly(leaf, tree_shape=shape, stored_shapes=shapes)

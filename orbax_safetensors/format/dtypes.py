@@ -43,6 +43,11 @@ class DType:
         """Whether several values share a byte on disk (F4, F6_*)."""
         return self.bits < 8
 
+    @property
+    def is_float(self) -> bool:
+        """A floating-point type (``ml_dtypes``' bfloat16 and float8s too, whose numpy kind is "V")."""
+        return _kind(self.numpy) == "f"
+
     def nbytes(self, shape: Sequence[int]) -> int:
         """On-disk size of a tensor of ``shape``; ValueError if not whole bytes."""
         if self.bits >= 8:

@@ -299,9 +299,10 @@ def convert(
         the conversion staged is removed, and a directory it made for ``dst``.
     """
     started = time.perf_counter()
-    budget = parse_size(memory_budget)
-    if budget <= 0:
-        raise ArgumentError(f"memory_budget must be positive, not {memory_budget!r}")
+    try:
+        budget = parse_size(memory_budget)
+    except ArgumentError as e:
+        raise ArgumentError(f"memory_budget={memory_budget!r}: {e}") from None
     if block_bytes is None:
         block_bytes = max(1, min(parse_size(DEFAULT_BLOCK_BYTES), budget // 16))
     options = ConvertOptions(
@@ -310,7 +311,7 @@ def convert(
     form = options.form
     fmt, item = detect_format(src, storage_options, filesystem)
     target = Location.resolve(dst, storage_options, filesystem)
-    _check_destination(target, fmt, overwrite=options.stream.overwrite)
+    _check_destination(target, fmt, form, overwrite=options.stream.overwrite)
     label = f"convert {os.fspath(src)} -> {target.url}"
     if fmt == ORBAX:
         return _orbax_to_safetensors(item, target, options, label=label, started=started)
@@ -348,7 +349,7 @@ def detect_format(
     return SAFETENSORS, text
 
 
-def _check_destination(target: Location, source_format: str, *, overwrite: bool) -> None:
+def _check_destination(target: Location, source_format: str, form: OrbaxForm, *, overwrite: bool) -> None:
     """Refuses a ``target`` that holds anything, unless ``overwrite``; and, for an Orbax
     output (which replaces the whole directory), one that is not an Orbax checkpoint."""
     if not _occupied(target):
@@ -356,7 +357,7 @@ def _check_destination(target: Location, source_format: str, *, overwrite: bool)
     if not overwrite:
         raise LocationTakenError("already exists and is not empty; pass overwrite=True "
                                  "(--overwrite) to replace it", target.url)
-    foreign = _not_orbax(target.url) if source_format == SAFETENSORS else []
+    foreign = _not_orbax(target.url, form.item) if source_format == SAFETENSORS else []
     if foreign:  # replacing an Orbax checkpoint replaces the directory: only if it is one
         raise LocationTakenError(
             f"is not an Orbax checkpoint (it holds "
@@ -373,13 +374,22 @@ def _occupied(location: Location) -> bool:
     return not storage.isdir(location.path) or bool(storage.listdir(location.path))
 
 
-def _not_orbax(path: str) -> list[str]:
+# Beside an item in a step directory: what Orbax's Checkpointer writes there.
+_STEP_ENTRY = re.compile(r"^(_CHECKPOINT_METADATA|commit_success\.txt)$")
+
+
+def _not_orbax(path: str, item: tuple[str, ...] = ()) -> list[str]:
     """The entries of directory ``path`` that are not an Orbax PyTree checkpoint's own (all of
-    them where it is not one)."""
+    them where it is not one), the checkpoint being at ``path``/``item`` (MaxText's ``0/items``)."""
     root = epath.Path(path)
     if not root.is_dir():
         return [root.name]
     names = sorted(p.name for p in root.iterdir())
+    if item:
+        inner = item[0]
+        foreign = [n for n in names if n != inner and not (len(item) == 1 and _STEP_ENTRY.match(n))]
+        return foreign + ([inner] if inner not in names else
+                          [f"{inner}/{n}" for n in _not_orbax(os.fspath(root / inner), item[1:])])
     if _TREE_METADATA_FILE not in names:
         return names
     return [n for n in names if not _ORBAX_ENTRY.match(n)]
@@ -704,8 +714,9 @@ def _save_item(write: _OrbaxWrite, form: OrbaxForm, options: ConvertOptions,
     """Process 0: the Orbax checkpoint at ``url`` (the tree through Orbax's own handler, then
     the step's files of ``form``)."""
     leaves = {name: _StreamedTensor(name, write) for name in write.specs}
-    registry = type_handlers.create_type_handler_registry(
-        (_StreamedTensor, _StreamedTensorHandler()), (int, type_handlers.ScalarHandler()))
+    registry = type_handlers.create_type_handler_registry(  # jax.Array's: Orbax warns without one
+        (_StreamedTensor, _StreamedTensorHandler()), (int, type_handlers.ScalarHandler()),
+        (jax.Array, type_handlers.ArrayHandler()))
     custom = {**source_metadata, **(options.stream.metadata or {})}
     item = epath.Path(url).joinpath(*form.item)
     item.mkdir(parents=True, exist_ok=True)

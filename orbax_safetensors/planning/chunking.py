@@ -8,11 +8,14 @@ its size bounds the conversion's memory and its shape decides who reads what:
    index per chunk: the chunk then comes from one stored tensor (one layer's,
    one expert's), and a conversion back to per-layer tensors decodes each
    chunk for one layer only;
-2. the other axes are halved, first axis first, until the chunk holds at most
-   ``chunk_bytes``. Halving keeps chunk edges on the edges of power-of-two
-   shards of that axis, so a restore sharded over a mesh (MaxText's ``fsdp`` on
-   the embedding axis, ``tensor`` on heads or the MLP) reads whole chunks of
-   its own and nothing of its neighbours'.
+2. the other axes are halved, the longest first, until the chunk holds at
+   most ``chunk_bytes``: chunks are tiles, not row blocks. Halving keeps
+   chunk edges on the edges of power-of-two shards of every axis, so a
+   restore sharded over a mesh (MaxText's ``fsdp`` on the embedding axis,
+   ``tensor`` on heads, the MLP or the vocabulary) reads whole chunks of its
+   own and nothing of its neighbours'; tiles rather than row blocks also
+   keep the conversion's reads of a transposed stored tensor (a kernel is a
+   ``Linear`` weight's transpose) long runs rather than a few bytes per row.
 
 Pure: no devices, no files.
 """
@@ -29,12 +32,14 @@ from orbax_safetensors.planning.boxes import Box
 def chunk_shape(shape: Sequence[int], itemsize: int, chunk_bytes: int,
                 stacked: Sequence[int] = ()) -> tuple[int, ...]:
     """The chunk of an array of ``shape``: one index of each ``stacked`` axis, the other axes
-    halved in order (rounding up) until it holds at most ``chunk_bytes`` (a single element
-    always fits)."""
+    halved (rounding up), the longest first, until it holds at most ``chunk_bytes`` (a single
+    element always fits)."""
     chunk = [1 if axis in stacked else max(size, 1) for axis, size in enumerate(shape)]
-    for axis in range(len(chunk)):
-        while chunk[axis] > 1 and math.prod(chunk) * itemsize > chunk_bytes:
-            chunk[axis] = -(-chunk[axis] // 2)
+    while math.prod(chunk) * itemsize > chunk_bytes:
+        longest = max(range(len(chunk)), key=lambda axis: chunk[axis])
+        if chunk[longest] == 1:
+            break
+        chunk[longest] = -(-chunk[longest] // 2)
     return tuple(chunk)
 
 

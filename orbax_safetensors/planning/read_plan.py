@@ -556,6 +556,9 @@ def _batch(tensors: Sequence[TensorReads], group: list[int], profile: ReadProfil
     return Batch(tuple(group), sum(tensors[i].nbytes for i in group), transfers, tuple(bounced))
 
 
+BLOCK_REQUEST_BYTES = 16 << 20  # the most one request of a box read in whole checksum blocks holds
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockPart:
     """The part of a row block one stored slice holds: ``transfers`` read it (into buffer 0,
@@ -567,17 +570,27 @@ class BlockPart:
     into: tuple[slice, ...]
 
 
-def plan_block(source: TensorSource, block: Box) -> list[BlockPart]:
-    """Reads of one row block of a tensor, from every stored slice it intersects, each part
-    read exactly (no gaps, no chunking: a block is already bounded)."""
+def plan_block(source: TensorSource, block: Box,
+               blocks: Mapping[str, BlockLayout] | None = None) -> list[BlockPart]:
+    """Reads of one box of a tensor, from every stored slice it intersects.
+
+    A row block is read exactly (no gaps, no chunking: it is bounded already).
+    A box that is not one range of the file (a mapped read of a transposed
+    tensor: a few hundred bytes of every row) is read in whole checksum
+    blocks of its file where ``blocks`` has them, in requests of at most
+    ``BLOCK_REQUEST_BYTES``: checking a block costs one crc32c when its bytes
+    arrive whole, and a crc combination per piece when they arrive cut into
+    thousands.
+    """
     itemsize = source.dtype.bits // 8
     parts = []
     for stored in source.slices:
         part = intersect(block, stored.box)
         if part is None:
             continue
+        layout = None if blocks is None else blocks.get(stored.file)
         transfers = coalesce(stored.runs(part, itemsize, 0), max_gap=0, max_overread=1.0,
-                             chunk_bytes=1 << 62)
+                             chunk_bytes=BLOCK_REQUEST_BYTES if layout else 1 << 62, blocks=layout)
         parts.append(BlockPart(stored.file, box_shape(part), transfers,
                                relative_slices(part, block)))
     return parts

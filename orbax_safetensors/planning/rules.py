@@ -378,6 +378,13 @@ class Mapping:
         patterns = self._tree if side == "tree" else self._stored
         return [n for n in names if sum(bool(p.fullmatch(n)) for _, p in patterns) != 1]
 
+    def idle_rules(self, stored_names: Iterable[str]) -> list[Rule]:
+        """The rules no stored name matches: a checkpoint of another family, or one missing
+        tensors the tree needs (a conversion would write a tree without those leaves)."""
+        names = list(stored_names)
+        return [rule for rule in self.rules
+                if not any(_pattern(p, "stored")[0].fullmatch(n) for p in rule.stored_patterns for n in names)]
+
     def assembly(self, tree_name: str, *, tree_shape: Sequence[int] | None = None,
                  stored_shapes: MappingABC[str, Sequence[int]] | None = None) -> Assembly:
         """The stored tensors a tree leaf is made of, and how.
