@@ -6,12 +6,16 @@ host, transformed, stacked with ``np.stack`` and saved again as an Orbax
 checkpoint, which needs host memory for the whole model (several times over;
 maxtext#864 reports 2.9 TB). This mapping states the same conversion as rules,
 re-derived from MaxText's ``checkpoint_conversion/utils/param_mapping.py``
-(``LLAMA31_``, ``QWEN_`` and ``MIXTRAL_MAXTEXT_TO_HF_PARAM_MAPPING`` and their
-``..._HOOK_FN``) and
-``hf_shape.py``, so ``ost.load`` reads each device's shard of the scanned tree
-straight from the Hugging Face files and ``ost.save`` writes a training
-state's tree back as Hugging Face tensors, with no conversion step and no
-host copy of the model.
+(``LLAMA31_``, ``QWEN_``, ``MIXTRAL_`` and ``GEMMA3_MAXTEXT_TO_HF_PARAM_MAPPING``
+and their ``..._HOOK_FN``) and ``hf_shape.py``, so ``ost.load`` reads each
+device's shard of the scanned tree straight from the Hugging Face files and
+``ost.save`` writes a training state's tree back as Hugging Face tensors, with
+no conversion step and no host copy of the model. MaxText 0.2.5 has a Mistral
+model (``mistral-7b``) but no converter for it: its rules are derived from
+MaxText's ``models/mistral.py`` (Llama's layer; ``Attention`` without a query
+scale or q/k norms, so the query kernel carries ``1/sqrt(head_dim)`` as
+Mixtral's does; the default rotate-half ``RotaryEmbedding``, so no reordering)
+and checked by MaxText's forward pass against transformers'.
 
 The tree is the ``params`` collection of MaxText's decoder, named as MaxText
 names it (without the ``params`` collection itself and without Linen/NNX's
@@ -28,17 +32,42 @@ names it (without the ``params`` collection itself and without Linen/NNX's
     decoder.layers.{pre,post}_self_attention_layer_norm.scale  (embed, layers)
 
 with layers at axis 1 (MaxText's ``param_scan_axis``) when scanned, and
-``decoder.layers_{i}.…`` without that axis when not. Qwen3 adds
+``decoder.layers_{i}.…`` without that axis when not; no ``logits_dense`` when
+the embedding is tied (MaxText's ``logits_via_embedding``). Qwen3 adds
 ``self_attention.{query,key}_norm.scale``; MoE models (Qwen3-MoE, Mixtral)
 replace ``mlp`` by ``moe_block`` / ``MoeBlock_0``: ``gate.kernel`` (embed,
 [layers,] experts) and ``wi_0``, ``wi_1``, ``wo`` with experts at axis 0
-(experts, [layers,] embed, mlp). Values follow MaxText's converter: Llama
-3.1's and Mixtral's query kernel is scaled by ``1/sqrt(head_dim)`` (in
-float32; their MaxText attention does not scale), Llama 3.1's query and key
-heads are reordered from Hugging Face's rotate-half RoPE layout to MaxText's
-interleaved one. A save undoes both; a bfloat16 checkpoint comes back bit for
-bit, a float32 one too when ``head_dim`` is a power of four (otherwise the
-query's last bit may move).
+(experts, [layers,] embed, mlp).
+
+Gemma 3 scans blocks of its 6-layer attention pattern (5 sliding-window layers,
+then a global one): layer ``6 * n + k`` is index ``n`` (axis 1) of
+``decoder.layers.layers_{k}.…`` (``k`` in 0..5), and the ``num_layers % 6``
+layers left over (``layers_remainder``, MaxText's unscanned tail) are
+``decoder.layers_remainder.layers_{k}.…`` without a layers axis (``Strided``
+rules); unscanned it is ``decoder.layers_{i}.…`` as for the others. Its norms
+are ``pre_self_attention_norm``, ``post_self_attention_norm``,
+``pre_ffw_norm``, ``post_ffw_norm`` and the q/k norms, and its embedding is
+tied.
+
+Values follow MaxText's converter: Llama 3.1's, Mixtral's and Mistral's query
+kernel is scaled by ``1/sqrt(head_dim)`` (in float32; their MaxText attention
+does not scale), Llama 3.1's query and key heads are reordered from Hugging
+Face's rotate-half RoPE layout to MaxText's interleaved one. Gemma 3's norm
+scales are Hugging Face's ``w`` plus 1 (MaxText's RMSNorm multiplies by its
+scale, Hugging Face's by ``1 + w``), and its embedding is multiplied by
+``sqrt(hidden_size)`` rounded to bfloat16 (50.5 for 2560: what MaxText's
+converter stores, since MaxText's forward does not scale the embedding;
+Hugging Face scales by the unrounded root, a gap MaxText's conversion has
+too). A save undoes all of it (``planning.transforms`` says what is exact):
+
+* a bfloat16 checkpoint comes back bit for bit, Gemma 3's norms too wherever
+  ``|w| >= 2**-16`` (smaller nonzero norm weights lose their bits below
+  ``2**-24``; ``-0.0`` comes back ``+0.0``);
+* a float32 one too when ``head_dim`` is a power of four (otherwise the query's
+  last bit may move) and, for Gemma 3, when ``sqrt(hidden_size)`` rounded to
+  bfloat16 is a power of two and each norm weight ``w`` has ``w + 1`` exact in
+  float32 (a bfloat16 value, for one); otherwise the embedding's or a norm's
+  last bits may move.
 """
 
 from __future__ import annotations

@@ -116,6 +116,11 @@ class Strided:
             return None
         return divmod(number - self.start, self.step)
 
+    def count(self, k: int) -> int | None:
+        """How many stored values the leaf ``within=k`` stacks (``None``: no ``stop``, so the
+        names present tell)."""
+        return None if self.stop is None else len(range(self.value(0, k), self.stop, self.step))
+
     def holds(self, k: str) -> bool:
         """Whether the tree placeholder's value ``k`` names a leaf of stored values in range."""
         number = _number(k)
@@ -533,11 +538,14 @@ class Mapping:
                 found.add(i)
         counts = []
         for placeholder, found in seen.items():
-            expected = {str(i) for i in range(len(found))}
+            strided = rule.strided.get(placeholder)
+            known = None if strided is None else strided.count(int(values[strided.within]))
+            expected = {str(i) for i in range(len(found) if known is None else known)}
             if found != expected:
                 raise MappingError(f"{where}: stacked {{{placeholder}}} takes the values "
-                                   f"{sorted(found, key=lambda v: (len(v), v))}, not 0..n-1")
-            counts.append(len(found))
+                                   f"{sorted(found, key=lambda v: (len(v), v))}, not 0..n-1"
+                                   + ("" if known is None else f" (n = {known})"))
+            counts.append(len(expected))
         return counts
 
     def _concat_sizes(self, rule: Rule, tree: tuple[int, ...] | None,
