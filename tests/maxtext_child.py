@@ -356,7 +356,10 @@ def _gemma3_overrides(hf):
     pattern = ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(_get(hf, "num_hidden_layers"))]
     if list(_get(hf, "layer_types") or pattern) != pattern:
         raise ValueError(f"MaxText's gemma3 block: 5 sliding layers then 1 global; got {_get(hf, 'layer_types')}")
-    theta = lambda r, default: int(r.get("rope_theta", default))  # noqa: E731
+
+    def theta(parameters, default):
+        return int(parameters.get("rope_theta", default))
+
     return dict(rope_max_timescale=theta(full, 1_000_000), local_rope_max_timescale=theta(local, 10_000),
                 rope_linear_scaling_factor=float(full.get("factor", 1.0)), sliding_window_size=_get(hf, "sliding_window"))
 
