@@ -46,7 +46,7 @@ from orbax_safetensors.errors import (
     SkippedLeavesWarning,
     UnreachableError,
 )
-from orbax_safetensors.planning.rules import Mapping, Rule
+from orbax_safetensors.planning.rules import Mapping, Rule, Strided
 from orbax_safetensors.planning.transforms import Transform
 from orbax_safetensors import mappings
 from orbax_safetensors.storage import StorageError
@@ -82,7 +82,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "Mapping", "MappingError", "Rule", "Transform", "mappings",
+    "Mapping", "MappingError", "Rule", "Strided", "Transform", "mappings",
     "Error", "ArgumentError", "ArgumentTypeError", "CheckpointChangedError", "ProtocolError",
     "AccessDeniedError", "ReadOnlyLocationError", "UnreachableError", "LocationTakenError",
     "MissingDependencyError", "DistributedSetupError", "PeerTimeoutError",

@@ -10,10 +10,10 @@ import (~12 s) once; pyconfig is re-initialised per case and variant::
 
 ``cases.json`` is a list of ``{"case", "family", "hf_dir", "reference"[, "atol"][, "model_name"]}``
 (``atol``: an .npy of each logit's tolerance, ``tests/tolerances.py``; else ``--atol``): ``family``
-is what is passed to ``ost.mappings.maxtext`` (``llama3.1``, ``qwen3``, ``mixtral``), ``model_name``
-the MaxText model whose yml, layers and conversion tables are used (by default ``llama3.1-8b``,
-``qwen3-0.6b`` or, with experts, ``qwen3-30b-a3b``, ``mixtral-8x7b``). ``--hf-dir``/``--reference``/
-``--family`` give a single case instead.
+is what is passed to ``ost.mappings.maxtext`` (``llama3.1``, ``qwen3``, ``mixtral``, ``mistral``,
+``gemma3``), ``model_name`` the MaxText model whose yml, layers and conversion tables are used (by
+default ``llama3.1-8b``, ``qwen3-0.6b`` or, with experts, ``qwen3-30b-a3b``, ``mixtral-8x7b``,
+``mistral-7b``, ``gemma3-4b``). ``--hf-dir``/``--reference``/``--family`` give a single case instead.
 
 For each case and variant (``scan``: ``scan_layers=True``, ``unscan``: ``scan_layers=False``) it
 builds the MaxText config from the HF ``config.json`` (pyconfig with ``override_model_config``,
@@ -28,7 +28,9 @@ the forward. It checks
 * that every loaded array has the target's sharding;
 * every loaded tensor against MaxText's own converter (``checkpoint_conversion``'s
   ``PARAM_MAPPING``/``HOOK_FNS`` for the model, stacked by ``to_maxtext.py``'s own loading
-  functions, in numpy);
+  functions, in numpy), where MaxText has one (``mistral-7b`` has none: ``"converter": false``;
+  Gemma 3's are for ``Gemma3ForConditionalGeneration``, so the text checkpoint's names are
+  read as ``model.language_model.…``);
 * that ``ost.save`` through the mapping writes back the HF tensors byte for byte.
 
 Each case and variant prints one line ``MAXTEXT_RESULT {json}``; the exit status is 1 when one
@@ -58,7 +60,8 @@ import traceback
 RESULT_PREFIX = "MAXTEXT_RESULT "
 # Our family name -> the MaxText model whose yml, layers and conversion tables it uses
 # (qwen3 with experts: MOE_MODEL).
-MAXTEXT_MODEL = {"llama3.1": "llama3.1-8b", "qwen3": "qwen3-0.6b", "mixtral": "mixtral-8x7b"}
+MAXTEXT_MODEL = {"llama3.1": "llama3.1-8b", "qwen3": "qwen3-0.6b", "mixtral": "mixtral-8x7b", "mistral": "mistral-7b",
+                 "gemma3": "gemma3-4b"}
 MOE_MODEL = {"qwen3": "qwen3-30b-a3b", "mixtral": "mixtral-8x7b"}
 # The llama3.1 RoPE scaling MaxText hard-codes (layers/embeddings.py LLaMARotaryEmbedding).
 MAXTEXT_LLAMA3_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -273,7 +276,7 @@ def maxtext_overrides(family, model_name, hf, scan_layers, seq_len, out_dir):
                          + ("llama3 or default" if family == "llama3.1" else "default"))
     if _get(hf, "hidden_act", "silu") != "silu" or _get(hf, "attention_bias") or _get(hf, "mlp_bias"):
         raise ValueError(f"MaxText's {model_name} block: silu MLP, no biases")
-    if _get(hf, "sliding_window") and (family == "mixtral" or _get(hf, "use_sliding_window")):
+    if _get(hf, "sliding_window") and (family in ("mixtral", "mistral") or _get(hf, "use_sliding_window")):
         raise ValueError(f"MaxText's {model_name} block has no sliding window")
     overrides = dict(
         run_name="ost-maxtext-mapping",
@@ -307,6 +310,8 @@ def maxtext_overrides(family, model_name, hf, scan_layers, seq_len, out_dir):
     )
     if family == "llama3.1":
         overrides["rope_use_scale"] = rope_type == "llama3"
+    if family == "gemma3":
+        overrides.update(_gemma3_overrides(hf))
     experts = _num_experts(hf)
     if experts > 1:
         if family == "qwen3":
@@ -333,6 +338,30 @@ def maxtext_overrides(family, model_name, hf, scan_layers, seq_len, out_dir):
             load_balance_loss_weight=0.0,
         )
     return overrides
+
+
+def _gemma3_overrides(hf):
+    """Gemma 3's own keys: its two RoPEs (global and local), the sliding window. The generic
+    checks above pass it (no hidden_act, no top-level rope_type): these check the rest."""
+    rope = _get(hf, "rope_parameters") or {}
+    full, local = rope.get("full_attention", {}), rope.get("sliding_attention", {})
+    if local.get("rope_type", "default") != "default" or full.get("rope_type", "default") not in ("default", "linear"):
+        raise ValueError(f"MaxText's gemma3 block: default local RoPE, default or linear global; got {rope}")
+    if _get(hf, "hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh" or _get(
+            hf, "attn_logit_softcapping") or _get(hf, "final_logit_softcapping"):
+        raise ValueError("MaxText's gemma3 block: tanh-approximated gelu, no soft caps")
+    head_dim = _get(hf, "head_dim")
+    if _get(hf, "query_pre_attn_scalar") != head_dim:  # gemma3.get_query_pre_attn_scalar (4b, 12b)
+        raise ValueError("MaxText's gemma3-4b scales the query by head_dim**-0.5")
+    pattern = ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(_get(hf, "num_hidden_layers"))]
+    if list(_get(hf, "layer_types") or pattern) != pattern:
+        raise ValueError(f"MaxText's gemma3 block: 5 sliding layers then 1 global; got {_get(hf, 'layer_types')}")
+
+    def theta(parameters, default):
+        return int(parameters.get("rope_theta", default))
+
+    return dict(rope_max_timescale=theta(full, 1_000_000), local_rope_max_timescale=theta(local, 10_000),
+                rope_linear_scaling_factor=float(full.get("factor", 1.0)), sliding_window_size=_get(hf, "sliding_window"))
 
 
 def _run_variant(args, result, family, model_name, hf_dir, scan, hf_config, tokens, reference, atol, make_loader,
@@ -407,19 +436,24 @@ def _run_variant(args, result, family, model_name, hf_dir, scan, hf_config, toke
     if failures:
         return
 
-    # Each tensor against MaxText's own converter.
-    theirs, converter_errors, workarounds = _maxtext_converter(model_name, hf_config, config, hf_dir, boxes, np=np)
-    result["converter_workarounds"] = workarounds
-    diffs = {n: float(np.max(np.abs(np.asarray(jax.device_get(loaded[n]), np.float64) - theirs[n])))
-             for n in sorted(theirs)}
-    result["converter_max_abs_diff"] = max(diffs.values()) if not converter_errors else None
-    result["converter_diffs"] = {n: d for n, d in diffs.items() if d != 0.0}
-    if result["converter_diffs"]:
-        failures.append(f"differs from MaxText's own converter: {result['converter_diffs']}")
-    if converter_errors:
-        result["converter_errors"] = converter_errors
-        failures.append(f"MaxText's own converter fails: {converter_errors}")
-    lap("converter_check")
+    # Each tensor against MaxText's own converter, where it has one.
+    from maxtext.checkpoint_conversion.utils.param_mapping import PARAM_MAPPING
+
+    result["converter"] = model_name in PARAM_MAPPING
+    if result["converter"]:
+        theirs, converter_errors, workarounds = _maxtext_converter(model_name, hf_config, config, hf_dir, boxes,
+                                                                   np=np)
+        result["converter_workarounds"] = workarounds
+        diffs = {n: float(np.max(np.abs(np.asarray(jax.device_get(loaded[n]), np.float64) - theirs[n])))
+                 for n in sorted(theirs)}
+        result["converter_max_abs_diff"] = max(diffs.values()) if not converter_errors else None
+        result["converter_diffs"] = {n: d for n, d in diffs.items() if d != 0.0}
+        if result["converter_diffs"]:
+            failures.append(f"differs from MaxText's own converter: {result['converter_diffs']}")
+        if converter_errors:
+            result["converter_errors"] = converter_errors
+            failures.append(f"MaxText's own converter fails: {converter_errors}")
+        lap("converter_check")
 
     # MaxText's forward on the loaded params, boxed back into its tree.
     variables = {"params": nest({n: boxes[n].replace_boxed(loaded[n]) for n in boxes})}
@@ -521,9 +555,12 @@ def _maxtext_converter(model_name, hf_config, config, hf_dir, boxes, *, np):
     logging.getLogger("absl").setLevel(logging.WARNING)  # to_maxtext's import sets absl to INFO
     hf = dict(hf_config)
     hf.setdefault("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
+    weights = _read_safetensors(hf_dir)
+    if model_name.startswith("gemma3"):  # its tables are Gemma3ForConditionalGeneration's: text and vision
+        hf = {"text_config": hf, "vision_config": {"num_hidden_layers": 0}}
+        weights = {k.replace("model.", "model.language_model.", 1): v for k, v in weights.items()}
     mapping = PARAM_MAPPING[model_name](hf, config, config.scan_layers)
     hooks = HOOK_FNS[model_name](hf, config, config.scan_layers, saving_to_hf=False)
-    weights = _read_safetensors(hf_dir)
     keys = validate_and_filter_param_map_keys(mapping.keys(), {"params-" + n.replace(".", "-") for n in boxes})
     out, errors, workarounds = {}, {}, {}
     for key in keys:

@@ -9,7 +9,15 @@ in float32 (eager attention) for the reference logits:
   q/k RMSNorms undo a wrong query or key scale, so only the converter check catches one);
 * ``qwen3-moe``: ``Qwen3MoeForCausalLM``, every layer sparse, 4 experts top-2, renormalised
   (``qwen3-30b-a3b``);
-* ``mixtral``: ``MixtralForCausalLM``, 4 experts top-2 (``mixtral-8x7b``).
+* ``mixtral``: ``MixtralForCausalLM``, 4 experts top-2 (``mixtral-8x7b``);
+* ``mistral``: ``MistralForCausalLM``, GQA (``mistral-7b``: MaxText has the model but no
+  converter, so its tensors are checked by the logits and the round trip alone);
+* ``gemma3``: ``Gemma3ForCausalLM``, 14 layers (two 6-layer attention patterns, 5 sliding-window
+  layers then a global one, scanned as ``layers_0..5``, and 2 left over in ``layers_remainder``),
+  sliding window 4 of the 16 tokens, q/k norms, tied embedding, linear RoPE scaling on the global
+  layers (``gemma3-4b``; MaxText's converter is ``Gemma3ForConditionalGeneration``'s, compared
+  through its ``model.language_model.`` names). Its norm weights are bfloat16 values, for which
+  MaxText's ``1 + w`` in float32 round-trips exactly.
 
 MaxText needs Python 3.12 and its own pinned stack (JAX 0.12, Flax 0.12), so
 ``tests/maxtext_child.py`` runs in a separate venv, once for every family: MaxText's own model
@@ -94,13 +102,34 @@ MIXTRAL = dict(
     sliding_window=None, router_jitter_noise=0.0, max_position_embeddings=32768,
     rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
 )
+MISTRAL = dict(
+    _COMMON, intermediate_size=128, head_dim=16, rms_norm_eps=1e-5, sliding_window=None,
+    max_position_embeddings=32768, rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+)
+GEMMA3 = dict(  # 14 layers: two 6-layer attention patterns scanned, 2 left over (layers_remainder)
+    {k: v for k, v in _COMMON.items() if k != "hidden_act"}, num_hidden_layers=14, intermediate_size=96, head_dim=16,
+    query_pre_attn_scalar=16, rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh",
+    sliding_window=4,
+    max_position_embeddings=32768, final_logit_softcapping=None, attn_logit_softcapping=None,
+    rope_parameters=dict(full_attention=dict(rope_type="linear", rope_theta=1000000.0, factor=8.0),
+                         sliding_attention=dict(rope_type="default", rope_theta=10000.0)),
+)
 # case -> (family for ost.mappings.maxtext, transformers model class, config class, config)
 CASES = {
     "llama3.1": ("llama3.1", "LlamaForCausalLM", "LlamaConfig", LLAMA31),
     "qwen3": ("qwen3", "Qwen3ForCausalLM", "Qwen3Config", QWEN3),
     "qwen3-moe": ("qwen3", "Qwen3MoeForCausalLM", "Qwen3MoeConfig", QWEN3_MOE),
     "mixtral": ("mixtral", "MixtralForCausalLM", "MixtralConfig", MIXTRAL),
+    "mistral": ("mistral", "MistralForCausalLM", "MistralConfig", MISTRAL),
+    "gemma3": ("gemma3", "Gemma3ForCausalLM", "Gemma3TextConfig", GEMMA3),
 }
+# Cases whose MaxText model has no converter (no PARAM_MAPPING entry in MaxText 0.2.5), so the
+# tensors are checked by the forward pass alone: Mistral's mapping is derived from MaxText's
+# mistral block (models/mistral.py: Llama's layer, its unscaled Attention with rotate-half RoPE).
+NO_CONVERTER = {"mistral"}
+# Cases whose norm weights are bfloat16 values (stored as float32): the mapping adds 1 in float32
+# (MaxText's 1 + w), exact for those, so the round trip stays byte for byte.
+BF16_NORMS = {"gemma3"}
 # Routers' k-th and (k+1)-th logits at least this far apart for every token, so float32
 # rounding (MaxText's vs transformers') cannot pick different experts.
 ROUTER_MARGIN = 1e-3
@@ -277,6 +306,8 @@ def write_checkpoint(case: str, directory: str, seed: int = 0) -> str:
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(1.0 + 0.3 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
+            if "norm" in name and case in BF16_NORMS:
+                p.copy_(p.to(torch.bfloat16).to(p.dtype))
     model.save_pretrained(directory)
     return directory
 
@@ -302,8 +333,10 @@ def transformers_logits(directory: str, tokens: np.ndarray, case: str = "llama3.
         gate = getattr(module, "gate", None)
         if k and getattr(gate, "weight", None) is not None and gate.weight.shape[0] > 1 and hasattr(module, "experts"):
             handles.append(module.register_forward_pre_hook(record))
+    # MaxText's tied head (logits_via_embedding: attend_on_embedding) casts the embedding to bfloat16.
+    head_dtype = "bfloat16" if model.config.tie_word_embeddings else None
     try:
-        logits, atol = causal_lm_reference(model, tokens)
+        logits, atol = causal_lm_reference(model, tokens, head_dtype=head_dtype)
     finally:
         for handle in handles:
             handle.remove()
@@ -397,9 +430,11 @@ def test_maxtext_mapping(child_results, case, variant):
     failures = result["failures"]
     assert result.get("shardings_match"), failures
     assert not result.get("converter_errors"), failures  # MaxText's own converter failing on its tree
-    assert set(result.get("converter_workarounds", {})) == MAXTEXT_CONVERTER_BUGS.get((case, variant), set()), \
-        result.get("converter_workarounds")
-    assert result.get("converter_max_abs_diff") == 0.0, failures  # exact: float32
+    assert result.get("converter") == (case not in NO_CONVERTER), result.get("converter")
+    if case not in NO_CONVERTER:
+        assert set(result.get("converter_workarounds", {})) == MAXTEXT_CONVERTER_BUGS.get((case, variant), set()), \
+            result.get("converter_workarounds")
+        assert result.get("converter_max_abs_diff") == 0.0, failures  # exact: float32
     assert result.get("logits_tolerance_used", np.inf) <= 1, failures
     assert result.get("round_trip_identical"), failures
     assert result["ok"] and not failures, failures

@@ -10,7 +10,10 @@ column- and expert-sharded, one process and two), and a save from the
 sharded tree must give back the very file it was loaded from.
 """
 
+import dataclasses
+import math
 import os
+from fractions import Fraction
 
 import jax
 import ml_dtypes
@@ -24,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 import orbax_safetensors as ost
 from tests.trees import flat, nest
 from orbax_safetensors.errors import MappingError
-from orbax_safetensors.planning.rules import Mapping, Rule
+from orbax_safetensors.planning.rules import Mapping, Rule, Strided
 from orbax_safetensors.planning.transforms import halves_to_interleaved
 
 L, D, H, K, HD, F, E, V = 8, 8, 4, 2, 4, 16, 4, 16
@@ -285,6 +288,143 @@ def test_fused_projections_concatenate_per_shard_both_ways(checkpoint, tmp_path)
     with open(os.path.join(checkpoint, "model.safetensors"), "rb") as a, \
             open(tmp_path / "fused" / "model.safetensors", "rb") as b:
         assert a.read() == b.read()
+
+
+# --- strided stacks (every 6th layer in one leaf) and offsets (Gemma's 1 + w) -------------------
+
+N = 13  # two 6-layer patterns and one layer left over
+
+
+def _strided() -> Mapping:
+    """Gemma 3 in MaxText: layer 6n + k at index n of blocks.layers_{k}, layer 12 left over."""
+    scanned = 6 * (N // 6)
+    return Mapping([
+        Rule("layers.{i}.norm.weight", "blocks.layers_{k}.norm.scale", stack={"i": 1}, offset=1.0,
+             strided={"i": Strided("k", 6, stop=scanned)}),
+        Rule("layers.{i}.norm.weight", "remainder.layers_{k}.norm.scale", offset=1.0,
+             strided={"i": Strided("k", 6, start=scanned, stop=N)}),
+        Rule("layers.{i}.experts.{e}.w1.weight", "blocks.layers_{k}.w1.kernel", transpose=(1, 0),
+             stack={"e": 0, "i": 1}, strided={"i": Strided("k", 6, stop=scanned)}),
+        Rule("layers.{i}.experts.{e}.w1.weight", "remainder.layers_{k}.w1.kernel", transpose=(1, 0),
+             stack={"e": 0}, strided={"i": Strided("k", 6, start=scanned, stop=N)}),
+    ])
+
+
+def test_every_sixth_layer_stacks_into_one_leaf_and_the_rest_into_a_remainder():
+    mapping = _strided()
+    assembly = mapping.assembly("blocks.layers_2.norm.scale", tree_shape=(D, 2))
+    assert [p.stored for p in assembly.pieces] == ["layers.2.norm.weight", "layers.8.norm.weight"]
+    assert assembly.pieces[1].region == ((0, D), (1, 2))
+    experts = mapping.assembly("blocks.layers_5.w1.kernel", tree_shape=(E, 2, D, F)).pieces
+    assert experts[2 * 1 + 1].stored == "layers.11.experts.1.w1.weight"  # expert 1, n = 1
+    assert mapping.stored_name("remainder.layers_0.norm.scale") == "layers.12.norm.weight"
+    assert [mapping.tree_name(f"layers.{i}.norm.weight") for i in (0, 7, 11, 12)] == [
+        "blocks.layers_0.norm.scale", "blocks.layers_1.norm.scale", "blocks.layers_5.norm.scale",
+        "remainder.layers_0.norm.scale"]
+    # Out of range on either side: no rule, never a neighbour's.
+    assert mapping.unmapped(["layers.13.norm.weight", "layers.012.norm.weight"], "stored") == [
+        "layers.13.norm.weight", "layers.012.norm.weight"]
+    assert mapping.unmapped(["blocks.layers_6.norm.scale", "remainder.layers_1.norm.scale",
+                             "blocks.layers_5.norm.scale"]) == ["blocks.layers_6.norm.scale",
+                                                                "remainder.layers_1.norm.scale"]
+    names = {f"layers.{i}.norm.weight": (D,) for i in range(N)}
+    shapes = mapping.tree_shapes(names)
+    assert shapes == {**{f"blocks.layers_{k}.norm.scale": (D, 2) for k in range(6)},
+                      "remainder.layers_0.norm.scale": (D,)}
+    del names["layers.9.norm.weight"]
+    with pytest.raises(MappingError, match=r"\['0'\], not 0..n-1 \(n = 2\)"):
+        mapping.assembly("blocks.layers_3.norm.scale", stored_shapes=names)
+
+
+def test_strided_rules_are_checked_when_written():
+    with pytest.raises(MappingError, match="same placeholders"):  # {k} is not in the tree
+        Rule("layers.{i}.w", "blocks.w", stack={"i": 1}, strided={"i": Strided("k", 6)})
+    with pytest.raises(MappingError, match="same placeholders"):  # {k} also on the stored side
+        Rule("layers.{i}.{k}.w", "blocks.layers_{k}.w", stack={"i": 1}, strided={"i": Strided("k", 6)})
+    with pytest.raises(MappingError, match="step >= 1"):
+        Strided("k", 0)
+    with pytest.raises(MappingError, match="no inverse"):
+        Rule("a", "a", offset=float("inf"))
+
+
+def test_strided_stacks_and_offsets_load_and_save_back_the_same_file(tmp_path):
+    rng = np.random.default_rng(1)
+    stored = {f"layers.{i}.norm.weight": rng.standard_normal(D).astype(ml_dtypes.bfloat16) for i in range(N)}
+    stored.update({f"layers.{i}.experts.{e}.w1.weight": rng.standard_normal((F, D)).astype(ml_dtypes.bfloat16)
+                   for i in range(N) for e in range(E)})
+    ost.save(str(tmp_path / "hf"), stored)
+    mapping = _strided()
+    loaded = ost.load(str(tmp_path / "hf"), mapping=mapping)
+    f32 = {n: v.astype(np.float32) for n, v in stored.items()}
+    np.testing.assert_array_equal(loaded["blocks.layers_4.norm.scale"],
+                                  np.stack([f32["layers.4.norm.weight"], f32["layers.10.norm.weight"]], 1) + 1)
+    np.testing.assert_array_equal(loaded["blocks.layers_4.w1.kernel"][3, 1], f32["layers.10.experts.3.w1.weight"].T)
+    np.testing.assert_array_equal(loaded["remainder.layers_0.w1.kernel"][2], f32["layers.12.experts.2.w1.weight"].T)
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b"))
+    layers_axis = {"norm.scale": 1, "w1.kernel": 1}  # each device one of the 2 blocks (n over "a")
+    target = {n: jax.ShapeDtypeStruct(v.shape, np.float32, sharding=NamedSharding(mesh, P(
+        *[None] * layers_axis[n.split(".", 2)[2]], "a") if n.startswith("blocks") else P()))
+        for n, v in loaded.items()}
+    sharded = ost.load(str(tmp_path / "hf"), nest(target), mapping=mapping)
+    for name, leaf in flat(sharded).items():
+        np.testing.assert_array_equal(np.asarray(leaf), loaded[name], err_msg=name)
+    ost.save(str(tmp_path / "back"), sharded, mapping=_strided_saving_bfloat16())
+    with open(tmp_path / "hf" / "model.safetensors", "rb") as a, open(tmp_path / "back" / "model.safetensors", "rb") as b:
+        assert a.read() == b.read()
+
+
+def _strided_saving_bfloat16() -> Mapping:
+    return Mapping([dataclasses.replace(rule, dtype=np.dtype(ml_dtypes.bfloat16)) for rule in _strided().rules])
+
+
+@pytest.mark.parametrize("dtype, smallest", [(ml_dtypes.bfloat16, 2.0**-16), (np.float16, 2.0**-13)])
+def test_plus_one_in_float32_gives_back_each_16_bit_value_where_planning_transforms_says(dtype, smallest):
+    """Every bfloat16 (float16) value through ``w + 1`` in float32 and back: exact wherever
+    ``w + 1`` is exact in float32, and for every ``|w| >= smallest``; a smaller ``w`` loses its
+    bits below 2**-24, ``-0.0`` comes back ``+0.0``, a NaN a NaN."""
+    transform = Rule("w", "w", offset=1.0, dtype=dtype).resolve(stored_shape=(1 << 16,))
+    w = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(dtype)
+    with np.errstate(invalid="ignore"):  # NaNs
+        tree = transform.to_tree(w, ((0, 1 << 16),), ((0, 1 << 16),))
+        [(_, back)] = transform.to_stored(((0, 1 << 16),), tree)
+        wide = w.astype(np.float64)
+        plus_one = w.astype(np.float32) + np.float32(1)
+    assert tree.dtype == np.float32
+    finite = np.isfinite(wide)
+    np.testing.assert_array_equal(tree[finite], plus_one[finite])
+    same = back.view(np.uint16) == w.view(np.uint16)
+    negative_zero = (wide == 0) & np.signbit(wide)
+    exact = np.array([math.isfinite(a) and Fraction(float(b)) == Fraction(a) + 1 for a, b in zip(wide, plus_one)])
+    assert same[exact & ~negative_zero].all() and same[np.isinf(wide)].all()
+    assert np.isnan(back[np.isnan(wide)].astype(np.float32)).all()
+    assert same[finite & (np.abs(wide) >= smallest)].all()
+    assert not same[finite & (np.abs(wide) < smallest) & ~exact].any()  # the rest all move
+    assert not same[negative_zero].any() and (back[negative_zero] == 0).all()
+
+
+def test_maxtext_gemma3_and_mistral_trees():
+    config = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "hidden_size": 2560,
+              "num_hidden_layers": 14, "tie_word_embeddings": True}
+    mapping = ost.mappings.maxtext("gemma3-4b", config)
+    assert mapping.tree_name("model.layers.13.pre_feedforward_layernorm.weight") == \
+        "decoder.layers_remainder.layers_1.pre_ffw_norm.scale"
+    assert mapping.tree_name("model.layers.9.self_attn.q_norm.weight") == \
+        "decoder.layers.layers_3.self_attention.query_norm.scale"
+    assert mapping.transform("decoder.decoder_norm.scale", stored_shape=(2560,)).offset == 1.0
+    assert mapping.transform("token_embedder.embedding", stored_shape=(8, 2560)).scale == 50.5  # bfloat16(sqrt(2560))
+    assert mapping.unmapped(["lm_head.weight"], "stored") == ["lm_head.weight"]  # tied
+    unscanned = ost.mappings.maxtext("gemma3", config, scan_layers=False)
+    assert unscanned.tree_name("model.layers.13.mlp.down_proj.weight") == "decoder.layers_13.mlp.wo.kernel"
+    multimodal = ost.mappings.maxtext("gemma3-4b", {"text_config": config, "vision_config": {}})
+    assert multimodal.tree_name("model.language_model.layers.6.mlp.up_proj.weight") == \
+        "decoder.layers.layers_0.mlp.wi_1.kernel"
+    with pytest.raises(ost.ArgumentError, match="num_hidden_layers"):
+        ost.mappings.maxtext("gemma3", {k: v for k, v in config.items() if k != "num_hidden_layers"})
+    mistral = ost.mappings.maxtext("mistral-7b", {**config, "tie_word_embeddings": False})
+    q = mistral.assembly("decoder.layers.self_attention.query.kernel", tree_shape=(2560, 14, 4, 16))
+    assert q.pieces[0].transform.scale == 0.25 and not q.pieces[0].transform.permutes  # rotate-half
+    assert mistral.tree_name("model.layers.3.input_layernorm.weight") == \
+        "decoder.layers.pre_self_attention_layer_norm.scale"
 
 
 # --- two processes ----------------------------------------------------------------------------

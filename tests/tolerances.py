@@ -58,9 +58,13 @@ def forward_atol(head_input, head_weight, *, layers: int, contraction: int, comp
     """Per-logit atol of a ``layers``-deep float forward pass whose longest sum has
     ``contraction`` terms; ``head_input`` (..., D) is what the output projection
     ``head_weight`` (V, D) multiplies."""
-    terms = np.abs(np.asarray(head_input, np.float64)) @ np.abs(np.asarray(head_weight, np.float64)).T
     levels = LEVELS_PER_LAYER * layers + 2  # + the final norm and the head
-    return computations * levels * gamma(contraction, dtype) * terms
+    return computations * levels * gamma(contraction, dtype) * _head_terms(head_input, head_weight)
+
+
+def _head_terms(head_input, head_weight) -> np.ndarray:
+    """``|head_input| @ |head_weight|.T``: the magnitude of each logit's terms."""
+    return np.abs(np.asarray(head_input, np.float64)) @ np.abs(np.asarray(head_weight, np.float64)).T
 
 
 def assert_within(actual, expected, atol, err_msg: str = "") -> None:
@@ -81,9 +85,13 @@ def assert_within(actual, expected, atol, err_msg: str = "") -> None:
             f"difference {diff[worst]:.3g} > atol {atol[worst]:.3g} ({ratio[worst]:.3g}x)")
 
 
-def causal_lm_reference(model, tokens, **call) -> tuple[np.ndarray, np.ndarray]:
+def causal_lm_reference(model, tokens, *, head_dtype=None, **call) -> tuple[np.ndarray, np.ndarray]:
     """A transformers causal LM's logits on ``tokens`` and each logit's :func:`forward_atol`
-    against another float32 implementation: the head's input is captured by a hook."""
+    against another float32 implementation: the head's input is captured by a hook.
+
+    ``head_dtype``: the dtype the other implementation rounds the head's weight to (MaxText's
+    tied head, ``attend_on_embedding``, multiplies by the embedding cast to bfloat16): each
+    term then moves by up to that dtype's unit roundoff, added to the atol."""
     import torch
 
     captured = []
@@ -100,6 +108,8 @@ def causal_lm_reference(model, tokens, **call) -> tuple[np.ndarray, np.ndarray]:
                                             or config.hidden_size // config.num_attention_heads)]
     widths += [getattr(config, name) for name in ("intermediate_size", "moe_intermediate_size", "num_local_experts",
                                                   "num_experts") if isinstance(getattr(config, name, None), int)]
-    atol = forward_atol(captured[-1].float().numpy(), head.weight.detach().float().numpy(),
-                        layers=config.num_hidden_layers, contraction=max(widths))
+    head_input, head_weight = captured[-1].float().numpy(), head.weight.detach().float().numpy()
+    atol = forward_atol(head_input, head_weight, layers=config.num_hidden_layers, contraction=max(widths))
+    if head_dtype is not None:
+        atol = atol + gamma(1, head_dtype) * _head_terms(head_input, head_weight)
     return logits, atol

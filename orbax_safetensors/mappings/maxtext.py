@@ -6,12 +6,16 @@ host, transformed, stacked with ``np.stack`` and saved again as an Orbax
 checkpoint, which needs host memory for the whole model (several times over;
 maxtext#864 reports 2.9 TB). This mapping states the same conversion as rules,
 re-derived from MaxText's ``checkpoint_conversion/utils/param_mapping.py``
-(``LLAMA31_``, ``QWEN_`` and ``MIXTRAL_MAXTEXT_TO_HF_PARAM_MAPPING`` and their
-``..._HOOK_FN``) and
-``hf_shape.py``, so ``ost.load`` reads each device's shard of the scanned tree
-straight from the Hugging Face files and ``ost.save`` writes a training
-state's tree back as Hugging Face tensors, with no conversion step and no
-host copy of the model.
+(``LLAMA31_``, ``QWEN_``, ``MIXTRAL_`` and ``GEMMA3_MAXTEXT_TO_HF_PARAM_MAPPING``
+and their ``..._HOOK_FN``) and ``hf_shape.py``, so ``ost.load`` reads each
+device's shard of the scanned tree straight from the Hugging Face files and
+``ost.save`` writes a training state's tree back as Hugging Face tensors, with
+no conversion step and no host copy of the model. MaxText 0.2.5 has a Mistral
+model (``mistral-7b``) but no converter for it: its rules are derived from
+MaxText's ``models/mistral.py`` (Llama's layer; ``Attention`` without a query
+scale or q/k norms, so the query kernel carries ``1/sqrt(head_dim)`` as
+Mixtral's does; the default rotate-half ``RotaryEmbedding``, so no reordering)
+and checked by MaxText's forward pass against transformers'.
 
 The tree is the ``params`` collection of MaxText's decoder, named as MaxText
 names it (without the ``params`` collection itself and without Linen/NNX's
@@ -28,28 +32,62 @@ names it (without the ``params`` collection itself and without Linen/NNX's
     decoder.layers.{pre,post}_self_attention_layer_norm.scale  (embed, layers)
 
 with layers at axis 1 (MaxText's ``param_scan_axis``) when scanned, and
-``decoder.layers_{i}.…`` without that axis when not. Qwen3 adds
+``decoder.layers_{i}.…`` without that axis when not; no ``logits_dense`` when
+the embedding is tied (MaxText's ``logits_via_embedding``). Qwen3 adds
 ``self_attention.{query,key}_norm.scale``; MoE models (Qwen3-MoE, Mixtral)
 replace ``mlp`` by ``moe_block`` / ``MoeBlock_0``: ``gate.kernel`` (embed,
 [layers,] experts) and ``wi_0``, ``wi_1``, ``wo`` with experts at axis 0
-(experts, [layers,] embed, mlp). Values follow MaxText's converter: Llama
-3.1's and Mixtral's query kernel is scaled by ``1/sqrt(head_dim)`` (in
-float32; their MaxText attention does not scale), Llama 3.1's query and key
-heads are reordered from Hugging Face's rotate-half RoPE layout to MaxText's
-interleaved one. A save undoes both; a bfloat16 checkpoint comes back bit for
-bit, a float32 one too when ``head_dim`` is a power of four (otherwise the
-query's last bit may move).
+(experts, [layers,] embed, mlp).
+
+Gemma 3 scans blocks of its 6-layer attention pattern (5 sliding-window layers,
+then a global one): layer ``6 * n + k`` is index ``n`` (axis 1) of
+``decoder.layers.layers_{k}.…`` (``k`` in 0..5), and the ``num_layers % 6``
+layers left over (``layers_remainder``, MaxText's unscanned tail) are
+``decoder.layers_remainder.layers_{k}.…`` without a layers axis (``Strided``
+rules); unscanned it is ``decoder.layers_{i}.…`` as for the others. Its norms
+are ``pre_self_attention_norm``, ``post_self_attention_norm``,
+``pre_ffw_norm``, ``post_ffw_norm`` and the q/k norms, and its embedding is
+tied.
+
+Values follow MaxText's converter: Llama 3.1's, Mixtral's and Mistral's query
+kernel is scaled by ``1/sqrt(head_dim)`` (in float32; their MaxText attention
+does not scale), Llama 3.1's query and key heads are reordered from Hugging
+Face's rotate-half RoPE layout to MaxText's interleaved one. Gemma 3's norm
+scales are Hugging Face's ``w`` plus 1 (MaxText's RMSNorm multiplies by its
+scale, Hugging Face's by ``1 + w``), and its embedding is multiplied by
+``sqrt(hidden_size)`` rounded to bfloat16 (50.5 for 2560: what MaxText's
+converter stores, since MaxText's forward does not scale the embedding;
+Hugging Face scales by the unrounded root, a gap MaxText's conversion has
+too). A save undoes all of it (``planning.transforms`` says what is exact):
+
+* a bfloat16 checkpoint comes back bit for bit, Gemma 3's norms too wherever
+  ``|w| >= 2**-16`` (smaller nonzero norm weights lose their bits below
+  ``2**-24``; ``-0.0`` comes back ``+0.0``);
+* a float32 one too when ``head_dim`` is a power of four (otherwise the query's
+  last bit may move) and, for Gemma 3, when ``sqrt(hidden_size)`` rounded to
+  bfloat16 is a power of two and each norm weight ``w`` has ``w + 1`` exact in
+  float32 (a bfloat16 value, for one); otherwise the embedding's or a norm's
+  last bits may move.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
+
+import ml_dtypes
 
 from orbax_safetensors.errors import ArgumentError
 from orbax_safetensors.mappings._config import attention_dims, config_value
-from orbax_safetensors.planning.rules import Mapping, Rule
+from orbax_safetensors.planning.rules import Mapping, Rule, Strided
+
+_LLAMA_NORMS = (("input_layernorm", "pre_self_attention_layer_norm"),
+                ("post_attention_layernorm", "post_self_attention_layer_norm"))
+_GEMMA3_NORMS = (("input_layernorm", "pre_self_attention_norm"), ("post_attention_layernorm", "post_self_attention_norm"),
+                 ("pre_feedforward_layernorm", "pre_ffw_norm"), ("post_feedforward_layernorm", "post_ffw_norm"))
+
 
 @dataclasses.dataclass(frozen=True)
 class _Family:
@@ -62,15 +100,25 @@ class _Family:
     experts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # HF names of wi_0, wi_1, wo
     router: str = "mlp.gate"
     experts_module: str = "mlp.experts"
+    norms: tuple[tuple[str, str], ...] = _LLAMA_NORMS  # per-layer norms: (HF name, MaxText name)
+    norm_offset: float | None = None  # MaxText's norm scales are HF's plus this (Gemma: 1 + w)
+    embedding_scale: bool = False  # embedding times sqrt(hidden_size) rounded to bfloat16 (Gemma)
+    pattern: int | None = None  # scanned layers in blocks of this many (Gemma 3's attention pattern)
 
 
-# MaxText model_name prefixes with a converter in MaxText (llama2 and mistral have none; Gemma 3's
-# scans a 6-layer attention pattern and shifts norms by one, which these rules do not express yet).
+# MaxText model_name prefixes: those with a converter in MaxText, and mistral, which has the
+# model but no converter (llama2 has neither here).
 FAMILIES = {
     "llama3.1": _Family(query_scale=True, rope_interleave=True),
     "qwen3": _Family(query_scale=False, rope_interleave=False, qk_norm=True, moe="moe_block"),
     "mixtral": _Family(query_scale=True, rope_interleave=False, moe="MoeBlock_0", experts=("w1", "w3", "w2"),
                        router="block_sparse_moe.gate", experts_module="block_sparse_moe.experts"),
+    # MaxText's mistral block: Llama's layer, its Attention unscaled (no query_pre_attn_scalar, no
+    # q/k norm) with the default rotate-half RotaryEmbedding, as mixtral's.
+    "mistral": _Family(query_scale=True, rope_interleave=False),
+    # The query is scaled by MaxText's attention (query_pre_attn_scalar), after the q/k norms.
+    "gemma3": _Family(query_scale=False, rope_interleave=False, qk_norm=True, norms=_GEMMA3_NORMS, norm_offset=1.0,
+                      embedding_scale=True, pattern=6),
 }
 
 
@@ -78,12 +126,15 @@ def maxtext(family: str, config: Any, scan_layers: bool = True, *, dtype: Any = 
     """The mapping between a Hugging Face checkpoint of ``family`` and MaxText's tree.
 
     ``family`` is MaxText's ``model_name`` or its prefix (``"llama3.1"``,
-    ``"llama3.1-8b"``, ``"qwen3-30b-a3b"``, ``"mixtral-8x7b"``); ``config`` the
-    Hugging Face config (a transformers config or a dict); ``scan_layers`` as
-    in MaxText's config; ``dtype`` the dtype a save writes (MaxText trains
-    float32 params; ``"bfloat16"`` gives back a bfloat16 checkpoint). Qwen3
-    is MoE when the config has ``num_experts > 1`` (``moe_block``, experts
-    stacked at axis 0, layers then at 1).
+    ``"llama3.1-8b"``, ``"qwen3-30b-a3b"``, ``"mixtral-8x7b"``, ``"mistral-7b"``,
+    ``"gemma3-4b"``); ``config`` the Hugging Face config (a transformers config
+    or a dict; Gemma 3's text config, or the multimodal one whose
+    ``text_config`` it reads, with the text tensors under
+    ``model.language_model.``); ``scan_layers`` as in MaxText's config;
+    ``dtype`` the dtype a save writes (MaxText trains float32 params;
+    ``"bfloat16"`` gives back a bfloat16 checkpoint). Qwen3 is MoE when the
+    config has ``num_experts > 1`` (``moe_block``, experts stacked at axis 0,
+    layers then at 1).
     """
     name = next((f for f in FAMILIES if family == f or family.startswith(f + "-")), None)
     if name is None:
@@ -93,41 +144,81 @@ def maxtext(family: str, config: Any, scan_layers: bool = True, *, dtype: Any = 
         raise ArgumentError(f"maxtext({family!r}, config): config is None; pass the checkpoint's Hugging "
                          "Face config (a transformers config or its dict: num_attention_heads, "
                          "num_key_value_heads, head_dim or hidden_size)")
+    text = config_value(config, "text_config")
+    prefix = "model." if text is None else "model.language_model."
+    config = config if text is None else text
     dims = attention_dims(config, f"maxtext({family!r})")
-    layer = "decoder.layers" if scan_layers else "decoder.layers_{i}"
+    per_layer = _layer_rules(f"{prefix}layers.{{i}}.", scan_layers, spec.pattern,
+                             _num_layers(config, family) if spec.pattern else 0)
     linear = {"transpose": (1, 0), "dtype": dtype}
-
-    def per_layer(stored: str, tree: str, *, experts: bool = False, **layout) -> Rule:
-        stack = {"e": 0} if experts else {}
-        if scan_layers:
-            stack["i"] = 1
-        return Rule(f"model.layers.{{i}}.{stored}", f"{layer}.{tree}", stack=stack, **layout)
-
+    norm = {"offset": spec.norm_offset, "dtype": dtype}
     rope = {"permute": {-1: "halves_to_interleaved"}} if spec.rope_interleave else {}
     scale = {"scale": 1 / math.sqrt(dims["head_dim"])} if spec.query_scale else {}
     rules = [
-        Rule("model.embed_tokens.weight", "token_embedder.embedding", dtype=dtype),
-        Rule("model.norm.weight", "decoder.decoder_norm.scale", dtype=dtype),
-        per_layer("self_attn.q_proj.weight", "self_attention.query.kernel",
-                  split={1: ("heads", "head_dim")}, **rope, **scale, **linear),
-        per_layer("self_attn.k_proj.weight", "self_attention.key.kernel",
-                  split={1: ("kv_heads", "head_dim")}, **rope, **linear),
-        per_layer("self_attn.v_proj.weight", "self_attention.value.kernel",
-                  split={1: ("kv_heads", "head_dim")}, **linear),
-        per_layer("self_attn.o_proj.weight", "self_attention.out.kernel", split={0: ("heads", "head_dim")}, **linear),
-        per_layer("input_layernorm.weight", "pre_self_attention_layer_norm.scale", dtype=dtype),
-        per_layer("post_attention_layernorm.weight", "post_self_attention_layer_norm.scale", dtype=dtype),
+        Rule(f"{prefix}embed_tokens.weight", "token_embedder.embedding", dtype=dtype,
+             scale=_embedding_scale(config, family) if spec.embedding_scale else None),
+        Rule(f"{prefix}norm.weight", "decoder.decoder_norm.scale", **norm),
+        *per_layer("self_attn.q_proj.weight", "self_attention.query.kernel",
+                   split={1: ("heads", "head_dim")}, **rope, **scale, **linear),
+        *per_layer("self_attn.k_proj.weight", "self_attention.key.kernel",
+                   split={1: ("kv_heads", "head_dim")}, **rope, **linear),
+        *per_layer("self_attn.v_proj.weight", "self_attention.value.kernel",
+                   split={1: ("kv_heads", "head_dim")}, **linear),
+        *per_layer("self_attn.o_proj.weight", "self_attention.out.kernel", split={0: ("heads", "head_dim")}, **linear),
     ]
-    if spec.qk_norm:
-        rules += [per_layer(f"self_attn.{hf}_norm.weight", f"self_attention.{mt}_norm.scale", dtype=dtype)
-                  for hf, mt in (("q", "query"), ("k", "key"))]
+    for hf, mt in spec.norms + ((("self_attn.q_norm", "self_attention.query_norm"),
+                                 ("self_attn.k_norm", "self_attention.key_norm")) if spec.qk_norm else ()):
+        rules += per_layer(f"{hf}.weight", f"{mt}.scale", **norm)
     if spec.moe is not None and config_value(config, "num_experts", config_value(config, "num_local_experts", 0)) > 1:
-        rules.append(per_layer(f"{spec.router}.weight", f"{spec.moe}.gate.kernel", **linear))
-        rules += [per_layer(f"{spec.experts_module}.{{e}}.{hf}.weight", f"{spec.moe}.{mt}", experts=True, **linear)
-                  for hf, mt in zip(spec.experts, ("wi_0", "wi_1", "wo"))]
+        rules += per_layer(f"{spec.router}.weight", f"{spec.moe}.gate.kernel", **linear)
+        for hf, mt in zip(spec.experts, ("wi_0", "wi_1", "wo")):
+            rules += per_layer(f"{spec.experts_module}.{{e}}.{hf}.weight", f"{spec.moe}.{mt}", experts=True, **linear)
     else:
-        rules += [per_layer(f"mlp.{hf}.weight", f"mlp.{mt}.kernel", **linear)
-                  for hf, mt in zip(("gate_proj", "up_proj", "down_proj"), ("wi_0", "wi_1", "wo"))]
+        for hf, mt in zip(("gate_proj", "up_proj", "down_proj"), ("wi_0", "wi_1", "wo")):
+            rules += per_layer(f"mlp.{hf}.weight", f"mlp.{mt}.kernel", **linear)
     if not config_value(config, "tie_word_embeddings", False):  # tied: MaxText's logits_via_embedding
         rules.append(Rule("lm_head.weight", "decoder.logits_dense.kernel", **linear))
     return Mapping(rules, dims=dims, checkpoint_form="maxtext")
+
+
+def _layer_rules(stored_prefix: str, scan_layers: bool, pattern: int | None, num_layers: int
+                 ) -> Callable[..., list[Rule]]:
+    """``per_layer(stored, tree, *, experts=False, **layout)``: the rules of one per-layer tensor.
+
+    Unscanned, layer ``i`` is ``decoder.layers_{i}``; scanned, ``decoder.layers`` with the
+    layers at axis 1 (MaxText's ``param_scan_axis``; experts at 0). With an attention
+    ``pattern`` (Gemma 3: 6) MaxText scans blocks of ``pattern`` layers: layer ``pattern * n + k``
+    is index ``n`` of ``decoder.layers.layers_{k}``, and the ``num_layers % pattern`` left over
+    are ``decoder.layers_remainder.layers_{k}``, unstacked.
+    """
+    def per_layer(stored: str, tree: str, *, experts: bool = False, **layout: Any) -> list[Rule]:
+        source, stack = stored_prefix + stored, {"e": 0} if experts else {}
+        if not scan_layers:
+            return [Rule(source, f"decoder.layers_{{i}}.{tree}", stack=stack, **layout)]
+        if pattern is None:
+            return [Rule(source, f"decoder.layers.{tree}", stack={**stack, "i": 1}, **layout)]
+        scanned = num_layers - num_layers % pattern
+        rules = [Rule(source, f"decoder.layers.layers_{{k}}.{tree}", stack={**stack, "i": 1},
+                      strided={"i": Strided("k", pattern, stop=scanned)}, **layout)] if scanned else []
+        if scanned < num_layers:
+            rules.append(Rule(source, f"decoder.layers_remainder.layers_{{k}}.{tree}", stack=stack,
+                              strided={"i": Strided("k", pattern, start=scanned, stop=num_layers)}, **layout))
+        return rules
+
+    return per_layer
+
+
+def _num_layers(config: Any, family: str) -> int:
+    layers = config_value(config, "num_hidden_layers")
+    if layers is None:  # where each layer goes depends on how many there are
+        raise ArgumentError(f"maxtext({family!r}): the config has no num_hidden_layers")
+    return int(layers)
+
+
+def _embedding_scale(config: Any, family: str) -> float:
+    """MaxText's converter stores Gemma's embedding times ``sqrt(hidden_size)`` rounded to
+    bfloat16 (its forward then scales nothing; Hugging Face's multiplies by the unrounded root)."""
+    hidden = config_value(config, "hidden_size")
+    if hidden is None:
+        raise ArgumentError(f"maxtext({family!r}): the config has no hidden_size, which scales the embedding")
+    return float(ml_dtypes.bfloat16(math.sqrt(hidden)))

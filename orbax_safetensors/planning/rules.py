@@ -11,7 +11,9 @@ and a ``Mapping`` (a list of rules) answers for every name:
    dotted segment and carry over to the other side; ``Mapping`` finds the one
    rule whose pattern matches a name, on either side. No rule, or several, is
    an error naming the offenders, never a silent guess: a name mapped wrongly
-   would load the wrong bytes without a sound.
+   would load the wrong bytes without a sound. A ``Strided`` placeholder's
+   value is computed from the other side's (layer ``6 * n + k``), and a rule
+   matches only the values it can compute.
 2. sizes: a split, merge or concat declares its sizes as ints, ``-1`` or
    dimension names (``Mapping``'s ``dims``); the shapes at hand fix them where
    they can and are checked against them, and ``_sizes`` infers the one
@@ -76,6 +78,61 @@ def _fill(template: str, values: MappingABC[str, str], keep: bool = False) -> st
 
 
 @dataclasses.dataclass(frozen=True)
+class Strided:
+    """A stored placeholder whose value is ``start + step * n + k``: ``n`` its index along
+    its ``stack`` axis (``0`` where it is not stacked), ``k`` the value of the tree
+    placeholder ``within`` (``0 <= k < step``); it takes the values in ``[start, stop)``
+    (``stop=None``: no end), and a rule matches no other.
+
+    MaxText's Gemma 3 scans its layers in a 6-layer attention pattern: layer ``6 * n + k``
+    is index ``n`` of ``decoder.layers.layers_{k}``, and the ``N % 6`` layers left over,
+    ``6 * (N // 6) + k``, are ``decoder.layers_remainder.layers_{k}``::
+
+        R = 6 * (N // 6)
+        Rule("model.layers.{i}.mlp.up_proj.weight", "decoder.layers.layers_{k}.mlp.wi_1.kernel",
+             stack={"i": 1}, strided={"i": Strided("k", 6, stop=R)})
+        Rule("model.layers.{i}.mlp.up_proj.weight", "decoder.layers_remainder.layers_{k}.mlp.wi_1.kernel",
+             strided={"i": Strided("k", 6, start=R)})
+    """
+
+    within: str
+    step: int
+    start: int = 0
+    stop: int | None = None
+
+    def __post_init__(self):
+        if not (isinstance(self.step, int) and self.step >= 1 and isinstance(self.start, int) and self.start >= 0
+                and (self.stop is None or isinstance(self.stop, int))):
+            raise MappingError(f"{self}: step >= 1, start >= 0 and stop must be ints")
+
+    def value(self, n: int, k: int) -> int:
+        """The stored placeholder's value at stack index ``n`` of the leaf ``within=k``."""
+        return self.start + self.step * n + k
+
+    def split(self, value: str) -> tuple[int, int] | None:
+        """``(n, k)`` of a stored placeholder's value; ``None`` outside ``[start, stop)``."""
+        number = _number(value)
+        if number is None or number < self.start or (self.stop is not None and number >= self.stop):
+            return None
+        return divmod(number - self.start, self.step)
+
+    def count(self, k: int) -> int | None:
+        """How many stored values the leaf ``within=k`` stacks (``None``: no ``stop``, so the
+        names present tell)."""
+        return None if self.stop is None else len(range(self.value(0, k), self.stop, self.step))
+
+    def holds(self, k: str) -> bool:
+        """Whether the tree placeholder's value ``k`` names a leaf of stored values in range."""
+        number = _number(k)
+        return number is not None and number < self.step and (self.stop is None or self.value(0, number) < self.stop)
+
+
+def _number(text: str) -> int | None:
+    """A placeholder's value as a non-negative int, written the one way ``str`` writes it."""
+    return int(text) if text.isdigit() and str(int(text)) == text else None
+
+
+@dataclasses.dataclass(frozen=True)
 class Rule:
     """How one family of stored tensors appears in the tree.
 
@@ -93,12 +150,15 @@ class Rule:
     then its values: ``permute={axis: p}`` reorders one axis of the piece (index
     ``j`` holds index ``p(n)[j]`` of the reshaped piece; ``p`` a name in
     ``PERMUTATIONS`` or a function of the axis size ``n``), ``scale`` multiplies
-    (in float32, float64 for float64 tensors; divided out again on save), and
-    ``dtype`` is the dtype saved (a float32 tree saved as ``"bfloat16"``).
+    and then ``offset`` adds (in float32, float64 for float64 tensors; undone
+    on save, exactly where ``planning.transforms`` says), and ``dtype`` is the
+    dtype saved (a float32 tree saved as ``"bfloat16"``).
 
     Pieces form the leaf: ``stack={placeholder: axis}`` names placeholders of
     the stored side only, each a leaf axis whose index is the placeholder's
-    value (``stack={"i": 1}``: layer ``i`` at index ``i`` of axis 1); several
+    value (``stack={"i": 1}``: layer ``i`` at index ``i`` of axis 1), or, for a
+    placeholder in ``strided={placeholder: Strided(...)}``, the value that
+    ``Strided`` computes (every 6th layer in one leaf: ``Strided``); several
     ``stored`` patterns are concatenated along one leaf axis,
     ``concat={axis: sizes}`` with one size per pattern. ``split``/``merge``/
     ``permute`` axes count a piece's axes; ``stack``/``concat`` axes the leaf's.
@@ -115,9 +175,11 @@ class Rule:
     merge: MappingABC[int, Sequence[Size]] = dataclasses.field(default_factory=dict)
     permute: MappingABC[int, Permutation] = dataclasses.field(default_factory=dict)
     scale: float | None = None
+    offset: float | None = None
     dtype: Any = None
     stack: MappingABC[str, int] = dataclasses.field(default_factory=dict)
     concat: MappingABC[int, Sequence[Size]] = dataclasses.field(default_factory=dict)
+    strided: MappingABC[str, Strided] = dataclasses.field(default_factory=dict)
 
     @property
     def stored_patterns(self) -> tuple[str, ...]:
@@ -141,14 +203,20 @@ class Rule:
         self._check_values(where)
 
     def _check_names(self) -> None:
-        """Both sides have the same placeholders, but the stacked ones (the stored side's only)."""
+        """Both sides have the same placeholders, but the stacked and strided ones (the stored
+        side's only) and the strided ones' ``within`` (the tree side's only)."""
         _, tree_names = _pattern(self.tree, "tree")
+        stored_only = set(self.stack) | set(self.strided)
+        tree_only = {s.within for s in self.strided.values()}
         for pattern in self.stored_patterns:
             _, stored_names = _pattern(pattern, "stored")
-            if set(stored_names) != set(tree_names) | set(self.stack) or set(self.stack) & set(tree_names):
+            if (set(stored_names) - stored_only != set(tree_names) - tree_only or not stored_only <= set(stored_names)
+                    or not tree_only <= set(tree_names) - set(stored_names)
+                    or len(tree_only) != len(self.strided)):
                 raise MappingError(
                     f"rule {pattern!r} ↔ {self.tree!r}: both sides need the same placeholders, "
-                    "except the stacked ones, which only the stored side has")
+                    "except the stacked and strided ones, which only the stored side has, and each "
+                    "strided one's own `within`, which only the tree side has")
 
     def _check_tiling(self, where: str) -> None:
         if len(set(self.stack.values())) != len(self.stack) or any(
@@ -182,6 +250,8 @@ class Rule:
                                    f"known: {', '.join(PERMUTATIONS)}")
         if self.scale is not None and not (math.isfinite(self.scale) and self.scale != 0):
             raise MappingError(f"{where}: scale {self.scale} has no inverse")
+        if self.offset is not None and not math.isfinite(self.offset):
+            raise MappingError(f"{where}: offset {self.offset} has no inverse")
         if self.dtype is not None:
             try:
                 object.__setattr__(self, "dtype", np.dtype(self.dtype))
@@ -207,7 +277,47 @@ class Rule:
             raise MappingError(
                 f"{where}: stored shape {stored} maps to {layout.tree_shape}, not the tree's {tree}")
         return dataclasses.replace(layout, permutes=self._permutes(layout.tree_shape),
-                                   scale=self.scale, dtype=self.dtype)
+                                   scale=self.scale, offset=self.offset, dtype=self.dtype)
+
+    def _accepts(self, values: MappingABC[str, str], side: str) -> bool:
+        """Whether a name whose pattern gave placeholder ``values`` on ``side`` is this
+        rule's: every value a ``Strided`` placeholder computes is in its range."""
+        if side == "tree":
+            return all(s.holds(values[s.within]) for s in self.strided.values())
+        for placeholder, strided in self.strided.items():
+            split = strided.split(values[placeholder])
+            if split is None or (placeholder not in self.stack and split[0] != 0):
+                return False
+        return True
+
+    def _tree_values(self, stored: MappingABC[str, str]) -> dict[str, str]:
+        """The tree's placeholder values of a stored name's (that ``_accepts``)."""
+        values = {p: v for p, v in stored.items() if p not in self.stack and p not in self.strided}
+        values.update({s.within: str(s.split(stored[p])[1]) for p, s in self.strided.items()})
+        return values
+
+    def _stored_values(self, tree: MappingABC[str, str], index: Sequence[int]) -> dict[str, str]:
+        """The stored placeholder values of the piece at stack ``index`` (in the order of the
+        stack axes) of the leaf whose tree placeholders are ``tree``."""
+        stacked = dict(zip(self._stacked_placeholders, index))
+        values = {**tree, **{p: str(i) for p, i in stacked.items()}}
+        values.update({p: str(s.value(stacked.get(p, 0), int(tree[s.within]))) for p, s in self.strided.items()})
+        return values
+
+    def _stack_index(self, stored: MappingABC[str, str], tree: MappingABC[str, str]) -> tuple[str, ...] | None:
+        """The stack index (per stacked placeholder, as text) of the stored name with values
+        ``stored`` in the leaf with tree values ``tree``; ``None``: another leaf's."""
+        index = []
+        for placeholder in self._stacked_placeholders:
+            strided = self.strided.get(placeholder)
+            if strided is None:
+                index.append(stored[placeholder])
+                continue
+            split = strided.split(stored[placeholder])
+            if split is None or str(split[1]) != tree[strided.within]:
+                return None
+            index.append(str(split[0]))
+        return tuple(index)
 
     def _transposed(self, stored: tuple[int, ...] | None) -> tuple[int, ...] | None:
         """The stored shape transposed (``None`` when it is unknown)."""
@@ -341,9 +451,14 @@ class Mapping:
     def __repr__(self) -> str:
         return f"Mapping({len(self.rules)} rules, dims={self.dims})"
 
-    def _find(self, name: str, patterns: list[tuple[Rule, re.Pattern]], side: str
-              ) -> tuple[Rule, dict[str, str]]:
-        hits = [(rule, m.groupdict()) for rule, p in patterns for m in [p.fullmatch(name)] if m]
+    def _hits(self, name: str, side: str) -> list[tuple[Rule, dict[str, str]]]:
+        """The rules that map ``name`` on ``side``, each with its placeholder values."""
+        patterns = self._tree if side == "tree" else self._stored
+        return [(rule, m.groupdict()) for rule, p in patterns for m in [p.fullmatch(name)]
+                if m and rule._accepts(m.groupdict(), side)]
+
+    def _find(self, name: str, side: str) -> tuple[Rule, dict[str, str]]:
+        hits = self._hits(name, side)
         if not hits:
             raise MappingError(f"no rule maps the {side} name {name!r}")
         if len(hits) > 1:
@@ -353,19 +468,19 @@ class Mapping:
 
     def stored_rule(self, tree_name: str) -> tuple[str, Rule]:
         """``(stored name, rule)`` of a tree leaf that is one stored tensor."""
-        rule, values = self._find(tree_name, self._tree, "tree")
+        rule, values = self._find(tree_name, "tree")
         if rule.stack or len(rule.stored_patterns) > 1:
             raise MappingError(f"the tree leaf {tree_name!r} is made of several stored tensors "
                                "(use Mapping.assembly)")
-        return _fill(rule.stored_patterns[0], values), rule
+        return _piece_names(rule, values, ())[0], rule
 
     def stored_name(self, tree_name: str) -> str:
         return self.stored_rule(tree_name)[0]
 
     def tree_name(self, stored_name: str) -> str:
         """The tree leaf a stored tensor is (part of)."""
-        rule, values = self._find(stored_name, self._stored, "stored")
-        return _fill(rule.tree, values)
+        rule, values = self._find(stored_name, "stored")
+        return _fill(rule.tree, rule._tree_values(values))
 
     def transform(self, tree_name: str, *, stored_shape: Sequence[int] | None = None,
                   tree_shape: Sequence[int] | None = None) -> Transform:
@@ -375,8 +490,7 @@ class Mapping:
 
     def unmapped(self, names: Iterable[str], side: str = "tree") -> list[str]:
         """The names no rule or several rules map (to report them all at once)."""
-        patterns = self._tree if side == "tree" else self._stored
-        return [n for n in names if sum(bool(p.fullmatch(n)) for _, p in patterns) != 1]
+        return [n for n in names if len(self._hits(n, side)) != 1]
 
     def idle_rules(self, stored_names: Iterable[str]) -> list[Rule]:
         """The rules no stored name matches: a checkpoint of another family, or one missing
@@ -396,7 +510,7 @@ class Mapping:
         checked against its stored shape; a stored tensor missing from
         ``stored_shapes`` is an error only when its shape is needed.
         """
-        rule, values = self._find(tree_name, self._tree, "tree")
+        rule, values = self._find(tree_name, "tree")
         where, tree, tiling = repr(tree_name), _shape(tree_shape), rule._tiling
         if tree is not None:
             tiling.check(tree, where)
@@ -432,16 +546,19 @@ class Mapping:
         seen: dict[str, set[str]] = {p: set() for p in rule._stacked_placeholders}
         for name in stored_shapes:
             match = pattern.fullmatch(name)
-            if match:
-                for placeholder, found in seen.items():
-                    found.add(match.group(placeholder))
+            index = None if match is None else rule._stack_index(match.groupdict(), values)
+            for found, i in zip(seen.values(), index or ()):
+                found.add(i)
         counts = []
         for placeholder, found in seen.items():
-            expected = {str(i) for i in range(len(found))}
+            strided = rule.strided.get(placeholder)
+            known = None if strided is None else strided.count(int(values[strided.within]))
+            expected = {str(i) for i in range(len(found) if known is None else known)}
             if found != expected:
                 raise MappingError(f"{where}: stacked {{{placeholder}}} takes the values "
-                                   f"{sorted(found, key=lambda v: (len(v), v))}, not 0..n-1")
-            counts.append(len(found))
+                                   f"{sorted(found, key=lambda v: (len(v), v))}, not 0..n-1"
+                                   + ("" if known is None else f" (n = {known})"))
+            counts.append(len(expected))
         return counts
 
     def _concat_sizes(self, rule: Rule, tree: tuple[int, ...] | None,
@@ -475,7 +592,7 @@ class Mapping:
         if bad:
             # One error listing every offender; _find explains the first one.
             try:
-                self._find(bad[0], self._tree, "tree")
+                self._find(bad[0], "tree")
             except MappingError as e:
                 raise MappingError(f"{e} (unmapped or ambiguous: {', '.join(bad)})") from None
         stored_specs, assemblies, owner = [], {}, {}
@@ -494,5 +611,5 @@ class Mapping:
 
 def _piece_names(rule: Rule, values: MappingABC[str, str], index: Sequence[int]) -> list[str]:
     """The stored names of the pieces at stack ``index`` of the leaf with placeholder ``values``."""
-    filled = {**values, **{p: str(i) for p, i in zip(rule._stacked_placeholders, index)}}
+    filled = rule._stored_values(values, index)
     return [_fill(pattern, filled) for pattern in rule.stored_patterns]

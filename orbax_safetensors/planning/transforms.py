@@ -7,8 +7,9 @@ A stored tensor and the tree piece it becomes differ by a layout and by values:
    PyTorch ``(heads * head_dim, hidden)`` weight → a Flax ``(hidden, heads,
    head_dim)`` kernel), so each group's box math is independent of the others;
 2. values: ``permutes`` reorder single axes (RoPE halves ↔ interleaved,
-   ``PERMUTATIONS``), ``scale`` multiplies (in float32, float64 for float64),
-   ``dtype`` is the dtype saved.
+   ``PERMUTATIONS``), ``scale`` multiplies and then ``offset`` adds (both in
+   float32, float64 for float64: Gemma's norms are stored as ``w`` and used
+   as ``1 + w``), ``dtype`` is the dtype saved.
 
 Everything applies to a box, never to a whole tensor, so a sharded load still
 reads only the bytes each device holds: ``stored_box`` turns the box a device
@@ -18,10 +19,20 @@ inner axes are whole; a permuted axis the range its indices span, exact when
 the axis is whole), ``to_tree`` the bytes read into the box's values. On save
 ``to_stored`` turns a shard into stored boxes and their bytes, cutting it
 where it is not one stored box (the C-order box helpers are in
-``planning.boxes``). Value transforms are exact on save (the inverse), except
-that a scale by a factor that is not a power of two can move a float32 value by
-one unit in the last place; a bfloat16 or float16 checkpoint still round-trips
-bit for bit.
+``planning.boxes``). A save applies the inverse value transforms, ``(x -
+offset) * (1 / scale)`` in the same precision. What comes back bit for bit:
+
+* a scale by a power of two is exact; by another factor it can move a float32
+  value by one unit in the last place, while a bfloat16 or float16 checkpoint
+  still round-trips bit for bit (the float32 error is far below their ulp);
+* an offset gives back a stored ``w`` whenever ``w + offset`` is exact in the
+  tree's precision (``(w + offset) - offset`` then is ``w``), and where
+  ``offset`` is below half a unit of ``w``'s last place (both roundings land on
+  ``w``): for ``offset=1`` in float32, every bfloat16 ``w`` with ``|w| >=
+  2**-16``, every float16 one with ``|w| >= 2**-13``, a float32 one only where
+  ``w + 1`` is exact (a bfloat16 value of at least ``2**-16``, for one). A
+  smaller nonzero ``w`` loses its bits below ``2**-24`` (``2**-23`` when
+  positive), ``-0.0`` comes back as ``+0.0``, a NaN as a NaN.
 
 The layout is a view of the bytes read; ``copy_into`` is the one copy a load
 pays, done in cache-sized tiles where it transposes. Which transform a tensor
@@ -74,7 +85,8 @@ PERMUTATIONS: dict[str, Callable[[int], tuple[int, ...]]] = {
 @dataclasses.dataclass(frozen=True)
 class Transform:
     """Stored tensor → tree piece: ``np.transpose(stored, perm)``, a grouped reshape, then
-    the value transforms (``permutes`` of single axes, ``scale``); ``dtype``: saved as.
+    the value transforms (``permutes`` of single axes, ``scale``, then ``offset``); ``dtype``:
+    saved as.
 
     ``groups`` cover the transposed axes and the tree axes in order: each is
     ``(transposed sizes, tree sizes)`` with equal products, so the reshape only
@@ -86,6 +98,7 @@ class Transform:
     groups: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
     permutes: tuple[tuple[int, tuple[int, ...]], ...] = ()
     scale: float | None = None
+    offset: float | None = None
     dtype: np.dtype | None = None
 
     @property
@@ -112,12 +125,16 @@ class Transform:
     @property
     def is_identity(self) -> bool:
         """Whether the tree piece is the stored tensor, bytes and all (``dtype`` aside)."""
-        return self._same_layout and not self.permutes and self.scale is None
+        return self._same_layout and not self.permutes and not self._changes_values
+
+    @property
+    def _changes_values(self) -> bool:
+        return self.scale is not None or self.offset is not None
 
     def tree_dtype(self, stored: np.dtype) -> np.dtype:
         """The dtype of the tree values of a ``stored`` tensor: widened to float32 (float64
-        for float64) where scaled, so the scale is computed in that precision."""
-        if self.scale is None:
+        for float64) where scaled or offset, so they are computed in that precision."""
+        if not self._changes_values:
             return np.dtype(stored)
         return np.dtype(np.float64 if stored == np.float64 else np.float32)
 
@@ -129,11 +146,19 @@ class Transform:
         return self._scaled(x)
 
     def _scaled(self, x: np.ndarray, inverse: bool = False) -> np.ndarray:
-        if self.scale is None:
+        """``x * scale + offset`` in the tree's precision (``inverse``: ``(x - offset) / scale``,
+        as a product with ``1 / scale``)."""
+        if not self._changes_values:
             return x
         wide = self.tree_dtype(x.dtype).type
-        factor = wide(1.0 / self.scale if inverse else self.scale)
-        return x.astype(wide) * factor
+        x = x.astype(wide)
+        if inverse and self.offset is not None:
+            x = x - wide(self.offset)
+        if self.scale is not None:
+            x = x * wide(1.0 / self.scale if inverse else self.scale)
+        if not inverse and self.offset is not None:
+            x = x + wide(self.offset)
+        return x
 
     def _unpermuted(self, tree_box: Box) -> Box:
         """The box before the permutations: each permuted axis the range its indices span."""
