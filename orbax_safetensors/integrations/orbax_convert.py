@@ -561,11 +561,14 @@ class _OrbaxWrite:
 
     @classmethod
     def plan(cls, source: BlockSource, op: Operation, chunk_bytes: int, zarr3: bool) -> _OrbaxWrite:
-        """Every leaf's chunks (one layer / expert each where the source stacks them), shared
-        out round-robin in a fixed order, so each process knows its own without asking."""
-        stacked = getattr(source, "stacked", lambda name: ())
+        """Every leaf's chunks, shared out round-robin in a fixed order, so each process knows
+        its own without asking. A mapped tree's are tiles, one layer / expert each where the
+        mapping stacks them (restored sharded: MaxText); a copied checkpoint's are rows (read
+        back as row blocks, ``planning.chunking``)."""
+        mapped = isinstance(source, TreeBlocks)
         specs = {spec.name: spec for spec in source.specs}
-        chunks = {name: chunk_shape(spec.shape, spec.dtype.bits // 8, chunk_bytes, stacked(name))
+        chunks = {name: chunk_shape(spec.shape, spec.dtype.bits // 8, chunk_bytes,
+                                    source.stacked(name) if mapped else (), tiles=mapped)
                   for name, spec in specs.items()}
         every = [(name, box) for name, spec in specs.items() for box in chunk_boxes(spec.shape, chunks[name])]
         mine: dict[str, list[Box]] = {name: [] for name in specs}
@@ -602,7 +605,12 @@ class _OrbaxWrite:
                     from_bytes(raw, spec.dtype, box_shape(box)))
                 self.op.wrote(len(raw))
 
-        await asyncio.gather(*(one(box) for box in self.mine[name]))
+        # Every write finished before a failure is raised: the caller then removes the staged
+        # directory, which TensorStore must no longer be writing into.
+        outcomes = await asyncio.gather(*(one(box) for box in self.mine[name]), return_exceptions=True)
+        failure = next((o for o in outcomes if isinstance(o, BaseException)), None)
+        if failure is not None:
+            raise failure
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -8,14 +8,17 @@ its size bounds the conversion's memory and its shape decides who reads what:
    index per chunk: the chunk then comes from one stored tensor (one layer's,
    one expert's), and a conversion back to per-layer tensors decodes each
    chunk for one layer only;
-2. the other axes are halved, the longest first, until the chunk holds at
-   most ``chunk_bytes``: chunks are tiles, not row blocks. Halving keeps
-   chunk edges on the edges of power-of-two shards of every axis, so a
-   restore sharded over a mesh (MaxText's ``fsdp`` on the embedding axis,
-   ``tensor`` on heads, the MLP or the vocabulary) reads whole chunks of its
-   own and nothing of its neighbours'; tiles rather than row blocks also
-   keep the conversion's reads of a transposed stored tensor (a kernel is a
-   ``Linear`` weight's transpose) long runs rather than a few bytes per row.
+2. the other axes are halved (rounding up) until the chunk holds at most
+   ``chunk_bytes``. Halving keeps chunk edges on the edges of power-of-two
+   shards, so a restore sharded over a mesh reads whole chunks of its own and
+   nothing of its neighbours'. As *tiles* (the longest axis halved first)
+   every axis is cut so: MaxText shards the embedding axis (``fsdp``) of
+   some kernels at axis 0 and of others at the last axis, heads, MLP and
+   vocabulary on ``tensor``, and reads its shards of a converted checkpoint
+   without decoding its neighbours'. As *rows* (the first axis halved first)
+   a chunk spans whole rows, which is what a reader of row blocks wants
+   (``convert``'s way back to safetensors, without a mapping: a band of rows
+   is one chunk, not a row of tiles as wide as the array).
 
 Pure: no devices, no files.
 """
@@ -30,16 +33,17 @@ from orbax_safetensors.planning.boxes import Box
 
 
 def chunk_shape(shape: Sequence[int], itemsize: int, chunk_bytes: int,
-                stacked: Sequence[int] = ()) -> tuple[int, ...]:
+                stacked: Sequence[int] = (), *, tiles: bool = True) -> tuple[int, ...]:
     """The chunk of an array of ``shape``: one index of each ``stacked`` axis, the other axes
-    halved (rounding up), the longest first, until it holds at most ``chunk_bytes`` (a single
-    element always fits)."""
+    halved (rounding up) until it holds at most ``chunk_bytes`` (a single element always
+    fits): the longest first (``tiles``), or the first first (rows)."""
     chunk = [1 if axis in stacked else max(size, 1) for axis, size in enumerate(shape)]
     while math.prod(chunk) * itemsize > chunk_bytes:
-        longest = max(range(len(chunk)), key=lambda axis: chunk[axis])
-        if chunk[longest] == 1:
+        cut = (max(range(len(chunk)), key=lambda axis: chunk[axis]) if tiles
+               else next((axis for axis, size in enumerate(chunk) if size > 1), 0))
+        if chunk[cut] == 1:
             break
-        chunk[longest] = -(-chunk[longest] // 2)
+        chunk[cut] = -(-chunk[cut] // 2)
     return tuple(chunk)
 
 

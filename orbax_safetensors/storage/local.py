@@ -23,6 +23,7 @@ import fcntl
 import os
 import shutil
 import stat
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import BinaryIO
@@ -204,7 +205,16 @@ class LocalStorage(Storage):
             pass
 
     def remove_tree(self, path: str) -> None:
-        shutil.rmtree(path)
+        """Removes ``path`` and everything in it; an entry that vanishes meanwhile (a lock file
+        its writer just released) is gone already, not an error."""
+        def gone(function, entry, error) -> None:
+            if not isinstance(error, FileNotFoundError):
+                raise error
+
+        if sys.version_info >= (3, 12):
+            shutil.rmtree(path, onexc=gone)
+        else:  # onerror: deprecated from 3.12
+            shutil.rmtree(path, onerror=lambda function, entry, info: gone(function, entry, info[1]))
 
     def rename_tree(self, source: str, destination: str) -> None:
         os.rename(source, destination)
