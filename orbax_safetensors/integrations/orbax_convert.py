@@ -186,10 +186,12 @@ class ConvertOptions:
     """``convert``'s arguments, checked and resolved once.
 
     The memory budget sets the unit of work: Orbax output chunks and
-    safetensors output blocks of ``block_bytes`` (at most 64 MB, and a
-    sixteenth of the budget, since a few are in flight, each with its input
-    boxes and a transformed copy), and, with a mapping, the decoded-chunk
-    cache of an Orbax source (a quarter of the budget).
+    safetensors output blocks of ``block_bytes``, at most 64 MB and a 32nd of
+    the budget. A few blocks are in flight (the writer's read-ahead), each
+    with the boxes read for it in the other side's dtype (float32 for a
+    bfloat16 block: twice its bytes) and a transformed copy: about four times
+    its bytes. With a mapping an Orbax source also keeps a cache of decoded
+    chunks, an eighth of the budget.
     """
 
     stream: StreamOptions
@@ -210,7 +212,7 @@ class ConvertOptions:
     def cache_bytes(self) -> int:
         """An Orbax source's decoded-chunk cache: only a mapping reads boxes that are not
         whole chunks (one layer of a scanned array), which the next boxes would decode again."""
-        return 0 if self.mapping is None else self.memory_budget // 4
+        return 0 if self.mapping is None else self.memory_budget // 8
 
 
 def convert(
@@ -304,24 +306,45 @@ def convert(
     except ArgumentError as e:
         raise ArgumentError(f"memory_budget={memory_budget!r}: {e}") from None
     if block_bytes is None:
-        block_bytes = max(1, min(parse_size(DEFAULT_BLOCK_BYTES), budget // 16))
+        block_bytes = max(1, min(parse_size(DEFAULT_BLOCK_BYTES), budget // 32))
     options = ConvertOptions(
         StreamOptions(max_shard_size, metadata, overwrite, block_bytes, progress, checksums),
         mapping, None if dtype is None else np.dtype(dtype), budget, nest)
     form = options.form
-    fmt, item = detect_format(src, storage_options, filesystem)
     target = Location.resolve(dst, storage_options, filesystem)
-    _check_destination(target, fmt, form, overwrite=options.stream.overwrite)
     label = f"convert {os.fspath(src)} -> {target.url}"
-    if fmt == ORBAX:
-        return _orbax_to_safetensors(item, target, options, label=label, started=started)
-    with open_checkpoint(Location.resolve(src, storage_options, filesystem)) as checkpoint:
-        source: BlockSource = CheckpointBlocks(checkpoint)
-        if mapping is not None:
-            source = TreeBlocks(source, mapping, options.dtype)
-        elif options.dtype is not None:
-            raise ArgumentError("dtype= needs a mapping (without one the tensors are copied as they are)")
+    with contextlib.ExitStack() as opened:
+        # Each process opens the source and checks the destination; one that fails here fails
+        # them all, rather than leaving the others waiting at the first step they share.
+        fmt, source = Operation(Peers.collective("convert-open", target.url)).run(
+            "open", functools.partial(_open_source, src, target, options, opened, storage_options,
+                                      filesystem))
+        if fmt == ORBAX:
+            stats = write_blocks(target, source, options.stream, label=label, started=started)
+            return ConvertStats(ORBAX, SAFETENSORS, len(source.specs), stats.bytes_written,
+                                stats.files, stats.seconds)
         return _write_orbax(source, target, options, form, label=label, started=started)
+
+
+def _open_source(src: str | os.PathLike, target: Location, options: ConvertOptions,
+                 opened: contextlib.ExitStack, storage_options: MappingABC[str, Any] | None,
+                 filesystem: fsspec.AbstractFileSystem | None) -> tuple[str, BlockSource]:
+    """The source's format and its tensors as the output wants them (through the mapping),
+    once the destination is known to be one this conversion may write."""
+    fmt, item = detect_format(src, storage_options, filesystem)
+    _check_destination(target, fmt, options.form, overwrite=options.stream.overwrite)
+    if options.dtype is not None and options.mapping is None:
+        raise ArgumentError("dtype= needs a mapping (without one the tensors are copied as they are)")
+    prefix = options.form.prefix
+    if fmt == ORBAX:
+        orbax = OrbaxBlocks(item, prefix=prefix, cache_bytes=options.cache_bytes)
+        if options.mapping is None:
+            return fmt, orbax
+        return fmt, StoredBlocks(orbax, options.mapping, prefix=prefix, dtype=options.dtype)
+    checkpoint = opened.enter_context(open_checkpoint(Location.resolve(src, storage_options, filesystem)))
+    if options.mapping is None:
+        return fmt, CheckpointBlocks(checkpoint)
+    return fmt, TreeBlocks(CheckpointBlocks(checkpoint), options.mapping, options.dtype)
 
 
 def detect_format(
@@ -433,20 +456,6 @@ def _items(step: epath.Path) -> list[epath.Path]:
 
 
 # ---------------------------------------------------------------- Orbax → safetensors
-
-
-def _orbax_to_safetensors(item_dir: str, target: Location, options: ConvertOptions, *,
-                          label: str, started: float) -> ConvertStats:
-    prefix = options.form.prefix
-    orbax = OrbaxBlocks(item_dir, prefix=prefix, cache_bytes=options.cache_bytes)
-    source: BlockSource = orbax
-    if options.mapping is not None:
-        source = StoredBlocks(orbax, options.mapping, prefix=prefix, dtype=options.dtype)
-    elif options.dtype is not None:
-        raise ArgumentError("dtype= needs a mapping (without one the tensors are copied as they are)")
-    stats = write_blocks(target, source, options.stream, label=label, started=started)
-    return ConvertStats(ORBAX, SAFETENSORS, len(source.specs), stats.bytes_written, stats.files,
-                        stats.seconds)
 
 
 @dataclasses.dataclass
