@@ -239,14 +239,15 @@ def test_two_processes_convert_as_one_does(multiprocess, tmp_path, case, variant
 
 
 def _child_convert_with_a_read_failing_on_process_1(args):
+    """Process 1's reads of tensor data fail with EIO (its headers read fine): mid-conversion."""
     import errno
 
     from orbax_safetensors.storage.local import LocalStorage
 
     if jax.process_index() == 1:
-        def failing(self, path, *rest, **kwargs):
+        def failing(self, path, offset, buffers):
             raise OSError(errno.EIO, os.strerror(errno.EIO), path)
-        LocalStorage.read_at = failing
+        LocalStorage.read_scatter = failing
     return _child_convert(args)
 
 
