@@ -21,7 +21,7 @@ ALLOWED = {
     "storage": {"errors", "format", "index"},
     "engine": {"errors", "format", "index", "planning", "storage"},
     "mappings": {"errors", "planning"},
-    "integrations": {"errors", "format", "index", "planning", "storage", "engine"},
+    "integrations": {"errors", "format", "index", "planning", "storage", "engine", "mappings"},  # the CLI names mappings
 }
 
 

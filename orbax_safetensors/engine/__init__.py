@@ -7,6 +7,7 @@ nothing else from the engine.
 
 from orbax_safetensors.engine.catalog import Checkpoint, Layout, detect_layout, open_checkpoint
 from orbax_safetensors.engine.consolidate import BlockSource, CheckpointBlocks, consolidate, write_blocks
+from orbax_safetensors.engine.coordination import Peers
 from orbax_safetensors.engine.load import (
     CheckpointMetadata,
     async_load,
@@ -14,6 +15,8 @@ from orbax_safetensors.engine.load import (
     metadata,
     metadata_of,
 )
+from orbax_safetensors.engine.mapped_blocks import StoredBlocks, TreeBlocks
+from orbax_safetensors.engine.operation import Operation
 from orbax_safetensors.engine.pending import unwatch, watch_at_exit
 from orbax_safetensors.engine.progress import Progress, format_bytes, format_seconds, summary_line
 from orbax_safetensors.engine.read_execution import LoadStats
@@ -26,6 +29,7 @@ from orbax_safetensors.engine.verify import Problem, VerifyReport, verify
 from orbax_safetensors.engine.write_options import (
     DEFAULT_BLOCK_BYTES,
     DEFAULT_MAX_SHARD_SIZE,
+    DEFAULT_MEMORY_BUDGET,
     SaveOptions,
     StreamOptions,
     check_metadata,
@@ -38,5 +42,6 @@ __all__ = [
     "StreamOptions", "check_metadata", "check_tree", "detect_layout", "flatten_with_names",
     "format_bytes", "format_seconds", "metadata_of", "open_checkpoint", "prepare_save",
     "summary_line", "unwatch", "watch_at_exit", "write_blocks",
-    "DEFAULT_BLOCK_BYTES", "DEFAULT_MAX_SHARD_SIZE", "WriteSession",
+    "DEFAULT_BLOCK_BYTES", "DEFAULT_MAX_SHARD_SIZE", "DEFAULT_MEMORY_BUDGET", "WriteSession",
+    "Operation", "Peers", "StoredBlocks", "TreeBlocks",
 ]

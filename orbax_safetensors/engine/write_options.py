@@ -24,6 +24,7 @@ from orbax_safetensors.storage import Location
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # bytes per file of a checkpoint directory, as transformers
 DEFAULT_BLOCK_BYTES = "64MB"  # the most bytes of one tensor a block source hands over at once
+DEFAULT_MEMORY_BUDGET = "1GB"  # convert's buffers, all told
 _DEFAULT_MAX_SHARD_BYTES = parse_size(DEFAULT_MAX_SHARD_SIZE)
 
 

@@ -26,10 +26,10 @@ import warnings
 from collections.abc import Sequence
 
 from orbax_safetensors.engine import (
-    DEFAULT_BLOCK_BYTES, DEFAULT_MAX_SHARD_SIZE, Progress, consolidate, format_bytes, format_seconds,
-    summary_line, verify)
+    DEFAULT_BLOCK_BYTES, DEFAULT_MAX_SHARD_SIZE, DEFAULT_MEMORY_BUDGET, Progress, consolidate, format_bytes,
+    format_seconds, summary_line, verify)
 from orbax_safetensors.engine import metadata as read_metadata
-from orbax_safetensors.errors import Error
+from orbax_safetensors.errors import ArgumentError, Error
 from orbax_safetensors.format import dtype_for_numpy
 
 _INSPECT_EXAMPLES = """examples:
@@ -50,6 +50,10 @@ _CONVERT_EXAMPLES = """examples:
   orbax-safetensors convert ./hf-ckpt ./orbax-ckpt          # restore: ocp.StandardCheckpointer().restore(...)
   orbax-safetensors convert ./hf-ckpt ./orbax-ckpt --flat   # keep "a.b.c" names as flat keys
   orbax-safetensors convert ./orbax-ckpt ./hf-ckpt --overwrite --json
+  orbax-safetensors convert ./Llama-3.1-8B ./maxtext-ckpt --mapping maxtext:llama3.1 --dtype float32
+      # MaxText: load_parameters_path=./maxtext-ckpt/0/items
+  orbax-safetensors convert ./maxtext-ckpt ./hf-out --mapping maxtext:llama3.1 \
+      --hf-config ./Llama-3.1-8B/config.json --dtype bfloat16   # then copy config.json in
 
 The direction follows SRC: an Orbax PyTree checkpoint (a directory with
 Orbax's _METADATA, or a CheckpointManager step with one item) becomes a
@@ -60,6 +64,13 @@ holds about twice its largest storage chunk (Orbax stores an unsharded array
 as one chunk). Tensor names are key paths joined with "."; an Orbax output
 nests them back into dicts ("model.layers.0.w" -> model/layers/0/w) unless
 --flat, and converting back gives the same names and bytes.
+
+With --mapping the Orbax side is a mapped tree: maxtext:FAMILY is MaxText's
+params (llama3.1, qwen3, mixtral, ...; scanned unless --no-scan-layers),
+written as MaxText's to_maxtext.py writes it; llama, qwen3, ... (or auto) our
+Flax-style trees. The mapping reads the Hugging Face config: --hf-config, or
+SRC/config.json. Memory stays within --memory-budget whatever the model size.
+Under jax.distributed (several processes) each converts its share.
 """
 _EXAMPLES = ("examples:\n" + "".join(
     text.split("\n", 1)[1].split("\n\n", 1)[0].rstrip("\n") + "\n"
@@ -162,7 +173,13 @@ def _convert(args: argparse.Namespace) -> int:
     _quiet_libraries()
     from orbax_safetensors.integrations.orbax_convert import convert
 
-    stats = convert(args.src, args.dst, max_shard_size=args.max_shard_size,
+    mapping = None
+    if args.mapping is not None:
+        from orbax_safetensors.mappings import by_name
+
+        mapping = by_name(args.mapping, _hf_config(args), scan_layers=args.scan_layers)
+    stats = convert(args.src, args.dst, mapping=mapping, dtype=args.dtype,
+                    memory_budget=args.memory_budget, max_shard_size=args.max_shard_size,
                     block_bytes=args.block_bytes, nest=not args.flat, overwrite=args.overwrite,
                     progress=_progress(args))
     if args.json:
@@ -171,6 +188,16 @@ def _convert(args: argparse.Namespace) -> int:
         print(summary_line(stats.bytes_written, args.dst, stats.seconds)
               + f": {stats.tensors} tensors, {stats.source_format} -> {stats.target_format}")
     return 0
+
+
+def _hf_config(args: argparse.Namespace) -> dict:
+    """The Hugging Face config a mapping reads: --hf-config, else SRC's config.json."""
+    path = args.hf_config or os.path.join(args.src, "config.json")
+    if not os.path.isfile(path):
+        raise ArgumentError(f"--mapping {args.mapping} needs the model's Hugging Face config: "
+                            f"no {path}; pass --hf-config PATH/config.json")
+    with open(path) as f:
+        return json.load(f)
 
 
 def _quiet_libraries() -> None:
@@ -244,7 +271,21 @@ def build_parser() -> argparse.ArgumentParser:
     change.add_argument("--flat", action="store_true",
                         help="safetensors -> Orbax: keep the tensor names as flat keys instead "
                              "of nesting them on '.'")
-    change.set_defaults(run=_convert)
+    change.add_argument("--mapping", default=None,
+                        help="the Orbax side is a mapped tree: maxtext:FAMILY (MaxText's params, "
+                             "e.g. maxtext:llama3.1), auto, or a family (llama, qwen3, ...)")
+    change.add_argument("--hf-config", default=None,
+                        help="the Hugging Face config.json the mapping reads (default: SRC/config.json)")
+    change.add_argument("--scan-layers", dest="scan_layers", action="store_true", default=None,
+                        help="layers stacked on one axis (default for maxtext:)")
+    change.add_argument("--no-scan-layers", dest="scan_layers", action="store_false",
+                        help="one subtree per layer (default for the Flax-style families)")
+    change.add_argument("--dtype", default=None,
+                        help="the output's floating-point dtype with --mapping (float32, bfloat16); "
+                             "default: the input's")
+    change.add_argument("--memory-budget", default=DEFAULT_MEMORY_BUDGET,
+                        help=f"memory for the conversion's buffers (default {DEFAULT_MEMORY_BUDGET})")
+    change.set_defaults(run=_convert, block_bytes=None)
     return parser
 
 

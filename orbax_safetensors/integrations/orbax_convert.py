@@ -48,13 +48,16 @@ import asyncio
 import contextlib
 import dataclasses
 import errno
+import functools
+import json
 import logging
 import os
 import re
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
+from collections.abc import Mapping as MappingABC
 from typing import Any
 
 import fsspec
@@ -69,10 +72,15 @@ from orbax.checkpoint import type_handlers
 from orbax_safetensors.engine import (
     DEFAULT_BLOCK_BYTES,
     DEFAULT_MAX_SHARD_SIZE,
-    Checkpoint,
+    DEFAULT_MEMORY_BUDGET,
+    BlockSource,
     CheckpointBlocks,
+    Operation,
+    Peers,
     Progress,
+    StoredBlocks,
     StreamOptions,
+    TreeBlocks,
     detect_layout,
     flatten_with_names,
     nest as nest_names,
@@ -86,8 +94,8 @@ from orbax_safetensors.errors import (
     SafetensorsError,
 )
 from orbax_safetensors.format import TensorInfo, dtype_for_numpy, from_bytes, to_bytes
-from orbax_safetensors.index import natural_key
-from orbax_safetensors.planning import Box, TensorSpec, box_shape, full_box, row_blocks
+from orbax_safetensors.index import natural_key, parse_size
+from orbax_safetensors.planning import Box, Mapping, TensorSpec, box_shape, chunk_boxes, chunk_shape
 from orbax_safetensors.storage import Location, StorageError
 from orbax_safetensors.storage.commit import DirectorySwap
 
@@ -106,7 +114,7 @@ class ConvertStats:
     source_format: str  # "orbax" or "safetensors"
     target_format: str
     tensors: int = 0
-    bytes_written: int = 0  # tensor bytes (before Orbax's compression)
+    bytes_written: int = 0  # tensor bytes (before Orbax's compression), by this process
     files: int = 0  # safetensors files written (0 for an Orbax target)
     seconds: float = 0.0
 
@@ -120,35 +128,145 @@ class ConvertStats:
                 "seconds": round(self.seconds, 3), "gb_per_s": round(self.gb_per_s, 3)}
 
 
+
+@dataclasses.dataclass(frozen=True)
+class OrbaxForm:
+    """Where a converted tree sits in an Orbax checkpoint directory.
+
+    ``item``: the PyTree item's directory under it; ``root``: the keys above
+    the tree inside the item; ``extra``: the item's other leaves;
+    ``handler``: the item's handler, as the checkpoint's metadata names it;
+    ``zarr3``: its arrays' format.
+    """
+
+    item: tuple[str, ...] = ()
+    root: tuple[str, ...] = ()
+    extra: tuple[tuple[str, Any], ...] = ()
+    handler: str = "orbax.checkpoint._src.handlers.pytree_checkpoint_handler.PyTreeCheckpointHandler"
+    zarr3: bool = False
+
+    @property
+    def prefix(self) -> str:
+        """The tree's names inside the item start with this."""
+        return "".join(f"{key}." for key in self.root)
+
+    def tree(self, leaves: dict[str, Any], *, nest: bool) -> dict[str, Any]:
+        tree: dict[str, Any] = nest_names(leaves) if nest else dict(leaves)
+        for key in reversed(self.root):
+            tree = {key: tree}
+        return {**dict(self.extra), **tree}
+
+    def write_step_files(self, item: epath.Path) -> None:
+        """The checkpoint's files around the item, as Orbax's ``Checkpointer`` leaves them: its
+        ``_CHECKPOINT_METADATA`` (which Orbax v1's loaders read) naming the item's handler,
+        and commit markers. A lone item is the checkpoint itself."""
+        step, handlers = (item.parent, {item.name: self.handler}) if self.item else (item, self.handler)
+        now = time.time_ns()
+        (step / "_CHECKPOINT_METADATA").write_text(json.dumps({
+            "item_handlers": handlers, "metrics": {}, "performance_metrics": {},
+            "init_timestamp_nsecs": now, "commit_timestamp_nsecs": now, "custom_metadata": {}}))
+        for directory in {item, step}:
+            (directory / "commit_success.txt").write_text(
+                f"Checkpoint commit was successful to {directory}")
+
+
+# What MaxText 0.2.5's to_maxtext.py writes (a TrainState of step 0 through Orbax v1's
+# training Checkpointer), and what its load_parameters_path (load_params_from_path) reads.
+FORMS = {
+    None: OrbaxForm(),
+    "maxtext": OrbaxForm(item=("0", "items"), root=("params", "params"),
+                         extra=(("step", 0), ("opt_state", {})),
+                         handler="orbax.checkpoint.experimental.v1._src.handlers."
+                                 "pytree_handler.PyTreeHandler", zarr3=True),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvertOptions:
+    """``convert``'s arguments, checked and resolved once.
+
+    The memory budget sets the unit of work: Orbax output chunks and
+    safetensors output blocks of ``block_bytes`` (at most 64 MB, and a
+    sixteenth of the budget, since a few are in flight, each with its input
+    boxes and a transformed copy), and, with a mapping, the decoded-chunk
+    cache of an Orbax source (a quarter of the budget).
+    """
+
+    stream: StreamOptions
+    mapping: Mapping | None
+    dtype: np.dtype | None
+    memory_budget: int
+    nest: bool
+
+    @property
+    def form(self) -> OrbaxForm:
+        kind = None if self.mapping is None else self.mapping.checkpoint_form
+        if kind not in FORMS:
+            raise ArgumentError(f"the mapping's checkpoint_form {kind!r} is not one convert writes "
+                                f"({', '.join(repr(k) for k in FORMS)})")
+        return FORMS[kind]
+
+    @property
+    def cache_bytes(self) -> int:
+        """An Orbax source's decoded-chunk cache: only a mapping reads boxes that are not
+        whole chunks (one layer of a scanned array), which the next boxes would decode again."""
+        return 0 if self.mapping is None else self.memory_budget // 4
+
+
 def convert(
     src: str | os.PathLike,
     dst: str | os.PathLike,
     *,
+    mapping: Mapping | None = None,
+    dtype: Any = None,
+    memory_budget: int | str = DEFAULT_MEMORY_BUDGET,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-    block_bytes: int | str = DEFAULT_BLOCK_BYTES,
+    block_bytes: int | str | None = None,
     nest: bool = True,
-    metadata: Mapping[str, str] | None = None,
+    metadata: MappingABC[str, str] | None = None,
     overwrite: bool = False,
     progress: bool | None = None,
     checksums: bool = True,
-    storage_options: Mapping[str, Any] | None = None,
+    storage_options: MappingABC[str, Any] | None = None,
     filesystem: fsspec.AbstractFileSystem | None = None,
 ) -> ConvertStats:
     """Converts an Orbax PyTree checkpoint to safetensors, or safetensors to Orbax.
 
     The direction follows ``src``: a directory holding Orbax's ``_METADATA``
     (what ``StandardCheckpointer``/``PyTreeCheckpointer`` write; also a
-    ``CheckpointManager`` step directory with a single item) becomes an HF
-    checkpoint at ``dst``; anything ``ost.metadata`` opens becomes an Orbax
-    PyTree checkpoint at ``dst``. See the module docstring for the memory
-    bound and the tree shape.
+    ``CheckpointManager`` step directory with a single item, or a root with a
+    single step) becomes an HF checkpoint at ``dst``; anything ``ost.metadata``
+    opens becomes an Orbax PyTree checkpoint at ``dst``. See the module
+    docstring for the memory bound and the tree shape.
+
+    With a ``mapping`` the Orbax side holds the mapped tree: a Hugging Face
+    checkpoint becomes, e.g., MaxText's params (``ost.mappings.maxtext``:
+    written as MaxText's ``to_maxtext.py`` writes it, ``dst/0/items``, which
+    MaxText restores with ``load_parameters_path=dst/0/items``), and such a
+    checkpoint becomes the Hugging Face tensors again. Every output chunk or
+    block is assembled from the boxes of the inputs it needs, so memory stays
+    within ``memory_budget`` whatever the model size (for an Orbax source,
+    plus its largest storage chunk, which TensorStore decodes whole).
+
+    Under ``jax.distributed`` every process calls ``convert`` with the same
+    arguments: each reads and writes its share of the chunks (Orbax output) or
+    files (safetensors output), and process 0 commits the checkpoint once all
+    have written theirs; a failure on any process fails all of them and
+    leaves no checkpoint.
 
     Args:
       src: the checkpoint to read.
       dst: the directory to write.
+      mapping: an ``ost.Mapping`` between the safetensors names and layouts
+        and the Orbax tree (``ost.mappings.maxtext(...)``, ``ost.mappings.llama(...)``).
+      dtype: the output's floating-point dtype (``"float32"``, ``"bfloat16"``);
+        ``None`` keeps the input's (float32 where the mapping scales a tensor).
+        Integer tensors keep theirs.
+      memory_budget: the memory the conversion's buffers may take (bytes or
+        ``"1GB"``); it sizes the chunks and blocks, see ``ConvertOptions``.
       max_shard_size: bytes per output file (safetensors output only).
-      block_bytes: the most bytes of one tensor moved at once; peak memory is
-        a few blocks (for an Orbax source, at least its largest storage chunk).
+      block_bytes: the most bytes of one tensor moved at once (default: from
+        ``memory_budget``); also the Orbax output's chunk size.
       nest: safetensors → Orbax: split names on ``.`` into nested dicts;
         ``False`` keeps the flat names as keys.
       metadata: extra str→str for the output (``__metadata__``, or the Orbax
@@ -174,26 +292,40 @@ def convert(
       FileExistsError: ``dst`` exists and ``overwrite`` is false, or it is not
         an Orbax checkpoint convert may replace.
       SafetensorsError / ValueError: ``src`` is neither format, or holds
-        something the other format cannot (strings; zero-size arrays for Orbax).
+        something the other format cannot (strings; zero-size arrays for Orbax);
+        a ``MappingError`` where the mapping does not fit the checkpoint.
       OSError: writing failed; a full disk is ENOSPC naming ``dst`` (for an
         Orbax ``dst`` too, which TensorStore reports as a ``ValueError``). What
         the conversion staged is removed, and a directory it made for ``dst``.
     """
     started = time.perf_counter()
-    options = StreamOptions(max_shard_size, metadata, overwrite, block_bytes, progress, checksums)
+    budget = parse_size(memory_budget)
+    if budget <= 0:
+        raise ArgumentError(f"memory_budget must be positive, not {memory_budget!r}")
+    if block_bytes is None:
+        block_bytes = max(1, min(parse_size(DEFAULT_BLOCK_BYTES), budget // 16))
+    options = ConvertOptions(
+        StreamOptions(max_shard_size, metadata, overwrite, block_bytes, progress, checksums),
+        mapping, None if dtype is None else np.dtype(dtype), budget, nest)
+    form = options.form
     fmt, item = detect_format(src, storage_options, filesystem)
     target = Location.resolve(dst, storage_options, filesystem)
-    _check_destination(target, fmt, overwrite=options.overwrite)
+    _check_destination(target, fmt, overwrite=options.stream.overwrite)
     label = f"convert {os.fspath(src)} -> {target.url}"
     if fmt == ORBAX:
         return _orbax_to_safetensors(item, target, options, label=label, started=started)
     with open_checkpoint(Location.resolve(src, storage_options, filesystem)) as checkpoint:
-        return _write_orbax(checkpoint, target, options, nest=nest, label=label, started=started)
+        source: BlockSource = CheckpointBlocks(checkpoint)
+        if mapping is not None:
+            source = TreeBlocks(source, mapping, options.dtype)
+        elif options.dtype is not None:
+            raise ArgumentError("dtype= needs a mapping (without one the tensors are copied as they are)")
+        return _write_orbax(source, target, options, form, label=label, started=started)
 
 
 def detect_format(
     src: str | os.PathLike,
-    storage_options: Mapping[str, Any] | None = None,
+    storage_options: MappingABC[str, Any] | None = None,
     filesystem: fsspec.AbstractFileSystem | None = None,
 ) -> tuple[str, str]:
     """``("orbax", item directory)`` or ``("safetensors", src)``; raises for anything else.
@@ -263,7 +395,8 @@ def _exists(path: str) -> bool:
 
 
 def _orbax_item_dir(path: str) -> str | None:
-    """The Orbax PyTree item directory at ``path``: itself, or a step's only item."""
+    """The Orbax PyTree item directory at ``path``: itself, a step's only item, or the only
+    item of a root's only step (MaxText's ``base_output_directory``)."""
     if path.endswith(".safetensors"):
         return None
     try:
@@ -272,7 +405,10 @@ def _orbax_item_dir(path: str) -> str | None:
             return os.fspath(root)
         if not root.is_dir():
             return None
-        items = sorted(p for p in root.iterdir() if (p / _TREE_METADATA_FILE).exists())
+        items = _items(root)
+        if not items:
+            steps = [p for p in root.iterdir() if p.name.isdigit() and p.is_dir()]
+            items = _items(steps[0]) if len(steps) == 1 else []
     except Exception:  # not a path Orbax can open (an fsspec-only URL): not an Orbax checkpoint
         return None
     if len(items) > 1:
@@ -282,13 +418,23 @@ def _orbax_item_dir(path: str) -> str | None:
     return os.fspath(items[0]) if items else None
 
 
+def _items(step: epath.Path) -> list[epath.Path]:
+    return sorted(p for p in step.iterdir() if (p / _TREE_METADATA_FILE).exists())
+
+
 # ---------------------------------------------------------------- Orbax → safetensors
 
 
-def _orbax_to_safetensors(item_dir: str, target: Location, options: StreamOptions, *,
+def _orbax_to_safetensors(item_dir: str, target: Location, options: ConvertOptions, *,
                           label: str, started: float) -> ConvertStats:
-    source = OrbaxBlocks(item_dir)
-    stats = write_blocks(target, source, options, label=label, started=started)
+    prefix = options.form.prefix
+    orbax = OrbaxBlocks(item_dir, prefix=prefix, cache_bytes=options.cache_bytes)
+    source: BlockSource = orbax
+    if options.mapping is not None:
+        source = StoredBlocks(orbax, options.mapping, prefix=prefix, dtype=options.dtype)
+    elif options.dtype is not None:
+        raise ArgumentError("dtype= needs a mapping (without one the tensors are copied as they are)")
+    stats = write_blocks(target, source, options.stream, label=label, started=started)
     return ConvertStats(ORBAX, SAFETENSORS, len(source.specs), stats.bytes_written, stats.files,
                         stats.seconds)
 
@@ -314,16 +460,24 @@ class OrbaxBlocks:
     once, serves the blocks inside it (from the writer's few threads), and is
     dropped as soon as all its rows have been served. Bands are decoded one at
     a time, also across tensors, since decoding one briefly needs its
-    compressed bytes too.
+    compressed bytes too. Other boxes (a mapping's: one layer of a scanned
+    array) are read as they are, through a cache of decoded chunks of
+    ``cache_bytes``, so the next boxes of the same chunks do not decode them
+    again.
+
+    Only the arrays named ``prefix``… are read (MaxText's train state keeps
+    its step and optimizer state beside the params).
     """
 
-    def __init__(self, item_dir: str):
+    def __init__(self, item_dir: str, *, prefix: str = "", cache_bytes: int = 0):
         item_dir = os.path.abspath(item_dir) if "://" not in item_dir else item_dir
         tree_metadata = ocp.PyTreeCheckpointHandler().metadata(epath.Path(item_dir))
         tree = getattr(tree_metadata, "tree", tree_metadata)
         names, leaves, _ = flatten_with_names(tree)
         arrays: dict[str, Any] = {}
         for name, leaf in zip(names, leaves):
+            if not name.startswith(prefix):
+                continue
             if not isinstance(leaf, ocp.metadata.ArrayMetadata):
                 raise ArgumentError(
                     f"{name!r} is a {type(leaf).__name__.removesuffix('Metadata').lower()}: "
@@ -334,14 +488,15 @@ class OrbaxBlocks:
                       for n in sorted(arrays, key=natural_key)]
         use_ocdbt = type_handlers.is_ocdbt_checkpoint(epath.Path(item_dir))
         use_zarr3 = bool(getattr(tree_metadata, "use_zarr3", False))
-        context = ts.Context({"cache_pool#ocdbt": {"total_bytes_limit": 100_000_000},
+        context = ts.Context({"cache_pool": {"total_bytes_limit": cache_bytes},
+                              "cache_pool#ocdbt": {"total_bytes_limit": 100_000_000},
                               "file_io_concurrency": {"limit": 32}})
         opened = {name: ts.open(_read_spec(item_dir, meta.name, use_ocdbt, use_zarr3), open=True,
                                 context=context) for name, meta in arrays.items()}
         self._stores = {name: future.result() for name, future in opened.items()}
         custom = getattr(tree_metadata, "custom_metadata", None)
         self.metadata = {k: v for k, v in (custom or {}).items() if isinstance(v, str)} \
-            if isinstance(custom, Mapping) else {}
+            if isinstance(custom, MappingABC) else {}
         self._lock = threading.Lock()  # one band decoded at a time, across tensors
         self._bands: dict[str, _Band] = {}
 
@@ -349,6 +504,8 @@ class OrbaxBlocks:
         store = self._stores[info.name]
         if block is None or not block:
             return to_bytes(np.asarray(store.read().result()))
+        if any(box != (0, size) for box, size in zip(block[1:], store.shape[1:])):
+            return to_bytes(np.asarray(store[tuple(slice(a, b) for a, b in block)].read().result()))
         start, stop = block[0]
         band_rows = store.chunk_layout.read_chunk.shape[0] or store.shape[0]
         band_start = start // band_rows * band_rows
@@ -381,29 +538,81 @@ def _read_spec(item_dir: str, param_name: str, use_ocdbt: bool, use_zarr3: bool)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
+class _OrbaxWrite:
+    """One conversion's Orbax output: where each leaf's bytes come from, its chunks, which
+    of them this process writes, and the operation the processes share."""
+
+    source: BlockSource
+    specs: dict[str, TensorSpec]  # by tree name (the form's root left out)
+    chunks: dict[str, tuple[int, ...]]
+    mine: dict[str, list[Box]]
+    op: Operation
+    zarr3: bool
+
+    @classmethod
+    def plan(cls, source: BlockSource, op: Operation, chunk_bytes: int, zarr3: bool) -> _OrbaxWrite:
+        """Every leaf's chunks (one layer / expert each where the source stacks them), shared
+        out round-robin in a fixed order, so each process knows its own without asking."""
+        stacked = getattr(source, "stacked", lambda name: ())
+        specs = {spec.name: spec for spec in source.specs}
+        chunks = {name: chunk_shape(spec.shape, spec.dtype.bits // 8, chunk_bytes, stacked(name))
+                  for name, spec in specs.items()}
+        every = [(name, box) for name, spec in specs.items() for box in chunk_boxes(spec.shape, chunks[name])]
+        mine: dict[str, list[Box]] = {name: [] for name in specs}
+        for name, box in every[jax.process_index()::jax.process_count()]:
+            mine[name].append(box)
+        return cls(source, specs, chunks, mine, op, zarr3)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes this process writes."""
+        return sum(self.specs[name].dtype.nbytes(box_shape(box)) for name, boxes in self.mine.items()
+                   for box in boxes)
+
+    async def write_leaf(self, name: str, info: Any, *, create: bool) -> None:
+        """This process's chunks of leaf ``name``, Orbax's ``info`` giving the spec; two in
+        flight (one read and transformed while the other is written)."""
+        spec = self.specs[name]
+        if spec.dtype.is_packed:
+            raise ArgumentError(f"tensor {name!r}: Orbax cannot store {spec.dtype.code} (sub-byte) arrays")
+        tspec = type_handlers.get_json_tspec_write(
+            info, use_ocdbt=info.is_ocdbt_checkpoint, global_shape=spec.shape, local_shape=spec.shape,
+            dtype=spec.dtype.numpy,
+            process_index=jax.process_index() if info.is_ocdbt_checkpoint else None)
+        _set_chunk_shape(tspec, self.chunks[name])
+        store = await ts.open(ts.Spec(tspec), create=create, open=True, assume_metadata=not create,
+                              context=info.ts_context)
+        tensor = TensorInfo(name, spec.dtype, spec.shape, 0, spec.dtype.nbytes(spec.shape))
+        gate = asyncio.Semaphore(2)
+
+        async def one(box: Box) -> None:
+            async with gate:
+                raw = await asyncio.to_thread(self.source.read_block, tensor, box)
+                await store[tuple(slice(a, b) for a, b in box)].write(
+                    from_bytes(raw, spec.dtype, box_shape(box)))
+                self.op.wrote(len(raw))
+
+        await asyncio.gather(*(one(box) for box in self.mine[name]))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class _StreamedTensor:
-    """A leaf of the tree handed to Orbax: a safetensors tensor, not yet read.
+    """A leaf of the tree handed to Orbax: a tensor of a block source, not yet read.
 
     Orbax asks a leaf for little more than its shape and dtype before handing
-    it to its ``TypeHandler``; ``_StreamedTensorHandler`` then reads the bytes.
+    it to its ``TypeHandler``; ``_StreamedTensorHandler`` then writes it.
     """
 
     name: str
-    blocks: CheckpointBlocks
-    block_bytes: int
-    report: Progress
-
-    @property
-    def source(self):
-        return self.blocks.checkpoint.tensors[self.name]
+    write: _OrbaxWrite
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.source.shape)
+        return tuple(self.write.specs[self.name].shape)
 
     @property
     def dtype(self) -> np.dtype:
-        return self.source.dtype.numpy
+        return self.write.specs[self.name].dtype.numpy
 
     @property
     def ndim(self) -> int:
@@ -415,17 +624,20 @@ class _StreamedTensor:
 
     @property
     def nbytes(self) -> int:
-        return self.source.nbytes
+        return self.write.specs[self.name].dtype.nbytes(self.shape)
 
 
 class _StreamedTensorHandler(type_handlers.NumpyHandler):
-    """Writes a ``_StreamedTensor`` as Orbax writes a numpy array, one row block at a time.
+    """Writes ``_StreamedTensor``s as Orbax writes numpy arrays, one chunk at a time.
 
     The type string stays ``np.ndarray``, so the checkpoint's metadata is that
     of a plain numpy save and any Orbax restore reads it with its own handler.
-    Chunks are row blocks of at most ``block_bytes`` (Orbax would make the
-    whole array one chunk), so each block written completes whole chunks:
-    nothing is read back and merged, and readers can stream them too.
+    Chunks are ``planning.chunking``'s (Orbax would make each array one
+    chunk), and each is written whole: nothing is read back and merged, and
+    readers can stream them too. This is process 0's half of the write: it
+    creates the arrays and writes its share of the chunks, and returns (so
+    Orbax merges the processes' OCDBT files and commits) only once every
+    process has written its share.
     """
 
     async def serialize(self, values: Sequence[_StreamedTensor], infos: Sequence[Any],
@@ -436,32 +648,13 @@ class _StreamedTensorHandler(type_handlers.NumpyHandler):
     async def _write_all(self, values: Sequence[_StreamedTensor], infos: Sequence[Any]) -> None:
         for value, info in zip(values, infos):
             await info.await_path_creation()
-            if jax.process_index() == 0:
-                await self._write_one(value, info)
-
-    async def _write_one(self, value: _StreamedTensor, info: Any) -> None:
-        dtype = value.source.dtype
-        if dtype.is_packed:
-            raise ArgumentError(f"tensor {value.name!r}: Orbax cannot store {dtype.code} "
-                             "(sub-byte) arrays")
-        blocks = row_blocks(full_box(value.shape), dtype.bits // 8, value.block_bytes)
-        spec = type_handlers.get_json_tspec_write(
-            info, use_ocdbt=info.is_ocdbt_checkpoint, global_shape=value.shape,
-            local_shape=value.shape, dtype=value.dtype,
-            process_index=jax.process_index() if info.is_ocdbt_checkpoint else None)
-        _set_chunk_shape(spec, box_shape(blocks[0]) if value.shape else ())
-        store = await ts.open(ts.Spec(spec), create=True, open=True, context=info.ts_context)
-        tensor = TensorInfo(value.name, dtype, value.shape, 0, value.nbytes)
-        for block in blocks:
-            raw = await asyncio.to_thread(value.blocks.read_block, tensor, block)
-            array = from_bytes(raw, dtype, box_shape(block))
-            await store[tuple(slice(a, b) for a, b in block)].write(array)
-            value.report.advance(len(raw))
-            del raw, array
+            await value.write.write_leaf(value.name, info, create=True)
+        if values:
+            await asyncio.to_thread(values[0].write.op.exchange, "written", "")
 
 
 def _set_chunk_shape(spec: dict, chunk: tuple[int, ...]) -> None:
-    """Row-block chunks in Orbax's zarr metadata (zarr v2, or v3's sharding codec)."""
+    """Our chunks in Orbax's zarr metadata (zarr v2, or v3's sharding codec)."""
     while "metadata" not in spec and "base" in spec:  # through a ``cast`` driver
         spec = spec["base"]
     metadata = spec["metadata"]
@@ -474,35 +667,74 @@ def _set_chunk_shape(spec: dict, chunk: tuple[int, ...]) -> None:
                 codec["configuration"]["chunk_shape"] = list(chunk)
 
 
-def _write_orbax(checkpoint: Checkpoint, dst: Location, options: StreamOptions, *, nest: bool,
+def _write_orbax(source: BlockSource, dst: Location, options: ConvertOptions, form: OrbaxForm, *,
                  label: str, started: float) -> ConvertStats:
-    names = sorted(checkpoint.tensors, key=natural_key)
-    for name in names:
-        if 0 in checkpoint.tensors[name].shape:
-            raise ArgumentError(f"tensor {name!r} has zero size, which Orbax cannot save")
-    report = Progress(label, sum(checkpoint.tensors[n].nbytes for n in names),
-                      enabled=options.progress).start()
-    blocks = CheckpointBlocks(checkpoint)
-    leaves = [_StreamedTensor(n, blocks, options.block_bytes, report) for n in names]
-    tree = nest_names(dict(zip(names, leaves))) if nest else dict(zip(names, leaves))
-    registry = type_handlers.create_type_handler_registry(
-        (_StreamedTensor, _StreamedTensorHandler()))
-    custom = {**checkpoint.metadata, **(options.metadata or {})}
+    for spec in source.specs:
+        if 0 in spec.shape:
+            raise ArgumentError(f"tensor {spec.name!r} has zero size, which Orbax cannot save")
+    peers = Peers.collective("convert", dst.url)
+    op = Operation(peers)
+    write = _OrbaxWrite.plan(source, op, options.stream.block_bytes, form.zarr3)
+    op.progress = report = Progress(label, write.nbytes, enabled=options.stream.progress).start()
     # Written beside the target and swapped in: a failure leaves an old checkpoint whole.
-    swap = DirectorySwap(dst, uuid.uuid4().hex[:12])
-    swap.acquire()
+    swap = DirectorySwap(dst, peers.share("token", uuid.uuid4().hex[:12]))
+    op.on_primary("lock", swap.acquire)
     try:
-        def save(url: str) -> None:
-            with _orbax_failures(dst.url), ocp.Checkpointer(ocp.PyTreeCheckpointHandler(
-                    type_handler_registry=registry)) as saver:
-                saver.save(epath.Path(url),
-                           args=ocp.args.PyTreeSave(tree, custom_metadata=custom or None))
-        swap.replace(save)
+        if op.is_primary:
+            error = None
+            try:
+                swap.replace(functools.partial(_save_item, write, form, options, source.metadata))
+            except BaseException as e:
+                error = e
+            op.agree("committed", error)
+        else:
+            item = os.path.join(swap.storage.url(swap.staged), *form.item)
+            op.run("written", functools.partial(_write_share, write, item, form))
+            op.agree("committed", None)
     finally:
-        swap.release()
+        if op.is_primary:
+            swap.release()
     report.close()
-    return ConvertStats(SAFETENSORS, ORBAX, len(names), report.done, 0,
+    return ConvertStats(SAFETENSORS, ORBAX, len(write.specs), report.done, 0,
                         time.perf_counter() - started)
+
+
+def _save_item(write: _OrbaxWrite, form: OrbaxForm, options: ConvertOptions,
+               source_metadata: MappingABC[str, str], url: str) -> None:
+    """Process 0: the Orbax checkpoint at ``url`` (the tree through Orbax's own handler, then
+    the step's files of ``form``)."""
+    leaves = {name: _StreamedTensor(name, write) for name in write.specs}
+    registry = type_handlers.create_type_handler_registry(
+        (_StreamedTensor, _StreamedTensorHandler()), (int, type_handlers.ScalarHandler()))
+    custom = {**source_metadata, **(options.stream.metadata or {})}
+    item = epath.Path(url).joinpath(*form.item)
+    item.mkdir(parents=True, exist_ok=True)
+    handler = ocp.PyTreeCheckpointHandler(
+        use_zarr3=form.zarr3, type_handler_registry=registry,
+        multiprocessing_options=ocp.options.MultiprocessingOptions(primary_host=0, active_processes={0}))
+    with _orbax_failures(url):
+        handler.save(item, args=ocp.args.PyTreeSave(form.tree(leaves, nest=options.nest),
+                                                    custom_metadata=custom or None))
+        handler.finalize(item)
+    handler.close()
+    form.write_step_files(item)
+
+
+def _write_share(write: _OrbaxWrite, item: str, form: OrbaxForm) -> None:
+    """Processes other than 0: their chunks, into their own OCDBT files of the item that process
+    0 is writing (it merges them before committing)."""
+    root = tuple(form.root)
+
+    async def run() -> None:
+        context = type_handlers.get_ts_context(use_ocdbt=True)
+        for name in write.specs:
+            info = type_handlers.ParamInfo(
+                name=".".join(root + (name,)), parent_dir=epath.Path(item),
+                is_ocdbt_checkpoint=True, use_zarr3=write.zarr3, ts_context=context)
+            await write.write_leaf(name, info, create=False)
+
+    with _orbax_failures(item):
+        asyncio.run(run())
 
 
 # TensorStore's words for a full disk, which it reports as a ValueError.

@@ -13,6 +13,7 @@ from orbax_safetensors.mappings.huggingface import (
     qwen3_moe,
 )
 from orbax_safetensors.mappings.maxtext import maxtext
+from orbax_safetensors.mappings.named import by_name
 
-__all__ = ["for_config", "gemma2", "gemma3", "llama", "maxtext", "mistral", "mixtral", "qwen2", "qwen3",
+__all__ = ["by_name", "for_config", "gemma2", "gemma3", "llama", "maxtext", "mistral", "mixtral", "qwen2", "qwen3",
            "qwen3_moe"]

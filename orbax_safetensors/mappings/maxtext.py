@@ -130,4 +130,4 @@ def maxtext(family: str, config: Any, scan_layers: bool = True, *, dtype: Any = 
                   for hf, mt in zip(("gate_proj", "up_proj", "down_proj"), ("wi_0", "wi_1", "wo"))]
     if not config_value(config, "tie_word_embeddings", False):  # tied: MaxText's logits_via_embedding
         rules.append(Rule("lm_head.weight", "decoder.logits_dense.kernel", **linear))
-    return Mapping(rules, dims=dims)
+    return Mapping(rules, dims=dims, checkpoint_form="maxtext")

@@ -12,6 +12,7 @@ from orbax_safetensors.planning.boxes import (
     normalize_index,
     relative_slices,
 )
+from orbax_safetensors.planning.chunking import chunk_boxes, chunk_shape
 from orbax_safetensors.planning.read_plan import (
     Batch,
     BlockPart,
@@ -59,6 +60,7 @@ __all__ = [
     "Assembly", "Piece", "Tiling",
     "Box", "bounding_box", "box_shape", "box_size", "byte_runs", "full_box", "intersect",
     "normalize_index", "relative_slices",
+    "chunk_boxes", "chunk_shape",
     "Batch", "BlockPart", "BounceRead", "ReadPlan", "ReadProfile", "Region", "RegionRead", "SliceRead",
     "StoredSlice", "TensorReads", "TensorSource", "box_runs", "plan_block", "plan_byte_reads", "plan_reads",
     "plan_region_reads", "plan_regions", "plan_tensor_reads", "plan_whole_reads", "read_once_boxes",

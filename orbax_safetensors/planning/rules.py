@@ -324,11 +324,17 @@ class Mapping:
     fixes them (loading without a target) and are checked everywhere else.
     Every name must be matched by exactly one rule, on either side: a name no
     rule maps or several rules map is an error, never a silent guess.
+    ``checkpoint_form`` names how a checkpoint of the tree (not of the stored
+    tensors) holds it, for ``ost.convert``: ``None``, the tree is the
+    checkpoint; ``"maxtext"``, MaxText's train state (``0/items``, the tree
+    under ``params.params``).
     """
 
-    def __init__(self, rules: Iterable[Rule], *, dims: MappingABC[str, int] | None = None):
+    def __init__(self, rules: Iterable[Rule], *, dims: MappingABC[str, int] | None = None,
+                 checkpoint_form: str | None = None):
         self.rules = tuple(rules)
         self.dims = dict(dims or {})
+        self.checkpoint_form = checkpoint_form
         self._stored = [(rule, _pattern(p, "stored")[0]) for rule in self.rules for p in rule.stored_patterns]
         self._tree = [(rule, _pattern(rule.tree, "tree")[0]) for rule in self.rules]
 

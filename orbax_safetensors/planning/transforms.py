@@ -173,6 +173,28 @@ class Transform:
             transposed.extend(range_cover(f0, f1, src))
         return self._unpermute(tuple(transposed))
 
+    def tree_box(self, stored_box: Box) -> Box:
+        """The smallest tree box whose stored values (``to_stored``) cover ``stored_box``: what
+        of the piece a streamed save must hold to write that box of the stored tensor (a
+        split axis cut inside its inner sizes takes their enclosing range, a permuted axis
+        the range of tree indices its stored indices go to)."""
+        if box_size(stored_box) == 0:
+            return tuple((0, 0) for _ in self.tree_shape)
+        transposed = tuple(stored_box[p] for p in self.perm)
+        tree: list[tuple[int, int]] = []
+        for (src, shape), (i, m, _, _) in zip(self.groups, self._spans()):
+            part = transposed[i:i + m]
+            if len(src) == len(shape) == 1:
+                tree.extend(part)
+                continue
+            f0, f1 = flat_range(contiguous_cover(part, src), src)
+            tree.extend(range_cover(f0, f1, shape))
+        for axis, order in self.permutes:
+            a, b = tree[axis]
+            held = [j for j, k in enumerate(order) if a <= k < b]
+            tree[axis] = (min(held), max(held) + 1)
+        return tuple(tree)
+
     def to_tree(self, data: np.ndarray, stored_box: Box, tree_box: Box,
                 out: np.ndarray | None = None) -> np.ndarray:
         """The values of ``tree_box`` from ``data`` holding ``stored_box = self.stored_box(tree_box)``,
