@@ -44,6 +44,11 @@ fails. ``--loader`` picks what fills the target:
   own layout. It reads MaxText's HF config table (``HF_MODEL_CONFIGS[model_name]``), which holds
   the real model's sizes: the checkpoint's ``config.json`` is put there, as ``override_model_config``
   puts it into pyconfig. It saves nothing (no round trip);
+* ``converted`` / ``converted-bf16``: ``ost.convert`` through the mapping writes MaxText's form of the
+  checkpoint (``dtype`` float32 / bfloat16) and MaxText's own ``load_params_from_path`` restores it
+  (what ``load_parameters_path`` does); the round trip saves through the mapping as ``ost`` does
+  (none for bfloat16: the params are the rounded weights), and the converter check rounds MaxText's
+  converter's tensors to that dtype first (its ``--save_dtype``);
 * the path of a module with ``make_loader(family, hf_config, scan_layers)``: an object with
   ``load(hf_dir, target, maxtext_config)`` and ``save(out_dir, params)`` (``save = None``: no
   round trip), to debug this harness without the mapping.
@@ -84,7 +89,8 @@ def _parse_args(argv):
     p.add_argument("--out-dir", default=None, help="where the round-trip saves go (default: a temp dir)")
     p.add_argument("--loader", default="ost",
                    help="'ost' (ost.mappings.maxtext), 'dynamic-ost' / 'dynamic-orbax' (MaxText's "
-                        "load_dynamic with our / Orbax's layout) or the path of a module with make_loader(...)")
+                        "load_dynamic with our / Orbax's layout), 'converted' / 'converted-bf16' (ost.convert, "
+                        "then MaxText's load_params_from_path) or the path of a module with make_loader(...)")
     p.add_argument("--print-tree", action="store_true", help="print MaxText's param names, shapes and specs")
     return p.parse_args(argv)
 
@@ -186,6 +192,9 @@ def _loader_factory(spec):
         return make
     if spec in DYNAMIC_LAYOUTS:
         return lambda family, hf_config, scan_layers: DynamicLoader(DYNAMIC_LAYOUTS[spec])
+    if spec in CONVERTED_DTYPES:
+        return lambda family, hf_config, scan_layers: ConvertedLoader(family, hf_config, scan_layers,
+                                                                      CONVERTED_DTYPES[spec])
     import importlib.util
 
     module_spec = importlib.util.spec_from_file_location("maxtext_child_loader", spec)
@@ -210,6 +219,32 @@ class _OstLoader:
 
     def save(self, out_dir, params):
         self.ost.save(out_dir, params, mapping=self.mapping, checksums=False)  # transformers' bytes
+
+
+CONVERTED_DTYPES = {"converted": "float32", "converted-bf16": "bfloat16"}
+
+
+class ConvertedLoader(_OstLoader):
+    """``ost.convert`` writes MaxText's form of the checkpoint; MaxText's own
+    ``checkpointing.load_params_from_path`` restores it into the abstract sharded params, as
+    ``load_parameters_path=<dst>/0/items`` does (``maxtext_utils.setup_decode_state``)."""
+
+    def __init__(self, family, hf_config, scan_layers, dtype):
+        super().__init__(family, hf_config, scan_layers)
+        self.dtype = dtype  # what the converted checkpoint stores; the converter check rounds to it
+        if dtype != "float32":
+            self.save = None  # the restored params are the rounded weights: no byte round trip
+
+    def load(self, hf_dir, target, maxtext_config):
+        from maxtext.common import checkpointing
+
+        with tempfile.TemporaryDirectory(prefix="converted-") as tmp:  # the restore materializes
+            dst = os.path.join(tmp, "maxtext")
+            self.ost.convert(hf_dir, dst, mapping=self.mapping, dtype=self.dtype)
+            restored = checkpointing.load_params_from_path(
+                os.path.join(dst, "0", "items"), {"params": target}, maxtext_config.checkpoint_storage_concurrent_gb,
+                use_ocdbt=True, use_zarr3=True)
+        return restored["params"]
 
 
 DYNAMIC_LAYOUTS = {"dynamic-ost": "ost", "dynamic-orbax": "orbax"}
@@ -444,6 +479,9 @@ def _run_variant(args, result, family, model_name, hf_dir, scan, hf_config, toke
         theirs, converter_errors, workarounds = _maxtext_converter(model_name, hf_config, config, hf_dir, boxes,
                                                                    np=np)
         result["converter_workarounds"] = workarounds
+        stored = getattr(loader, "dtype", "float32")
+        if stored != "float32":  # what to_maxtext.py --save_dtype makes of its tensors
+            theirs = {n: a.astype(jax.numpy.dtype(stored)).astype(np.float64) for n, a in theirs.items()}
         diffs = {n: float(np.max(np.abs(np.asarray(jax.device_get(loaded[n]), np.float64) - theirs[n])))
                  for n in sorted(theirs)}
         result["converter_max_abs_diff"] = max(diffs.values()) if not converter_errors else None
