@@ -556,6 +556,10 @@ def _read_spec(item_dir: str, param_name: str, use_ocdbt: bool, use_zarr3: bool)
 # ---------------------------------------------------------------- safetensors → Orbax
 
 
+class _Cancelled(Exception):
+    """The conversion was interrupted; a chunk not written yet is not written."""
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class _OrbaxWrite:
     """One conversion's Orbax output: where each leaf's bytes come from, its chunks, which
@@ -609,6 +613,8 @@ class _OrbaxWrite:
 
         async def one(box: Box) -> None:
             async with gate:
+                if self.op.cancelled.is_set():  # a Ctrl-C: the rest is not written
+                    raise _Cancelled(name)
                 raw = await asyncio.to_thread(self.source.read_block, tensor, box)
                 await store[tuple(slice(a, b) for a, b in box)].write(
                     from_bytes(raw, spec.dtype, box_shape(box)))
@@ -710,13 +716,13 @@ def _write_orbax(source: BlockSource, dst: Location, options: ConvertOptions, fo
         if op.is_primary:
             error = None
             try:
-                swap.replace(functools.partial(_save_item, write, form, options, source.metadata))
+                swap.replace(functools.partial(_save_item, write, form, options, source.metadata, dst.url))
             except BaseException as e:
                 error = e
             op.agree("committed", error)
         else:
             item = os.path.join(swap.storage.url(swap.staged), *form.item)
-            op.run("written", functools.partial(_write_share, write, item, form))
+            op.run("written", functools.partial(_write_share, write, item, form, dst.url))
             op.agree("committed", None)
     finally:
         if op.is_primary:
@@ -727,9 +733,9 @@ def _write_orbax(source: BlockSource, dst: Location, options: ConvertOptions, fo
 
 
 def _save_item(write: _OrbaxWrite, form: OrbaxForm, options: ConvertOptions,
-               source_metadata: MappingABC[str, str], url: str) -> None:
+               source_metadata: MappingABC[str, str], destination: str, url: str) -> None:
     """Process 0: the Orbax checkpoint at ``url`` (the tree through Orbax's own handler, then
-    the step's files of ``form``)."""
+    the step's files of ``form``), staged there for ``destination`` (which errors name)."""
     leaves = {name: _StreamedTensor(name, write) for name in write.specs}
     registry = type_handlers.create_type_handler_registry(  # jax.Array's: Orbax warns without one
         (_StreamedTensor, _StreamedTensorHandler()), (int, type_handlers.ScalarHandler()),
@@ -740,15 +746,29 @@ def _save_item(write: _OrbaxWrite, form: OrbaxForm, options: ConvertOptions,
     handler = ocp.PyTreeCheckpointHandler(
         use_zarr3=form.zarr3, type_handler_registry=registry,
         multiprocessing_options=ocp.options.MultiprocessingOptions(primary_host=0, active_processes={0}))
-    with _orbax_failures(url):
-        handler.save(item, args=ocp.args.PyTreeSave(form.tree(leaves, nest=options.nest),
-                                                    custom_metadata=custom or None))
-        handler.finalize(item)
-    handler.close()
+    args = ocp.args.PyTreeSave(form.tree(leaves, nest=options.nest), custom_metadata=custom or None)
+    with _orbax_failures(destination):
+        before = set(threading.enumerate())
+        try:
+            handler.save(item, args=args)
+            handler.finalize(item)
+        except BaseException:
+            # Orbax's threads may still be writing (a Ctrl-C reaches only this one): ours stop
+            # at their next chunk, which fails Orbax's metadata write after them, and all of
+            # the save's threads are waited for before the staged directory goes.
+            write.op.cancel()
+            for thread in set(threading.enumerate()) - before:
+                if type(thread).__name__ == "_SignalingThread":  # Orbax's commit threads
+                    with contextlib.suppress(Exception):  # its join re-raises what it raised
+                        thread.join()
+            with contextlib.suppress(Exception):
+                handler.close()
+            raise
+        handler.close()
     form.write_step_files(item)
 
 
-def _write_share(write: _OrbaxWrite, item: str, form: OrbaxForm) -> None:
+def _write_share(write: _OrbaxWrite, item: str, form: OrbaxForm, destination: str) -> None:
     """Processes other than 0: their chunks, into their own OCDBT files of the item that process
     0 is writing (it merges them before committing)."""
     root = tuple(form.root)
@@ -761,7 +781,7 @@ def _write_share(write: _OrbaxWrite, item: str, form: OrbaxForm) -> None:
                 is_ocdbt_checkpoint=True, use_zarr3=write.zarr3, ts_context=context)
             await write.write_leaf(name, info, create=False)
 
-    with _orbax_failures(item):
+    with _orbax_failures(destination):
         asyncio.run(run())
 
 
@@ -778,15 +798,17 @@ def _orbax_failures(destination: str) -> Iterator[None]:
     RESOURCE_EXHAUSTED ... No space left on device [os_error_code='28']``: it
     is raised as an ``OSError`` (ENOSPC) naming the destination, as a full disk
     is everywhere else, with TensorStore's error as its cause. Orbax's threads
-    also log each error they pass on with its traceback (absl ``ERROR``):
+    also log each error they pass on (absl ``ERROR``, with its traceback):
     while the save runs, such records wait, and those of the error we raise
-    are dropped, not printed; any other is logged once the save ends.
+    are dropped, not printed (all of them after a Ctrl-C: writes still in
+    flight fail on the staged directory being removed); any other is logged
+    once the save ends.
     """
     absl_logger = logging.getLogger("absl")
     held: list[logging.LogRecord] = []
 
     def hold(record: logging.LogRecord) -> bool:
-        if record.exc_info and record.exc_info[1] is not None:
+        if record.levelno >= logging.ERROR or (record.exc_info and record.exc_info[1] is not None):
             held.append(record)
             return False
         return True
@@ -803,11 +825,13 @@ def _orbax_failures(destination: str) -> Iterator[None]:
         raise
     except BaseException as e:
         raised = _chain(e)
+        if isinstance(e, KeyboardInterrupt):  # what the writes in flight then hit is ours, not news
+            held.clear()
         raise
     finally:
         absl_logger.removeFilter(hold)
         for record in held:
-            if id(record.exc_info[1]) not in raised:
+            if not record.exc_info or id(record.exc_info[1]) not in raised:
                 absl_logger.handle(record)
 
 
