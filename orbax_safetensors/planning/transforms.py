@@ -187,16 +187,21 @@ class Transform:
         """The smallest stored box whose values give ``tree_box`` (exact where possible)."""
         if box_size(tree_box) == 0:
             return tuple((0, 0) for _ in self.perm)
-        tree_box = self._unpermuted(tree_box)
-        transposed: list[tuple[int, int]] = []
-        for (src, tree), (_, _, j, k) in zip(self.groups, self._spans()):
-            part = tree_box[j:j + k]
+        return self._unpermute(tuple(self._regrouped(self._unpermuted(tree_box), to_tree=False)))
+
+    def _regrouped(self, box: Box, *, to_tree: bool) -> list[tuple[int, int]]:
+        """``box`` of the transposed axes as the smallest box of the tree axes holding it
+        (``to_tree``), or the other way: per group, the enclosing range of a split or merged
+        axis."""
+        out: list[tuple[int, int]] = []
+        for (src, tree), (i, m, j, k) in zip(self.groups, self._spans()):
+            have, want, part = (src, tree, box[i:i + m]) if to_tree else (tree, src, box[j:j + k])
             if len(src) == len(tree) == 1:
-                transposed.extend(part)
+                out.extend(part)
                 continue
-            f0, f1 = flat_range(contiguous_cover(part, tree), tree)
-            transposed.extend(range_cover(f0, f1, src))
-        return self._unpermute(tuple(transposed))
+            f0, f1 = flat_range(contiguous_cover(part, have), have)
+            out.extend(range_cover(f0, f1, want))
+        return out
 
     def tree_box(self, stored_box: Box) -> Box:
         """The smallest tree box whose stored values (``to_stored``) cover ``stored_box``: what
@@ -205,15 +210,7 @@ class Transform:
         the range of tree indices its stored indices go to)."""
         if box_size(stored_box) == 0:
             return tuple((0, 0) for _ in self.tree_shape)
-        transposed = tuple(stored_box[p] for p in self.perm)
-        tree: list[tuple[int, int]] = []
-        for (src, shape), (i, m, _, _) in zip(self.groups, self._spans()):
-            part = transposed[i:i + m]
-            if len(src) == len(shape) == 1:
-                tree.extend(part)
-                continue
-            f0, f1 = flat_range(contiguous_cover(part, src), src)
-            tree.extend(range_cover(f0, f1, shape))
+        tree = self._regrouped(tuple(stored_box[p] for p in self.perm), to_tree=True)
         for axis, order in self.permutes:
             a, b = tree[axis]
             held = [j for j, k in enumerate(order) if a <= k < b]
