@@ -556,6 +556,18 @@ def _read_spec(item_dir: str, param_name: str, use_ocdbt: bool, use_zarr3: bool)
 # ---------------------------------------------------------------- safetensors → Orbax
 
 
+_IN_FLIGHT = 3  # chunks read, transformed or written at once (each about 3 chunks of memory)
+
+
+async def _all(coroutines: Iterator[Any]) -> None:
+    """Awaits all; every one has finished before a failure is raised (the caller then removes
+    the staged directory, which TensorStore must no longer be writing into)."""
+    outcomes = await asyncio.gather(*coroutines, return_exceptions=True)
+    failure = next((o for o in outcomes if isinstance(o, BaseException)), None)
+    if failure is not None:
+        raise failure
+
+
 class _Cancelled(Exception):
     """The conversion was interrupted; a chunk not written yet is not written."""
 
@@ -595,9 +607,14 @@ class _OrbaxWrite:
         return sum(self.specs[name].dtype.nbytes(box_shape(box)) for name, boxes in self.mine.items()
                    for box in boxes)
 
-    async def write_leaf(self, name: str, info: Any, *, create: bool) -> None:
-        """This process's chunks of leaf ``name``, Orbax's ``info`` giving the spec; two in
-        flight (one read and transformed while the other is written)."""
+    async def write_leaves(self, infos: MappingABC[str, Any], *, create: bool) -> None:
+        """This process's chunks of every leaf, Orbax's ``infos`` giving their specs: all
+        leaves at once, ``_IN_FLIGHT`` chunks at a time (read and transformed on threads while
+        TensorStore compresses and writes the others)."""
+        gate = asyncio.Semaphore(_IN_FLIGHT)
+        await _all(self._write_leaf(name, info, gate, create=create) for name, info in infos.items())
+
+    async def _write_leaf(self, name: str, info: Any, gate: asyncio.Semaphore, *, create: bool) -> None:
         spec = self.specs[name]
         if spec.dtype.is_packed:
             raise ArgumentError(f"tensor {name!r}: Orbax cannot store {spec.dtype.code} (sub-byte) arrays")
@@ -609,7 +626,6 @@ class _OrbaxWrite:
         store = await ts.open(ts.Spec(tspec), create=create, open=True, assume_metadata=not create,
                               context=info.ts_context)
         tensor = TensorInfo(name, spec.dtype, spec.shape, 0, spec.dtype.nbytes(spec.shape))
-        gate = asyncio.Semaphore(2)
 
         async def one(box: Box) -> None:
             async with gate:
@@ -620,12 +636,7 @@ class _OrbaxWrite:
                     from_bytes(raw, spec.dtype, box_shape(box)))
                 self.op.wrote(len(raw))
 
-        # Every write finished before a failure is raised: the caller then removes the staged
-        # directory, which TensorStore must no longer be writing into.
-        outcomes = await asyncio.gather(*(one(box) for box in self.mine[name]), return_exceptions=True)
-        failure = next((o for o in outcomes if isinstance(o, BaseException)), None)
-        if failure is not None:
-            raise failure
+        await _all(one(box) for box in self.mine[name])
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -679,9 +690,10 @@ class _StreamedTensorHandler(type_handlers.NumpyHandler):
             self._write_all(values, infos), name="orbax_safetensors_convert")]
 
     async def _write_all(self, values: Sequence[_StreamedTensor], infos: Sequence[Any]) -> None:
-        for value, info in zip(values, infos):
+        for info in infos:
             await info.await_path_creation()
-            await value.write.write_leaf(value.name, info, create=True)
+        if values:
+            await values[0].write.write_leaves({v.name: i for v, i in zip(values, infos)}, create=True)
         if values:
             await asyncio.to_thread(values[0].write.op.exchange, "written", "")
 
@@ -775,11 +787,9 @@ def _write_share(write: _OrbaxWrite, item: str, form: OrbaxForm, destination: st
 
     async def run() -> None:
         context = type_handlers.get_ts_context(use_ocdbt=True)
-        for name in write.specs:
-            info = type_handlers.ParamInfo(
-                name=".".join(root + (name,)), parent_dir=epath.Path(item),
-                is_ocdbt_checkpoint=True, use_zarr3=write.zarr3, ts_context=context)
-            await write.write_leaf(name, info, create=False)
+        await write.write_leaves({name: type_handlers.ParamInfo(
+            name=".".join(root + (name,)), parent_dir=epath.Path(item), is_ocdbt_checkpoint=True,
+            use_zarr3=write.zarr3, ts_context=context) for name in write.specs}, create=False)
 
     with _orbax_failures(destination):
         asyncio.run(run())
