@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
@@ -303,3 +304,25 @@ def test_ctrl_c_leaves_nothing(tmp_path):
     assert child.returncode == 130 or "KeyboardInterrupt" in stderr, stderr[-3000:]
     assert stderr.rstrip().splitlines()[-1].startswith("KeyboardInterrupt"), stderr[-3000:]
     assert sorted(os.listdir(out)) == []
+
+
+@pytest.mark.parametrize("budget", ["1MB", "64KB"], ids=["bands-of-layers", "no-band-fits"])
+def test_way_back_from_chunks_that_hold_every_layer(hf_dir, tmp_path, budget):
+    """MaxText's own converter writes each scanned array in chunks that hold every layer (one
+    chunk here: Orbax's default for an unsharded array). The way back reads them in bands of
+    layers (or, when not even one layer of every leaf fits the budget, box by box) and gives
+    the checkpoint's tensors byte for byte."""
+    config = transformers.AutoConfig.from_pretrained(hf_dir)
+    mapping = ost.mappings.maxtext("llama3.1", config, scan_layers=True)
+    tree = ost.load(hf_dir, mapping=mapping, nest=True)
+    tree = jax.tree.map(lambda x: np.asarray(x, np.float32), tree)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(os.path.abspath(tmp_path / "mt" / "0" / "items"),
+                          {"params": {"params": tree}, "step": 0})
+    meta = ocp.PyTreeCheckpointHandler().metadata(epath.Path(tmp_path / "mt" / "0" / "items")).tree
+    query = meta["params"]["params"]["decoder"]["layers"]["self_attention"]["query"]["kernel"]
+    assert tuple(query.storage.chunk_shape) == tuple(query.shape)  # every layer in one chunk
+    ost.convert(tmp_path / "mt", tmp_path / "back", mapping=mapping, dtype="bfloat16", memory_budget=budget,
+                progress=False)
+    original, returned = _stored(hf_dir), _stored(tmp_path / "back")
+    assert {n: v.tobytes() for n, v in returned.items()} == {n: v.tobytes() for n, v in original.items()}

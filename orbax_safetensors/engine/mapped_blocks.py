@@ -23,6 +23,7 @@ the box asked for, the boxes read for it and one transformed copy.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -111,12 +112,22 @@ class StoredBlocks:
     tensors the mapping makes of them (other leaves are left out).
 
     ``dtype`` is the stored tensors' floating-point dtype (``None``: the
-    mapping's, else the leaf's). Tensors come leaf by leaf, so a source that
-    decodes whole storage chunks meets each of a leaf's chunks in a run.
+    mapping's, else the leaf's).
+
+    A stored tensor of a stacked leaf (one layer of a scanned kernel) is read
+    from a *band* of its leaf: a few consecutive layers (the first stacked
+    axis), every other axis whole, kept until a tensor outside it is asked
+    for. A source that decodes whole storage chunks, a chunk holding every
+    layer (what MaxText's ``to_maxtext.py`` writes: its arrays sharded 16 ways
+    on axis 0), then decodes each chunk once per band rather than once per
+    layer and block. The bands of all stacked leaves together hold at most
+    ``band_bytes``; the layers per band follow. No band where a source says
+    (``chunks(name)``) its chunks hold one layer each (``convert``'s own
+    output), nor where one layer of every leaf would not fit.
     """
 
     def __init__(self, source: BlockSource, mapping: Mapping, *, prefix: str = "",
-                 dtype: np.dtype | None = None):
+                 dtype: np.dtype | None = None, band_bytes: int = 0):
         self._source = source
         self._leaves = {spec.name[len(prefix):]: spec for spec in source.specs if spec.name.startswith(prefix)}
         if not self._leaves:
@@ -128,6 +139,16 @@ class StoredBlocks:
             piece.stored: (leaf, piece) for leaf, assembly in assemblies.items() for piece in assembly.pieces}
         self.specs = [TensorSpec(s.name, _output_dtype(s.dtype, dtype), s.shape) for s in stored]
         self.metadata = source.metadata
+        chunks = getattr(source, "chunks", lambda name: None)
+        stacked = {leaf: a.pieces[0].stacked[0] for leaf, a in assemblies.items()
+                   if a.pieces and a.pieces[0].stacked and (chunks(prefix + leaf) or (2,) * 8)[
+                       a.pieces[0].stacked[0]] > 1}  # a chunk per layer needs no band
+        per_index = sum(self._leaves[leaf].dtype.nbytes(self._leaves[leaf].shape) // self._leaves[leaf].shape[axis]
+                        for leaf, axis in stacked.items())
+        self._band_size = band_bytes // max(per_index, 1)
+        self._band_axis = stacked if self._band_size else {}  # not even one layer fits: no bands
+        self._bands: dict[str, tuple[Box, np.ndarray]] = {}
+        self._lock = threading.Lock()
 
     def read_block(self, info: TensorInfo, block: Box | None) -> memoryview:
         """``block`` of stored tensor ``info.name`` (``None``: all of it), from the smallest
@@ -135,13 +156,31 @@ class StoredBlocks:
         leaf, piece = self._pieces[info.name]
         block = tuple((0, s) for s in info.shape) if block is None else block
         own = piece.transform.tree_box(block)
-        data = _read(self._source, self._leaves[leaf], _in_leaf(piece, own)).reshape(box_shape(own))
+        data = self._leaf_box(leaf, _in_leaf(piece, own)).reshape(box_shape(own))
         out = np.empty(box_shape(block), info.dtype.numpy)
         for stored_box, values in piece.transform.to_stored(own, data):
             part = intersect(stored_box, block)
             if part is not None:
                 out[relative_slices(part, block)] = values[relative_slices(part, stored_box)]
         return to_bytes(out)
+
+    def _leaf_box(self, leaf: str, box: Box) -> np.ndarray:
+        """``box`` of ``leaf``: from its band where it is stacked, else read as it is."""
+        spec = self._leaves[leaf]
+        axis = self._band_axis.get(leaf)
+        if axis is None:
+            return _read(self._source, spec, box)
+        with self._lock:
+            band = self._bands.get(leaf)
+            if band is None or intersect(band[0], box) != box:
+                self._bands.pop(leaf, None)  # freed before the next one is read
+                start = box[axis][0] // self._band_size * self._band_size
+                band_box = tuple((start, min(start + self._band_size, size)) if a == axis else (0, size)
+                                 for a, size in enumerate(spec.shape))
+                band = (band_box, _read(self._source, spec, band_box))
+                self._bands[leaf] = band
+        band_box, values = band
+        return values[relative_slices(box, band_box)]
 
 
 def _in_leaf(piece: Piece, own: Sequence[tuple[int, int]]) -> Box:

@@ -191,7 +191,8 @@ class ConvertOptions:
     with the boxes read for it in the other side's dtype (float32 for a
     bfloat16 block: twice its bytes) and a transformed copy: about four times
     its bytes. With a mapping an Orbax source also keeps a cache of decoded
-    chunks, an eighth of the budget.
+    chunks, an eighth of the budget, and bands of its stacked leaves, a
+    quarter (``StoredBlocks``).
     """
 
     stream: StreamOptions
@@ -211,8 +212,14 @@ class ConvertOptions:
     @property
     def cache_bytes(self) -> int:
         """An Orbax source's decoded-chunk cache: only a mapping reads boxes that are not
-        whole chunks (one layer of a scanned array), which the next boxes would decode again."""
+        whole chunks (a column band of an unstacked kernel), which the next boxes would decode
+        again."""
         return 0 if self.mapping is None else self.memory_budget // 8
+
+    @property
+    def band_bytes(self) -> int:
+        """The bands of stacked leaves a mapped Orbax source keeps (``StoredBlocks``)."""
+        return self.memory_budget // 4
 
 
 def convert(
@@ -340,7 +347,8 @@ def _open_source(src: str | os.PathLike, target: Location, options: ConvertOptio
         orbax = OrbaxBlocks(item, prefix=prefix, cache_bytes=options.cache_bytes)
         if options.mapping is None:
             return fmt, orbax
-        return fmt, StoredBlocks(orbax, options.mapping, prefix=prefix, dtype=options.dtype)
+        return fmt, StoredBlocks(orbax, options.mapping, prefix=prefix, dtype=options.dtype,
+                                 band_bytes=options.band_bytes)
     checkpoint = opened.enter_context(open_checkpoint(Location.resolve(src, storage_options, filesystem)))
     if options.mapping is None:
         return fmt, CheckpointBlocks(checkpoint)
@@ -518,6 +526,11 @@ class OrbaxBlocks:
             if isinstance(custom, MappingABC) else {}
         self._lock = threading.Lock()  # one band decoded at a time, across tensors
         self._bands: dict[str, _Band] = {}
+
+    def chunks(self, name: str) -> tuple[int, ...]:
+        """The storage chunk of array ``name`` (what TensorStore decodes at once)."""
+        store = self._stores[name]
+        return tuple(c or s for c, s in zip(store.chunk_layout.read_chunk.shape, store.shape))
 
     def read_block(self, info: TensorInfo, block: Box | None) -> memoryview:
         store = self._stores[info.name]
