@@ -49,7 +49,7 @@ before the command (``common.CONDITION_NOTES``). Before every run the parent rem
 destination and reads every source file once (untimed), so the source is in the page cache
 for every contender alike. Runs alternate contender by contender and cold/warm (which goes
 first flips every repeat); a run during which other processes used more than 0.05 s + 10 % of
-its wall time of user CPU is discarded and run again, up to 3 times, then kept and counted
+its wall time of user CPU is discarded and run again once, then kept and counted
 (``common.Probe``, ``common.run_undisturbed``). Peak RSS is each command's ``ru_maxrss`` from
 ``wait4`` (the parent imports nothing heavy, so the address space a spawned child starts
 from is small). Time includes each tool's imports and start-up (``convert()`` alone is given
@@ -95,7 +95,7 @@ def llama3(hidden: int, heads: int, kv_heads: int, vocab: int = 32000, max_shard
 SIZES = {"0.25": llama3(512, 4, 2), "1": llama3(1024, 8, 4), "4": llama3(2048, 16, 8),
          "tiny": llama3(256, 2, 1, vocab=1024, max_shard_size="20MB")}
 DEFAULT_SIZES = ("0.25", "1", "4")
-ATTEMPTS = 3  # a disturbed run is run again at most this many times in all
+ATTEMPTS = 2  # runs in all when disturbed: long commands on a shared 2-core machine are often disturbed
 TIMEOUT = 1800.0
 TOKENIZER = {  # a one-word WordLevel tokenizer: to_huggingface.py loads and re-saves the source's
     "version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
@@ -403,7 +403,7 @@ def render(args, measured: dict, wall: float) -> str:
         "- seconds: the command's wall time, process start to exit (imports and start-up included); peak RSS: "
         "its `ru_maxrss` (GB). *ours ÷ row*: ours' median over this row's, cold / warm (time below 0.5: ours "
         "takes less than half; RSS: the fraction of this row's peak ours needs). Disturbed runs (others used the "
-        "CPU) are run again, at most 3 times in all, then kept.",
+        "CPU) are run once more, then kept.",
         "",
         "| size GB | direction | contender | cold s | warm s | peak RSS cold GB | peak RSS warm GB | ours ÷ row, "
         "time | ours ÷ row, RSS | discarded |",
