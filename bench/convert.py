@@ -342,9 +342,8 @@ def run_all(args) -> dict:
                     for condition in order:
                         result = run_undisturbed(lambda: bench.run(contender, direction, condition), ATTEMPTS)
                         results[size][direction][contender][condition].append(result)
-                        shown = (f"{result['seconds']:.1f} s, peak RSS {fmt_gb(result['peak_rss'])} GB"
-                                 + (f", {result['discarded']} disturbed run(s) discarded" if result["discarded"] else "")
-                                 if result["ok"] else "failed: " + result["error"])
+                        shown = common.progress(result, lambda r: f"{r['seconds']:.1f} s, peak RSS "
+                                                                  f"{fmt_gb(r['peak_rss'])} GB")
                         print(f"[{size} GB {repeat + 1}/{args.repeats} {direction} {condition}] {contender}: {shown}",
                               file=sys.stderr, flush=True)
     return {"results": results, "sources": sources}
