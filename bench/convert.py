@@ -71,6 +71,7 @@ import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
@@ -78,7 +79,15 @@ sys.path.insert(0, str(BENCH))  # bench/ is not a package
 sys.path.insert(1, str(BENCH.parent))  # tests/: the MaxText venv, the multi-process child
 import common
 import scanned
-from common import CONDITION_NOTES, CONDITIONS, fmt_gb, machine_line, publish, run_undisturbed, spread
+from common import (
+    CONDITION_NOTES,
+    CONDITIONS,
+    fmt_gb,
+    machine_line,
+    publish,
+    run_undisturbed,
+    spread,
+)
 from load import checkpoint_files, warm_page_cache
 
 CONTENDERS = ("ours", "ours_2proc", "maxtext")
@@ -255,7 +264,7 @@ def check_output(direction: str, dst: Path, hf_dir: Path) -> str | None:
         items = dst / "0" / "items"
         return None if (items / "_METADATA").exists() else f"no committed checkpoint at {items}"
     done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--check", str(dst), str(hf_dir)],
-                          capture_output=True, text=True, cwd=BENCH.parent)
+                          check=False, capture_output=True, text=True, cwd=BENCH.parent)
     return None if done.returncode == 0 else (done.stderr.strip().splitlines() or ["check failed"])[-1][:300]
 
 
@@ -266,7 +275,7 @@ def check_hf(dst: Path, source: Path) -> None:
 
     def tensors(directory: Path) -> dict:
         return {name: (f, directory / file) for file in sorted({p.name for p in directory.glob("*.safetensors")})
-                for f in [safe_open(str(directory / file), framework="np")] for name in f.keys()}
+                for f in [safe_open(str(directory / file), framework="np")] for name in f.keys()}  # noqa: SIM118
 
     got, want = tensors(dst), tensors(source)
     if set(got) != set(want):
@@ -340,7 +349,7 @@ def run_all(args) -> dict:
             for direction in args.directions:
                 for contender in args.contenders:
                     for condition in order:
-                        result = run_undisturbed(lambda: bench.run(contender, direction, condition), ATTEMPTS)
+                        result = run_undisturbed(partial(bench.run, contender, direction, condition), ATTEMPTS)
                         results[size][direction][contender][condition].append(result)
                         shown = common.progress(result, lambda r: f"{r['seconds']:.1f} s, peak RSS "
                                                                   f"{fmt_gb(r['peak_rss'])} GB")
@@ -382,11 +391,11 @@ def render(args, measured: dict, wall: float) -> str:
     results, sources = measured["results"], measured["sources"]
     budget = args.memory_budget or "the default (1GB)"
     lines = [
-        "### HF ↔ MaxText conversion: `ost.convert(..., mapping=ost.mappings.maxtext(...))` vs MaxText 0.2.5's "
-        "scripts, scanned Llama-3-like bf16, cold and warm",
+        ("### HF ↔ MaxText conversion: `ost.convert(..., mapping=ost.mappings.maxtext(...))` vs MaxText 0.2.5's "
+         "scripts, scanned Llama-3-like bf16, cold and warm"),
         "",
-        f"- command: `{shlex.join(sys.orig_argv)}` ({time.strftime('%Y-%m-%d %H:%M %Z')}, whole benchmark "
-        f"{wall:.0f} s)",
+        (f"- command: `{shlex.join(sys.orig_argv)}` ({time.strftime('%Y-%m-%d %H:%M %Z')}, whole benchmark "
+         f"{wall:.0f} s)"),
         f"- machine: {machine_line()}",
         f"- versions: {common.versions_line()}; MaxText 0.2.5 in its own venv (Python 3.12, its pinned stack)",
         f"- ours: `memory_budget` {budget}",
@@ -397,15 +406,15 @@ def render(args, measured: dict, wall: float) -> str:
                      f"{s['ffn']}, vocab {s['vocab']}, untied head, {len(checkpoint_files(hf_dir))} files "
                      f"(`max_shard_size=\"{s['max_shard_size']}\"`); to_hf reads the MaxText checkpoint {by} wrote")
     lines += [
-        f"- **cold**: {CONDITION_NOTES['cold']}; **warm**: {CONDITION_NOTES['warm']}. The source is in the page "
-        f"cache (read right before each run); {args.repeats} runs of each, alternating; cells `median [min–max]`.",
-        "- seconds: the command's wall time, process start to exit (imports and start-up included); peak RSS: "
-        "its `ru_maxrss` (GB). *ours ÷ row*: ours' median over this row's, cold / warm (time below 0.5: ours "
-        "takes less than half; RSS: the fraction of this row's peak ours needs). Disturbed runs (others used the "
-        "CPU) are run once more, then kept.",
+        (f"- **cold**: {CONDITION_NOTES['cold']}; **warm**: {CONDITION_NOTES['warm']}. The source is in the page "
+         f"cache (read right before each run); {args.repeats} runs of each, alternating; cells `median [min–max]`."),
+        ("- seconds: the command's wall time, process start to exit (imports and start-up included); peak RSS: "
+         "its `ru_maxrss` (GB). *ours ÷ row*: ours' median over this row's, cold / warm (time below 0.5: ours "
+         "takes less than half; RSS: the fraction of this row's peak ours needs). Disturbed runs (others used the "
+         "CPU) are run once more, then kept."),
         "",
-        "| size GB | direction | contender | cold s | warm s | peak RSS cold GB | peak RSS warm GB | ours ÷ row, "
-        "time | ours ÷ row, RSS | discarded |",
+        ("| size GB | direction | contender | cold s | warm s | peak RSS cold GB | peak RSS warm GB | ours ÷ row, "
+         "time | ours ÷ row, RSS | discarded |"),
         "|---|---|---|---|---|---|---|---:|---:|---|",
     ]
     notes = []
