@@ -49,10 +49,12 @@ before the command (``common.CONDITION_NOTES``). Before every run the parent rem
 destination and reads every source file once (untimed), so the source is in the page cache
 for every contender alike. Runs alternate contender by contender and cold/warm (which goes
 first flips every repeat); a run during which other processes used more than 0.05 s + 10 % of
-its wall time of user CPU is discarded and run again once, then kept and counted
-(``common.Probe``, ``common.run_undisturbed``). Peak RSS is each command's ``ru_maxrss`` from
-``wait4`` (the parent imports nothing heavy, so the address space a spawned child starts
-from is small). Time includes each tool's imports and start-up (``convert()`` alone is given
+its wall time of user CPU is discarded and run again (``--attempts``: 2 runs in all), then
+kept and counted
+(``common.Probe``, ``common.run_undisturbed``). Peak RSS is each command's ``ru_maxrss``, as
+GNU ``time`` reports it: every command runs under ``/usr/bin/time``, so it is forked from that
+small process (a command spawned by the parent itself would report at least the parent's own
+peak, ``common.peak_rss``: the parent that wrote a 4 GB checkpoint). Time includes each tool's imports and start-up (``convert()`` alone is given
 for ours under the table). After every run (untimed) the output is checked: a MaxText
 checkpoint's ``0/items`` committed; an HF directory's tensors, names, shapes and dtypes those
 of the source, and its tensors other than ``q_proj`` bitwise the source's.
@@ -104,8 +106,8 @@ def llama3(hidden: int, heads: int, kv_heads: int, vocab: int = 32000, max_shard
 SIZES = {"0.25": llama3(512, 4, 2), "1": llama3(1024, 8, 4), "4": llama3(2048, 16, 8),
          "tiny": llama3(256, 2, 1, vocab=1024, max_shard_size="20MB")}
 DEFAULT_SIZES = ("0.25", "1", "4")
-ATTEMPTS = 2  # runs in all when disturbed: long commands on a shared 2-core machine are often disturbed
 TIMEOUT = 1800.0
+GNU_TIME = "/usr/bin/time"  # its %M: the command's ru_maxrss, in KB
 TOKENIZER = {  # a one-word WordLevel tokenizer: to_huggingface.py loads and re-saves the source's
     "version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
     "pre_tokenizer": {"type": "Whitespace"}, "post_processor": None, "decoder": None,
@@ -207,33 +209,33 @@ def convert_share(args: dict) -> dict:
 
 
 def run_commands(commands: list[list[str]], condition: str, log: Path) -> dict:
-    """Starts every command at once, waits for all; wall time, CPU and each one's peak RSS."""
+    """Starts every command at once (under GNU ``time``), waits for all; wall time, CPU and each one's peak RSS."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="2",
                HF_HUB_OFFLINE="1", PYTHONPATH=str(BENCH.parent))
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"  # MaxText's scripts set their own
     if condition == "warm":
         common.prefault_memory_in_child(common.WARM_GB)
-    peaks, codes = [], []
+    peaks = [log.with_suffix(f".maxrss{i}") for i in range(len(commands))]
     with common.Probe(children=True) as probe, open(log, "w") as out:
-        procs = [subprocess.Popen(c, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                  env=env, cwd=BENCH.parent) for c in commands]
+        procs = [subprocess.Popen([GNU_TIME, "-f", "%M", "-o", str(peak), *c], stdout=out,
+                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=BENCH.parent,
+                                  start_new_session=True)  # its own group: a timeout kills the command too
+                 for c, peak in zip(commands, peaks)]
         deadline = time.monotonic() + TIMEOUT
-        for proc in procs:
-            while (done := os.wait4(proc.pid, os.WNOHANG))[0] == 0:
-                if time.monotonic() > deadline:
-                    for p in procs:
-                        p.kill()
-                    done = os.wait4(proc.pid, 0)
-                    break
-                time.sleep(0.02)
-            proc.returncode = os.waitstatus_to_exitcode(done[1])
-            codes.append(proc.returncode)
-            peaks.append(done[2].ru_maxrss * 1024)
+        try:
+            codes = [proc.wait(timeout=max(1.0, deadline - time.monotonic())) for proc in procs]
+        except subprocess.TimeoutExpired:
+            for proc in procs:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+            return {"ok": False, "error": f"timeout after {TIMEOUT:.0f} s (log {log})"}
     if any(codes):
         lines = [l.strip() for l in log.read_text(errors="replace").splitlines() if l.strip()]
         errors = [l for l in lines if "Error" in l or "Exception" in l]
         return {"ok": False, "error": ((errors or lines or ["?"])[-1])[:200] + f" (exit {codes}, log {log})"}
-    return {"ok": True, **probe.report, "peak_rss": max(peaks), "peak_rss_each": peaks}
+    kilobytes = [int(peak.read_text().split()[-1]) for peak in peaks]
+    return {"ok": True, **probe.report, "peak_rss": max(kilobytes) * 1024,
+            "peak_rss_each": [k * 1024 for k in kilobytes]}
 
 
 def worker_results(dst: Path, processes: int) -> dict:
@@ -349,7 +351,8 @@ def run_all(args) -> dict:
             for direction in args.directions:
                 for contender in args.contenders:
                     for condition in order:
-                        result = run_undisturbed(partial(bench.run, contender, direction, condition), ATTEMPTS)
+                        result = run_undisturbed(partial(bench.run, contender, direction, condition),
+                                                 args.attempts)
                         results[size][direction][contender][condition].append(result)
                         shown = common.progress(result, lambda r: f"{r['seconds']:.1f} s, peak RSS "
                                                                   f"{fmt_gb(r['peak_rss'])} GB")
@@ -411,7 +414,7 @@ def render(args, measured: dict, wall: float) -> str:
         ("- seconds: the command's wall time, process start to exit (imports and start-up included); peak RSS: "
          "its `ru_maxrss` (GB). *ours ÷ row*: ours' median over this row's, cold / warm (time below 0.5: ours "
          "takes less than half; RSS: the fraction of this row's peak ours needs). Disturbed runs (others used the "
-         "CPU) are run once more, then kept."),
+         f"CPU) are run again, {args.attempts} runs in all, then kept."),
         "",
         ("| size GB | direction | contender | cold s | warm s | peak RSS cold GB | peak RSS warm GB | ours ÷ row, "
          "time | ours ÷ row, RSS | discarded |"),
@@ -444,6 +447,8 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--directions", default=",".join(DIRECTIONS))
     parser.add_argument("--conditions", default=",".join(CONDITIONS))
     parser.add_argument("--memory-budget", default=None, help="ours' memory_budget (its default)")
+    parser.add_argument("--attempts", type=int, default=2,
+                        help="runs in all while disturbed (%(default)s; 1 keeps every run, on a busy machine)")
     parser.add_argument("--quick", action="store_true", help="the tiny model, 1 repeat: a smoke test")
     args = parser.parse_args()
     args.repeats = args.repeats or (1 if args.quick else 3)
