@@ -309,6 +309,14 @@ def run_undisturbed(run, attempts: int = 4) -> dict:
     return result
 
 
+def progress(result: dict, measured) -> str:
+    """A run's progress line: ``measured(result)`` and the disturbed runs discarded, or why it failed."""
+    if not result["ok"]:
+        return "failed: " + result["error"]
+    discarded = result.get("discarded")
+    return measured(result) + (f", {discarded} disturbed run(s) discarded" if discarded else "")
+
+
 def run_worker(script: Path, arguments: list[str]) -> dict:
     """Runs ``script --worker *arguments`` on 8 host CPU devices; its result, or why it failed."""
     env = dict(os.environ)

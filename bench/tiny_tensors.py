@@ -359,9 +359,8 @@ def main() -> None:
                         result = common.run_undisturbed(lambda: run_one(
                             homes[case], cases[case], operation, contender, condition, args.sharding, scratch))
                         results[case][operation][contender][condition].append(result)
-                        shown = (f"{result['seconds']:.2f} s, peak RSS {result['common.peak_rss'] / 1e6:.0f} MB"
-                                 + (f", {result['discarded']} disturbed run(s) discarded" if result["discarded"] else "")
-                                 if result["ok"] else "failed: " + result["error"])
+                        shown = common.progress(result, lambda r: f"{r['seconds']:.2f} s, peak RSS "
+                                                                  f"{r['common.peak_rss'] / 1e6:.0f} MB")
                         print(f"[{repeat + 1}/{args.repeats} {case} {operation} {condition}] {contender}: {shown}",
                               file=sys.stderr, flush=True)
     table = render(cases, results, args, time.perf_counter() - started)
