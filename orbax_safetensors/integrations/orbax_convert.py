@@ -1,36 +1,22 @@
 """``convert``: an Orbax PyTree checkpoint ↔ an HF safetensors checkpoint, streamed.
 
-Both directions move one row block of one tensor at a time, so memory stays
-at a few blocks (``block_bytes``) whatever the model size, with one caveat
-for Orbax sources, below.
+Both directions move one block of one tensor at a time, so memory stays
+within a budget whatever the model size, with one caveat for Orbax sources:
+TensorStore decodes whole storage chunks (``orbax_blocks``).
 
-Orbax → safetensors. The Orbax tree metadata (``_METADATA``) gives every
-array's key path, shape, dtype and storage chunk; each array is opened on its
-own through TensorStore, with the read spec Orbax itself uses, and read in row
-blocks: the TensorStore arrays are one more *block source* (``OrbaxBlocks``)
-for the writer ``consolidate`` uses (``write_blocks``: same planning,
-``max_shard_size`` packing, lock and commit).
-Tensor names are key paths joined with ``.``, which is both what ``ost.save``
-names a leaf and Orbax's own parameter name. TensorStore decodes whole
-storage chunks, and Orbax stores an unsharded array as a single chunk (it only
-splits arrays above its 2 GB OCDBT target file size). So when a chunk spans
-more rows than a block, the rows it covers are decoded once and the blocks
-cut from them (``OrbaxBlocks``): reading such a checkpoint needs about twice
-its largest chunk (compressed and decoded bytes) plus the blocks, however
-big the checkpoint. (glibc may keep some freed chunk buffers resident, which
-shows as 3-5x the largest chunk in a process's peak RSS unless
-``MALLOC_MMAP_THRESHOLD_`` is set.) Checkpoints this module writes use
-row-block chunks, so for them the bound is the blocks alone.
-
-safetensors → Orbax. Orbax's save takes a tree of in-memory arrays, so the
-tree handed to it holds placeholders (``_StreamedTensor``: shape, dtype and
-where the bytes are) and a ``TypeHandler`` for them that writes each array
-with the TensorStore spec Orbax's ``NumpyHandler`` would use, block by block,
-with chunks of at most ``block_bytes`` rows. It reports the type
-``np.ndarray``, so the result is an ordinary Orbax checkpoint (tree metadata,
-OCDBT, zarr) that ``ocp.StandardCheckpointer().restore(dst)`` reads as numpy
-arrays, with no knowledge of this module. The safetensors ``__metadata__``
-becomes the Orbax ``custom_metadata`` and comes back on the way out.
+1. Open (every process, agreed: one failing fails all). The direction
+   follows the source: an Orbax PyTree item (or a step holding one, or a
+   root holding one step: MaxText's) is read as a block source
+   (``OrbaxBlocks``); anything the catalog opens as another
+   (``CheckpointBlocks``). A ``mapping`` puts one more source in front: the
+   tree's leaves out of stored tensors (``TreeBlocks``), or the stored
+   tensors out of the tree's leaves (``StoredBlocks``).
+2. Write. Safetensors output is the writer ``consolidate`` uses
+   (``write_blocks``: the same planning, ``max_shard_size`` packing, lock and
+   commit; files shared out among processes). Orbax output goes through
+   Orbax's own handler, chunk by chunk (``orbax_writer``), in the form the
+   mapping names (``OrbaxForm``: MaxText's train state for
+   ``ost.mappings.maxtext``); chunks shared out among processes.
 
 Tree shape. Names are split on ``.`` into nested dicts
 (``model.layers.0.mlp.weight`` → ``tree["model"]["layers"]["0"]["mlp"]["weight"]``),
@@ -39,35 +25,25 @@ since a safetensors name cannot say whether ``0`` was a list index. Either
 way Orbax names each array by its key path joined with ``.``, so a
 conversion round trip gives back exactly the names (and bytes) it started
 with. ``nest=False`` keeps the flat names as top-level keys instead, and is
-needed when one name is a prefix of another (``a`` and ``a.b``).
+needed when one name is a prefix of another (``a`` and ``a.b``). The
+safetensors ``__metadata__`` becomes the Orbax ``custom_metadata`` and comes
+back on the way out.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
-import errno
 import functools
-import json
-import logging
 import os
 import re
-import threading
 import time
-import uuid
-from collections.abc import Iterator, Sequence
 from collections.abc import Mapping as MappingABC
 from typing import Any
 
 import fsspec
-import jax
 import numpy as np
-import orbax.checkpoint as ocp
-import tensorstore as ts
 from etils import epath
-from orbax.checkpoint import future as ocp_future
-from orbax.checkpoint import type_handlers
 
 from orbax_safetensors.engine import (
     DEFAULT_BLOCK_BYTES,
@@ -77,13 +53,10 @@ from orbax_safetensors.engine import (
     CheckpointBlocks,
     Operation,
     Peers,
-    Progress,
     StoredBlocks,
     StreamOptions,
     TreeBlocks,
     detect_layout,
-    flatten_with_names,
-    nest as nest_names,
     open_checkpoint,
     write_blocks,
 )
@@ -93,11 +66,11 @@ from orbax_safetensors.errors import (
     MissingFileError,
     SafetensorsError,
 )
-from orbax_safetensors.format import TensorInfo, dtype_for_numpy, from_bytes, to_bytes
-from orbax_safetensors.index import natural_key, parse_size
-from orbax_safetensors.planning import Box, Mapping, TensorSpec, box_shape, chunk_boxes, chunk_shape
-from orbax_safetensors.storage import Location, StorageError
-from orbax_safetensors.storage.commit import DirectorySwap
+from orbax_safetensors.index import parse_size
+from orbax_safetensors.integrations.orbax_blocks import OrbaxBlocks
+from orbax_safetensors.integrations.orbax_writer import FORMS, OrbaxForm, write_orbax
+from orbax_safetensors.planning import Mapping
+from orbax_safetensors.storage import Location
 
 ORBAX = "orbax"
 SAFETENSORS = "safetensors"
@@ -126,59 +99,6 @@ class ConvertStats:
         return {"source_format": self.source_format, "target_format": self.target_format,
                 "tensors": self.tensors, "bytes_written": self.bytes_written, "files": self.files,
                 "seconds": round(self.seconds, 3), "gb_per_s": round(self.gb_per_s, 3)}
-
-
-
-@dataclasses.dataclass(frozen=True)
-class OrbaxForm:
-    """Where a converted tree sits in an Orbax checkpoint directory.
-
-    ``item``: the PyTree item's directory under it; ``root``: the keys above
-    the tree inside the item; ``extra``: the item's other leaves;
-    ``handler``: the item's handler, as the checkpoint's metadata names it;
-    ``zarr3``: its arrays' format.
-    """
-
-    item: tuple[str, ...] = ()
-    root: tuple[str, ...] = ()
-    extra: tuple[tuple[str, Any], ...] = ()
-    handler: str = "orbax.checkpoint._src.handlers.pytree_checkpoint_handler.PyTreeCheckpointHandler"
-    zarr3: bool = False
-
-    @property
-    def prefix(self) -> str:
-        """The tree's names inside the item start with this."""
-        return "".join(f"{key}." for key in self.root)
-
-    def tree(self, leaves: dict[str, Any], *, nest: bool) -> dict[str, Any]:
-        tree: dict[str, Any] = nest_names(leaves) if nest else dict(leaves)
-        for key in reversed(self.root):
-            tree = {key: tree}
-        return {**dict(self.extra), **tree}
-
-    def write_step_files(self, item: epath.Path) -> None:
-        """The checkpoint's files around the item, as Orbax's ``Checkpointer`` leaves them: its
-        ``_CHECKPOINT_METADATA`` (which Orbax v1's loaders read) naming the item's handler,
-        and commit markers. A lone item is the checkpoint itself."""
-        step, handlers = (item.parent, {item.name: self.handler}) if self.item else (item, self.handler)
-        now = time.time_ns()
-        (step / "_CHECKPOINT_METADATA").write_text(json.dumps({
-            "item_handlers": handlers, "metrics": {}, "performance_metrics": {},
-            "init_timestamp_nsecs": now, "commit_timestamp_nsecs": now, "custom_metadata": {}}))
-        for directory in {item, step}:
-            (directory / "commit_success.txt").write_text(
-                f"Checkpoint commit was successful to {directory}")
-
-
-# What MaxText 0.2.5's to_maxtext.py writes (a TrainState of step 0 through Orbax v1's
-# training Checkpointer), and what its load_parameters_path (load_params_from_path) reads.
-FORMS = {
-    None: OrbaxForm(),
-    "maxtext": OrbaxForm(item=("0", "items"), root=("params", "params"),
-                         extra=(("step", 0), ("opt_state", {})),
-                         handler="orbax.checkpoint.experimental.v1._src.handlers."
-                                 "pytree_handler.PyTreeHandler", zarr3=True),
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,7 +250,10 @@ def convert(
             stats = write_blocks(target, source, options.stream, label=label, started=started)
             return ConvertStats(ORBAX, SAFETENSORS, len(source.specs), stats.bytes_written,
                                 stats.files, stats.seconds)
-        return _write_orbax(source, target, options, form, label=label, started=started)
+        tensors, written = write_orbax(source, target, form, chunk_bytes=options.stream.block_bytes,
+                                       nest=options.nest, metadata=options.stream.metadata,
+                                       progress=options.stream.progress, label=label)
+        return ConvertStats(SAFETENSORS, ORBAX, tensors, written, 0, time.perf_counter() - started)
 
 
 def _open_source(src: str | os.PathLike, target: Location, options: ConvertOptions,
@@ -461,407 +384,3 @@ def _orbax_item_dir(path: str) -> str | None:
 
 def _items(step: epath.Path) -> list[epath.Path]:
     return sorted(p for p in step.iterdir() if (p / _TREE_METADATA_FILE).exists())
-
-
-# ---------------------------------------------------------------- Orbax → safetensors
-
-
-@dataclasses.dataclass
-class _Band:
-    """The decoded rows of one chunk band of a tensor, from row ``start``; ``left`` of them
-    have not been handed out in a block yet."""
-
-    start: int
-    left: int
-    rows: np.ndarray
-
-
-class OrbaxBlocks:
-    """An Orbax PyTree checkpoint's arrays as a block source, each storage chunk decoded once.
-
-    Every array is opened on its own through TensorStore, with the read spec
-    Orbax itself uses. TensorStore decodes whole chunks, and Orbax stores an
-    unsharded array as one chunk: reading a row block of it on its own would
-    decode the whole array once per block. So when a tensor's chunks span
-    more rows than a block, the band of rows one chunk row covers is read
-    once, serves the blocks inside it (from the writer's few threads), and is
-    dropped as soon as all its rows have been served. Bands are decoded one at
-    a time, also across tensors, since decoding one briefly needs its
-    compressed bytes too. Other boxes (a mapping's: one layer of a scanned
-    array) are read as they are, through a cache of decoded chunks of
-    ``cache_bytes``, so the next boxes of the same chunks do not decode them
-    again.
-
-    Only the arrays named ``prefix``… are read (MaxText's train state keeps
-    its step and optimizer state beside the params).
-    """
-
-    def __init__(self, item_dir: str, *, prefix: str = "", cache_bytes: int = 0):
-        item_dir = os.path.abspath(item_dir) if "://" not in item_dir else item_dir
-        tree_metadata = ocp.PyTreeCheckpointHandler().metadata(epath.Path(item_dir))
-        tree = getattr(tree_metadata, "tree", tree_metadata)
-        names, leaves, _ = flatten_with_names(tree)
-        arrays: dict[str, Any] = {}
-        for name, leaf in zip(names, leaves):
-            if not name.startswith(prefix):
-                continue
-            if not isinstance(leaf, ocp.metadata.ArrayMetadata):
-                raise ArgumentError(
-                    f"{name!r} is a {type(leaf).__name__.removesuffix('Metadata').lower()}: "
-                    "safetensors holds only arrays")
-            arrays[name] = leaf
-        # Numbers in names as numbers (layers.2 before layers.10): this decides the shards.
-        self.specs = [TensorSpec(n, dtype_for_numpy(arrays[n].dtype), tuple(arrays[n].shape))
-                      for n in sorted(arrays, key=natural_key)]
-        use_ocdbt = type_handlers.is_ocdbt_checkpoint(epath.Path(item_dir))
-        use_zarr3 = bool(getattr(tree_metadata, "use_zarr3", False))
-        context = ts.Context({"cache_pool": {"total_bytes_limit": cache_bytes},
-                              "cache_pool#ocdbt": {"total_bytes_limit": 100_000_000},
-                              "file_io_concurrency": {"limit": 32}})
-        opened = {name: ts.open(_read_spec(item_dir, meta.name, use_ocdbt, use_zarr3), open=True,
-                                context=context) for name, meta in arrays.items()}
-        self._stores = {name: future.result() for name, future in opened.items()}
-        custom = getattr(tree_metadata, "custom_metadata", None)
-        self.metadata = {k: v for k, v in (custom or {}).items() if isinstance(v, str)} \
-            if isinstance(custom, MappingABC) else {}
-        self._lock = threading.Lock()  # one band decoded at a time, across tensors
-        self._bands: dict[str, _Band] = {}
-
-    def chunks(self, name: str) -> tuple[int, ...]:
-        """The storage chunk of array ``name`` (what TensorStore decodes at once)."""
-        store = self._stores[name]
-        return tuple(c or s for c, s in zip(store.chunk_layout.read_chunk.shape, store.shape))
-
-    def read_block(self, info: TensorInfo, block: Box | None) -> memoryview:
-        store = self._stores[info.name]
-        if block is None or not block:
-            return to_bytes(np.asarray(store.read().result()))
-        if any(box != (0, size) for box, size in zip(block[1:], store.shape[1:])):
-            return to_bytes(np.asarray(store[tuple(slice(a, b) for a, b in block)].read().result()))
-        start, stop = block[0]
-        band_rows = store.chunk_layout.read_chunk.shape[0] or store.shape[0]
-        band_start = start // band_rows * band_rows
-        band_stop = min(band_start + band_rows, store.shape[0])
-        if band_rows <= stop - start or stop > band_stop:  # whole chunks, or across two bands
-            return to_bytes(np.asarray(store[start:stop].read().result()))
-        with self._lock:
-            band = self._bands.get(info.name)
-            if band is None or band.start != band_start:
-                self._bands.pop(info.name, None)  # freed before the next one is read
-                band = _Band(band_start, band_stop - band_start,
-                             np.asarray(store[band_start:band_stop].read().result()))
-                self._bands[info.name] = band
-            rows = band.rows[start - band_start:stop - band_start]
-            band.left -= stop - start
-            if band.left <= 0:
-                del self._bands[info.name]
-            return to_bytes(rows.copy())
-
-
-def _read_spec(item_dir: str, param_name: str, use_ocdbt: bool, use_zarr3: bool) -> dict:
-    """Orbax's own TensorStore read spec for one array of the checkpoint."""
-    info = type_handlers.ParamInfo(name=param_name, parent_dir=epath.Path(item_dir),
-                                   is_ocdbt_checkpoint=use_ocdbt, use_zarr3=use_zarr3)
-    spec = type_handlers.get_json_tspec_read(info, use_ocdbt=use_ocdbt)
-    return spec
-
-
-# ---------------------------------------------------------------- safetensors → Orbax
-
-
-_IN_FLIGHT = 3  # chunks read, transformed or written at once (each about 3 chunks of memory)
-
-
-async def _all(coroutines: Iterator[Any]) -> None:
-    """Awaits all; every one has finished before a failure is raised (the caller then removes
-    the staged directory, which TensorStore must no longer be writing into)."""
-    outcomes = await asyncio.gather(*coroutines, return_exceptions=True)
-    failure = next((o for o in outcomes if isinstance(o, BaseException)), None)
-    if failure is not None:
-        raise failure
-
-
-class _Cancelled(Exception):
-    """The conversion was interrupted; a chunk not written yet is not written."""
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _OrbaxWrite:
-    """One conversion's Orbax output: where each leaf's bytes come from, its chunks, which
-    of them this process writes, and the operation the processes share."""
-
-    source: BlockSource
-    specs: dict[str, TensorSpec]  # by tree name (the form's root left out)
-    chunks: dict[str, tuple[int, ...]]
-    mine: dict[str, list[Box]]
-    op: Operation
-    zarr3: bool
-
-    @classmethod
-    def plan(cls, source: BlockSource, op: Operation, chunk_bytes: int, zarr3: bool) -> _OrbaxWrite:
-        """Every leaf's chunks, shared out round-robin in a fixed order, so each process knows
-        its own without asking. A mapped tree's are tiles, one layer / expert each where the
-        mapping stacks them (restored sharded: MaxText); a copied checkpoint's are rows (read
-        back as row blocks, ``planning.chunking``)."""
-        mapped = isinstance(source, TreeBlocks)
-        specs = {spec.name: spec for spec in source.specs}
-        chunks = {name: chunk_shape(spec.shape, spec.dtype.bits // 8, chunk_bytes,
-                                    source.stacked(name) if mapped else (), tiles=mapped)
-                  for name, spec in specs.items()}
-        every = [(name, box) for name, spec in specs.items() for box in chunk_boxes(spec.shape, chunks[name])]
-        mine: dict[str, list[Box]] = {name: [] for name in specs}
-        for name, box in every[jax.process_index()::jax.process_count()]:
-            mine[name].append(box)
-        return cls(source, specs, chunks, mine, op, zarr3)
-
-    @property
-    def nbytes(self) -> int:
-        """The bytes this process writes."""
-        return sum(self.specs[name].dtype.nbytes(box_shape(box)) for name, boxes in self.mine.items()
-                   for box in boxes)
-
-    async def write_leaves(self, infos: MappingABC[str, Any], *, create: bool) -> None:
-        """This process's chunks of every leaf, Orbax's ``infos`` giving their specs: all
-        leaves at once, ``_IN_FLIGHT`` chunks at a time (read and transformed on threads while
-        TensorStore compresses and writes the others)."""
-        gate = asyncio.Semaphore(_IN_FLIGHT)
-        await _all(self._write_leaf(name, info, gate, create=create) for name, info in infos.items())
-
-    async def _write_leaf(self, name: str, info: Any, gate: asyncio.Semaphore, *, create: bool) -> None:
-        spec = self.specs[name]
-        if spec.dtype.is_packed:
-            raise ArgumentError(f"tensor {name!r}: Orbax cannot store {spec.dtype.code} (sub-byte) arrays")
-        tspec = type_handlers.get_json_tspec_write(
-            info, use_ocdbt=info.is_ocdbt_checkpoint, global_shape=spec.shape, local_shape=spec.shape,
-            dtype=spec.dtype.numpy,
-            process_index=jax.process_index() if info.is_ocdbt_checkpoint else None)
-        _set_chunk_shape(tspec, self.chunks[name])
-        store = await ts.open(ts.Spec(tspec), create=create, open=True, assume_metadata=not create,
-                              context=info.ts_context)
-        tensor = TensorInfo(name, spec.dtype, spec.shape, 0, spec.dtype.nbytes(spec.shape))
-
-        async def one(box: Box) -> None:
-            async with gate:
-                if self.op.cancelled.is_set():  # a Ctrl-C: the rest is not written
-                    raise _Cancelled(name)
-                raw = await asyncio.to_thread(self.source.read_block, tensor, box)
-                await store[tuple(slice(a, b) for a, b in box)].write(
-                    from_bytes(raw, spec.dtype, box_shape(box)))
-                self.op.wrote(len(raw))
-
-        await _all(one(box) for box in self.mine[name])
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _StreamedTensor:
-    """A leaf of the tree handed to Orbax: a tensor of a block source, not yet read.
-
-    Orbax asks a leaf for little more than its shape and dtype before handing
-    it to its ``TypeHandler``; ``_StreamedTensorHandler`` then writes it.
-    """
-
-    name: str
-    write: _OrbaxWrite
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.write.specs[self.name].shape)
-
-    @property
-    def dtype(self) -> np.dtype:
-        return self.write.specs[self.name].dtype.numpy
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
-    def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
-
-    @property
-    def nbytes(self) -> int:
-        return self.write.specs[self.name].dtype.nbytes(self.shape)
-
-
-class _StreamedTensorHandler(type_handlers.NumpyHandler):
-    """Writes ``_StreamedTensor``s as Orbax writes numpy arrays, one chunk at a time.
-
-    The type string stays ``np.ndarray``, so the checkpoint's metadata is that
-    of a plain numpy save and any Orbax restore reads it with its own handler.
-    Chunks are ``planning.chunking``'s (Orbax would make each array one
-    chunk), and each is written whole: nothing is read back and merged, and
-    readers can stream them too. This is process 0's half of the write: it
-    creates the arrays and writes its share of the chunks, and returns (so
-    Orbax merges the processes' OCDBT files and commits) only once every
-    process has written its share.
-    """
-
-    async def serialize(self, values: Sequence[_StreamedTensor], infos: Sequence[Any],
-                        args: Sequence[Any] | None = None) -> list[Any]:
-        return [ocp_future.CommitFutureAwaitingContractedSignals(
-            self._write_all(values, infos), name="orbax_safetensors_convert")]
-
-    async def _write_all(self, values: Sequence[_StreamedTensor], infos: Sequence[Any]) -> None:
-        for info in infos:
-            await info.await_path_creation()
-        if values:
-            await values[0].write.write_leaves({v.name: i for v, i in zip(values, infos)}, create=True)
-        if values:
-            await asyncio.to_thread(values[0].write.op.exchange, "written", "")
-
-
-def _set_chunk_shape(spec: dict, chunk: tuple[int, ...]) -> None:
-    """Our chunks in Orbax's zarr metadata (zarr v2, or v3's sharding codec)."""
-    while "metadata" not in spec and "base" in spec:  # through a ``cast`` driver
-        spec = spec["base"]
-    metadata = spec["metadata"]
-    if "chunks" in metadata:  # zarr v2
-        metadata["chunks"] = list(chunk)
-    else:  # zarr v3: the storage chunk is the shard; its inner chunks follow
-        metadata["chunk_grid"]["configuration"]["chunk_shape"] = list(chunk)
-        for codec in metadata.get("codecs", []):
-            if codec.get("name") == "sharding_indexed":
-                codec["configuration"]["chunk_shape"] = list(chunk)
-
-
-def _write_orbax(source: BlockSource, dst: Location, options: ConvertOptions, form: OrbaxForm, *,
-                 label: str, started: float) -> ConvertStats:
-    for spec in source.specs:
-        if 0 in spec.shape:
-            raise ArgumentError(f"tensor {spec.name!r} has zero size, which Orbax cannot save")
-    peers = Peers.collective("convert", dst.url)
-    op = Operation(peers)
-    write = _OrbaxWrite.plan(source, op, options.stream.block_bytes, form.zarr3)
-    op.progress = report = Progress(label, write.nbytes, enabled=options.stream.progress).start()
-    # Written beside the target and swapped in: a failure leaves an old checkpoint whole.
-    swap = DirectorySwap(dst, peers.share("token", uuid.uuid4().hex[:12]))
-    op.on_primary("lock", swap.acquire)
-    try:
-        if op.is_primary:
-            error = None
-            try:
-                swap.replace(functools.partial(_save_item, write, form, options, source.metadata, dst.url))
-            except BaseException as e:
-                error = e
-            op.agree("committed", error)
-        else:
-            item = os.path.join(swap.storage.url(swap.staged), *form.item)
-            op.run("written", functools.partial(_write_share, write, item, form, dst.url))
-            op.agree("committed", None)
-    finally:
-        if op.is_primary:
-            swap.release()
-    report.close()
-    return ConvertStats(SAFETENSORS, ORBAX, len(write.specs), report.done, 0,
-                        time.perf_counter() - started)
-
-
-def _save_item(write: _OrbaxWrite, form: OrbaxForm, options: ConvertOptions,
-               source_metadata: MappingABC[str, str], destination: str, url: str) -> None:
-    """Process 0: the Orbax checkpoint at ``url`` (the tree through Orbax's own handler, then
-    the step's files of ``form``), staged there for ``destination`` (which errors name)."""
-    leaves = {name: _StreamedTensor(name, write) for name in write.specs}
-    registry = type_handlers.create_type_handler_registry(  # jax.Array's: Orbax warns without one
-        (_StreamedTensor, _StreamedTensorHandler()), (int, type_handlers.ScalarHandler()),
-        (jax.Array, type_handlers.ArrayHandler()))
-    custom = {**source_metadata, **(options.stream.metadata or {})}
-    item = epath.Path(url).joinpath(*form.item)
-    item.mkdir(parents=True, exist_ok=True)
-    handler = ocp.PyTreeCheckpointHandler(
-        use_zarr3=form.zarr3, type_handler_registry=registry,
-        multiprocessing_options=ocp.options.MultiprocessingOptions(primary_host=0, active_processes={0}))
-    args = ocp.args.PyTreeSave(form.tree(leaves, nest=options.nest), custom_metadata=custom or None)
-    with _orbax_failures(destination):
-        before = set(threading.enumerate())
-        try:
-            handler.save(item, args=args)
-            handler.finalize(item)
-        except BaseException:
-            # Orbax's threads may still be writing (a Ctrl-C reaches only this one): ours stop
-            # at their next chunk, which fails Orbax's metadata write after them, and all of
-            # the save's threads are waited for before the staged directory goes.
-            write.op.cancel()
-            for thread in set(threading.enumerate()) - before:
-                if type(thread).__name__ == "_SignalingThread":  # Orbax's commit threads
-                    with contextlib.suppress(Exception):  # its join re-raises what it raised
-                        thread.join()
-            with contextlib.suppress(Exception):
-                handler.close()
-            raise
-        handler.close()
-    form.write_step_files(item)
-
-
-def _write_share(write: _OrbaxWrite, item: str, form: OrbaxForm, destination: str) -> None:
-    """Processes other than 0: their chunks, into their own OCDBT files of the item that process
-    0 is writing (it merges them before committing)."""
-    root = tuple(form.root)
-
-    async def run() -> None:
-        context = type_handlers.get_ts_context(use_ocdbt=True)
-        await write.write_leaves({name: type_handlers.ParamInfo(
-            name=".".join(root + (name,)), parent_dir=epath.Path(item), is_ocdbt_checkpoint=True,
-            use_zarr3=write.zarr3, ts_context=context) for name in write.specs}, create=False)
-
-    with _orbax_failures(destination):
-        asyncio.run(run())
-
-
-# TensorStore's words for a full disk, which it reports as a ValueError.
-_DISK_FULL = re.compile(r"RESOURCE_EXHAUSTED.*(No space left on device|os_error_code='%d')"
-                        % errno.ENOSPC, re.DOTALL)
-
-
-@contextlib.contextmanager
-def _orbax_failures(destination: str) -> Iterator[None]:
-    """Orbax's failures, as the caller should see them: once, and of the type they are.
-
-    A full disk reaches us as TensorStore reports it, ``ValueError:
-    RESOURCE_EXHAUSTED ... No space left on device [os_error_code='28']``: it
-    is raised as an ``OSError`` (ENOSPC) naming the destination, as a full disk
-    is everywhere else, with TensorStore's error as its cause. Orbax's threads
-    also log each error they pass on (absl ``ERROR``, with its traceback):
-    while the save runs, such records wait, and those of the error we raise
-    are dropped, not printed (all of them after a Ctrl-C: writes still in
-    flight fail on the staged directory being removed); any other is logged
-    once the save ends.
-    """
-    absl_logger = logging.getLogger("absl")
-    held: list[logging.LogRecord] = []
-
-    def hold(record: logging.LogRecord) -> bool:
-        if record.levelno >= logging.ERROR or (record.exc_info and record.exc_info[1] is not None):
-            held.append(record)
-            return False
-        return True
-
-    absl_logger.addFilter(hold)
-    raised: set[int] = set()
-    try:
-        yield
-    except ValueError as e:
-        raised = _chain(e)
-        if _DISK_FULL.search(str(e)):
-            raise StorageError("no space left on device writing the Orbax checkpoint",
-                               url=destination, code=errno.ENOSPC) from e
-        raise
-    except BaseException as e:
-        raised = _chain(e)
-        if isinstance(e, KeyboardInterrupt):  # what the writes in flight then hit is ours, not news
-            held.clear()
-        raise
-    finally:
-        absl_logger.removeFilter(hold)
-        for record in held:
-            if not record.exc_info or id(record.exc_info[1]) not in raised:
-                absl_logger.handle(record)
-
-
-def _chain(error: BaseException) -> set[int]:
-    """The ids of ``error`` and the exceptions it was raised from or during."""
-    seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        error = error.__cause__ or error.__context__
-    return seen
