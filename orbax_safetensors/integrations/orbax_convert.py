@@ -111,7 +111,7 @@ class ConvertOptions:
     with the boxes read for it in the other side's dtype (float32 for a
     bfloat16 block: twice its bytes) and a transformed copy: about four times
     its bytes. With a mapping an Orbax source also keeps a cache of decoded
-    chunks, an eighth of the budget, and bands of its stacked leaves, a
+    chunks, a sixteenth of the budget, and bands of its stacked leaves, a
     quarter (``StoredBlocks``).
     """
 
@@ -134,7 +134,7 @@ class ConvertOptions:
         """An Orbax source's decoded-chunk cache: only a mapping reads boxes that are not
         whole chunks (a column band of an unstacked kernel), which the next boxes would decode
         again."""
-        return 0 if self.mapping is None else self.memory_budget // 8
+        return 0 if self.mapping is None else self.memory_budget // 16
 
     @property
     def band_bytes(self) -> int:
