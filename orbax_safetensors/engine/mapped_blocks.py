@@ -139,10 +139,12 @@ class StoredBlocks:
             piece.stored: (leaf, piece) for leaf, assembly in assemblies.items() for piece in assembly.pieces}
         self.specs = [TensorSpec(s.name, _output_dtype(s.dtype, dtype), s.shape) for s in stored]
         self.metadata = source.metadata
-        chunks = getattr(source, "chunks", lambda name: None)
-        stacked = {leaf: a.pieces[0].stacked[0] for leaf, a in assemblies.items()
-                   if a.pieces and a.pieces[0].stacked and (chunks(prefix + leaf) or (2,) * 8)[
-                       a.pieces[0].stacked[0]] > 1}  # a chunk per layer needs no band
+        chunks = getattr(source, "chunks", None)
+        stacked = {}
+        for leaf, assembly in assemblies.items():
+            axis = assembly.pieces[0].stacked[0] if assembly.pieces and assembly.pieces[0].stacked else None
+            if axis is not None and (chunks is None or chunks(prefix + leaf)[axis] > 1):
+                stacked[leaf] = axis  # a chunk per layer needs no band
         per_index = sum(self._leaves[leaf].dtype.nbytes(self._leaves[leaf].shape) // self._leaves[leaf].shape[axis]
                         for leaf, axis in stacked.items())
         self._band_size = band_bytes // max(per_index, 1)
