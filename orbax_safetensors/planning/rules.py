@@ -49,6 +49,7 @@ import numpy as np
 from orbax_safetensors.errors import MappingError
 from orbax_safetensors.format.dtypes import dtype_for_numpy
 from orbax_safetensors.planning.assembly import Assembly, Tiling, assemble
+from orbax_safetensors.planning.quantization import Quantization
 from orbax_safetensors.planning.transforms import PERMUTATIONS, Permutation, Transform
 from orbax_safetensors.planning.write_plan import TensorSpec
 
@@ -438,13 +439,17 @@ class Mapping:
     tensors) holds it, for ``ost.convert``: ``None``, the tree is the
     checkpoint; ``"maxtext"``, MaxText's train state (``0/items``, the tree
     under ``params.params``).
+    ``quantization`` (``FP8``, ``MXFP4``): the checkpoint may store tensors
+    quantized so; each is read as its dequantized twin, the tensor the rules
+    name (``planning.quantization``), dequantized box by box as it is read.
     """
 
     def __init__(self, rules: Iterable[Rule], *, dims: MappingABC[str, int] | None = None,
-                 checkpoint_form: str | None = None):
+                 checkpoint_form: str | None = None, quantization: Quantization | None = None):
         self.rules = tuple(rules)
         self.dims = dict(dims or {})
         self.checkpoint_form = checkpoint_form
+        self.quantization = quantization
         self._stored = [(rule, _pattern(p, "stored")[0]) for rule in self.rules for p in rule.stored_patterns]
         self._tree = [(rule, _pattern(rule.tree, "tree")[0]) for rule in self.rules]
 

@@ -1,0 +1,236 @@
+"""Quantized stored tensors read as the values they stand for: ``FP8``, ``MXFP4``, ``Quantized``.
+
+What people download is often quantized. DeepSeek-V3 and the Qwen3 "-FP8"
+releases store a ``Linear`` weight as ``F8_E4M3`` values with a float32
+``weight_scale_inv`` per block of ``weight_block_size`` (128 × 128): the value
+is ``fp8 * scale`` (it multiplies, despite the name). gpt-oss stores its
+experts as MXFP4: ``*_blocks`` (U8, two e2m1 values a byte, the even element
+in the low nibble) and ``*_scales`` (U8 exponents, ``2 ** (byte - 127)``, one
+per 32 values of the last axis).
+
+A quantized tensor stands for its *dequantized twin*: the tensor a bfloat16
+release of the same model stores, same name (``X.weight``; ``X`` for
+``X_blocks`` + ``X_scales``) and shape (gpt-oss's twin has its last two axes
+swapped, as transformers' dequantization returns it). Mapping rules are
+written for the twin, so one mapping reads both releases. Reading a box of
+the twin is pure box math, as the rest of a mapped read:
+
+1. ``Quantized.boxes``: the twin box → the box of the quantized values and the
+   box of the scales that cover it (a box that cuts a scale block reads the
+   whole scale of that block, never more than the blocks it touches);
+2. ``Quantized.dequantize``: those values → the twin box, in float32 (the
+   product rounded once; a bfloat16 target rounds it again, as MaxText's and
+   transformers' dequantizers do).
+
+``FP8(block=None)`` takes per-tensor or per-channel scales (each scale axis
+1 or the weight's own size); with a block, the scale grid must be
+``ceil(weight / block)`` on each axis, a partial last block included: the
+block is never inferred from the shapes (``[576, 7168]`` with scales
+``[5, 56]`` is block 128 with a partial last row block, not block 115).
+
+Pure: no devices, no files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping as MappingABC
+from collections.abc import Sequence
+
+import numpy as np
+
+from orbax_safetensors.errors import MappingError
+from orbax_safetensors.planning.boxes import Box, box_shape
+
+# e2m1: sign, 2 exponent bits, 1 mantissa bit; nibble → value.
+_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                 np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class FP8:
+    """FP8 weights (``F8_E4M3``) with float32 scales in blocks of ``block`` (``None``:
+    per tensor or per channel), stored as ``<weight name><scale_suffix>``."""
+
+    block: tuple[int, ...] | None = None
+    scale_suffix: str = "_scale_inv"
+
+    def __post_init__(self):
+        if self.block is not None:
+            block = tuple(self.block)
+            if not block or any(not isinstance(b, int) or b < 1 for b in block):
+                raise MappingError(f"FP8 block {self.block!r}: one positive int per axis")
+            object.__setattr__(self, "block", block)
+        if not self.scale_suffix:
+            raise MappingError("FP8: an empty scale suffix")
+
+    def find(self, name: str, shapes: MappingABC[str, Sequence[int]]) -> Quantized | None:
+        """The quantized tensor behind twin ``name`` in a checkpoint of ``shapes``, if any."""
+        scales = name + self.scale_suffix
+        if name not in shapes or scales not in shapes:
+            return None
+        return Quantized(self, name, scales, tuple(shapes[name]), tuple(shapes[scales]))
+
+    def companions(self, name: str) -> tuple[str, ...]:
+        """The stored names a twin ``name`` is read from, beside itself."""
+        return (name + self.scale_suffix,)
+
+
+@dataclasses.dataclass(frozen=True)
+class MXFP4:
+    """MXFP4 (OCP microscaling): ``<name>_blocks`` (U8, ``[..., groups, group // 2]``)
+    and ``<name>_scales`` (U8 exponents, ``[..., groups]``); ``swap_last``: the twin's
+    last two axes are swapped (gpt-oss: ``[experts, hidden, 2 * intermediate]``)."""
+
+    group: int = 32
+    swap_last: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.group, int) or self.group < 2 or self.group % 2:
+            raise MappingError(f"MXFP4 group {self.group!r}: a positive even int")
+
+    def find(self, name: str, shapes: MappingABC[str, Sequence[int]]) -> Quantized | None:
+        blocks, scales = self.companions(name)
+        if blocks not in shapes or scales not in shapes:
+            return None
+        return Quantized(self, blocks, scales, tuple(shapes[blocks]), tuple(shapes[scales]))
+
+    def companions(self, name: str) -> tuple[str, ...]:
+        return name + "_blocks", name + "_scales"
+
+
+Quantization = FP8 | MXFP4
+
+
+@dataclasses.dataclass(frozen=True)
+class Quantized:
+    """One quantized tensor: ``weight`` (its stored values) and ``scales``, both stored
+    names, with their stored shapes; ``shape`` is the twin's."""
+
+    scheme: Quantization
+    weight: str
+    scales: str
+    weight_shape: tuple[int, ...]
+    scale_shape: tuple[int, ...]
+
+    def __post_init__(self):
+        self._check()
+
+    @property
+    def stored(self) -> tuple[str, str]:
+        return self.weight, self.scales
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        if isinstance(self.scheme, FP8):
+            return self.weight_shape
+        shape = self.weight_shape[:-2] + (self.weight_shape[-2] * self.weight_shape[-1] * 2,)
+        return _swapped(shape) if self.scheme.swap_last else shape
+
+    @property
+    def _blocks(self) -> tuple[int, ...]:
+        """The scale block of each axis of the weight (FP8) or of the values (MXFP4, unswapped)."""
+        if isinstance(self.scheme, MXFP4):
+            return (1,) * (len(self.scale_shape) - 1) + (self.scheme.group,)
+        if self.scheme.block is None:
+            return tuple(w if s == 1 else 1 for w, s in zip(self.weight_shape, self._scale_axes))
+        lead = len(self.weight_shape) - len(self.scheme.block)
+        return (1,) * lead + self.scheme.block
+
+    @property
+    def _scale_axes(self) -> tuple[int, ...]:
+        """The scale shape with one axis per weight axis (a per-tensor scale ``()`` or ``(1,)``
+        becomes all ones; a per-channel ``(rows,)`` becomes ``(rows, 1)``)."""
+        scale, ndim = self.scale_shape, len(self.weight_shape)
+        if math.prod(scale) == 1:
+            return (1,) * ndim
+        if len(scale) < ndim:
+            return tuple(scale) + (1,) * (ndim - len(scale))
+        return tuple(scale)
+
+    def _check(self) -> None:
+        where = f"quantized tensor {self.weight!r} {self.weight_shape} with scales {self.scales!r} {self.scale_shape}"
+        if isinstance(self.scheme, MXFP4):
+            if (len(self.weight_shape) < 2 or self.weight_shape[-1] * 2 != self.scheme.group
+                    or self.weight_shape[:-1] != self.scale_shape
+                    or (self.scheme.swap_last and len(self.weight_shape) < 3)):
+                raise MappingError(f"{where}: MXFP4 needs blocks [..., groups, {self.scheme.group // 2}] and "
+                                   "scales [..., groups]" + (" (at least 2 axes before the groups to swap)"
+                                                             if self.scheme.swap_last else ""))
+            return
+        scale = self._scale_axes
+        if len(scale) != len(self.weight_shape):
+            raise MappingError(f"{where}: the scales have more axes than the weight")
+        if self.scheme.block is None:
+            if any(s not in (1, w) for s, w in zip(scale, self.weight_shape)):
+                raise MappingError(f"{where}: without a block size each scale axis is 1 or the weight's "
+                                   "(give FP8(block=...) as the config's weight_block_size says)")
+            return
+        if len(self.scheme.block) > len(self.weight_shape):
+            raise MappingError(f"{where}: block {self.scheme.block} has more axes than the weight")
+        expected = tuple(-(-w // b) for w, b in zip(self.weight_shape, self._blocks))
+        if scale != expected:
+            raise MappingError(f"{where}: block {self.scheme.block} needs scales {expected}")
+
+    def boxes(self, box: Box) -> tuple[Box, Box]:
+        """The stored boxes of the values and of the scales that give twin box ``box``."""
+        values = self._unswapped(box)
+        grid = self._grid(values)
+        if isinstance(self.scheme, MXFP4):
+            return grid + ((0, self.weight_shape[-1]),), grid
+        if math.prod(self.scale_shape) == 1:  # one scale: every box needs it
+            return values, tuple((0, 1) for _ in self.scale_shape)
+        return values, grid[:len(self.scale_shape)]
+
+    def _unswapped(self, box: Box) -> Box:
+        """A twin box in the order the values are stored."""
+        return _swapped(box) if isinstance(self.scheme, MXFP4) and self.scheme.swap_last else tuple(box)
+
+    def _grid(self, values: Box) -> Box:
+        """The scale blocks (one range per value axis) a box of the values touches."""
+        return tuple((a // b, -(-c // b)) if c > a else (0, 0) for (a, c), b in zip(values, self._blocks))
+
+    def dequantize(self, weight: np.ndarray, scales: np.ndarray, box: Box) -> np.ndarray:
+        """Twin box ``box`` in float32, from the values and scales ``boxes(box)`` names."""
+        weight_box, scale_box = self.boxes(box)
+        values = self._unswapped(box)
+        if isinstance(self.scheme, MXFP4):
+            out = self._mxfp4(weight.reshape(box_shape(weight_box)), scales.reshape(box_shape(scale_box)), values)
+            return np.swapaxes(out, -1, -2) if self.scheme.swap_last else out
+        x = weight.reshape(box_shape(weight_box)).astype(np.float32)
+        grid = self._grid(values)
+        s = np.asarray(scales).astype(np.float32, copy=False).reshape(box_shape(grid) if math.prod(
+            self.scale_shape) != 1 else (1,) * x.ndim)
+        # Every axis but the last: each index's scale row (a few rows per block; cheap).
+        for axis in range(x.ndim - 1):
+            if s.shape[axis] > 1:
+                (a, c), b, (g, _) = values[axis], self._blocks[axis], grid[axis]
+                s = np.take(s, np.arange(a, c) // b - g, axis=axis)
+        # The last axis: one in-place product per scale block it touches.
+        (a, c), b, (g0, g1) = values[-1], self._blocks[-1], grid[-1]
+        for k in range(g1 - g0 if s.shape[-1] > 1 else 1):
+            lo, hi = max(a, (g0 + k) * b) - a, min(c, (g0 + k + 1) * b) - a
+            if s.shape[-1] == 1:
+                lo, hi = 0, c - a
+            x[..., lo:hi] *= s[..., k:k + 1]
+        return x
+
+    def _mxfp4(self, raw: np.ndarray, exponents: np.ndarray, values: Box) -> np.ndarray:
+        """The e2m1 pairs of ``raw`` times ``2 ** (exponent - 127)``, cut to ``values``'s last axis."""
+        raw = raw.view(np.uint8)
+        decoded = np.empty(raw.shape[:-1] + (raw.shape[-1] * 2,), np.float32)
+        decoded[..., 0::2] = _E2M1[raw & 0x0F]
+        decoded[..., 1::2] = _E2M1[raw >> 4]
+        decoded *= np.ldexp(np.float32(1), exponents.view(np.uint8).astype(np.int32) - 127)[..., None]
+        flat = decoded.reshape(decoded.shape[:-2] + (-1,))
+        (a, c), first = values[-1], (values[-1][0] // self.scheme.group) * self.scheme.group
+        return flat[..., a - first:c - first]
+
+
+def _swapped(seq: Sequence) -> tuple:
+    """``seq`` with its last two entries swapped (a shape or a box)."""
+    seq = tuple(seq)
+    return seq[:-2] + (seq[-1], seq[-2])
+
+
