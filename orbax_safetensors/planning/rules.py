@@ -456,13 +456,22 @@ class Mapping:
     def __repr__(self) -> str:
         return f"Mapping({len(self.rules)} rules, dims={self.dims})"
 
-    def stored_view(self, stored_shapes: MappingABC[str, Sequence[int]]) -> MappingABC[str, Sequence[int]]:
+    def stored_view(self, stored_shapes: MappingABC[str, Sequence[int]],
+                    dtypes: MappingABC[str, str] | None = None) -> MappingABC[str, Sequence[int]]:
         """A checkpoint's tensors (name → shape) as the rules see them: with a
         ``quantization``, each quantized tensor as its dequantized twin (pass this to
-        ``assembly``, which then reads the twins' pieces from the quantized tensors)."""
+        ``assembly``, which then reads the twins' pieces from the quantized tensors).
+        ``dtypes`` (name → dtype code), when known, check that no FP8 tensor lacks its
+        scales: read without them its values would be off by the scale, silently."""
         if self.quantization is None or hasattr(stored_shapes, "quantized"):
             return stored_shapes
-        return dequantized(self.quantization, stored_shapes)
+        view = dequantized(self.quantization, stored_shapes)
+        unscaled = [name for name, code in (dtypes or {}).items()
+                    if code.startswith("F8_") and name in view and name not in view.quantized]
+        if unscaled:
+            raise MappingError(f"{len(unscaled)} FP8 tensors have no scales ({self.quantization}): "
+                               + ", ".join(sorted(unscaled)[:5]) + (" ..." if len(unscaled) > 5 else ""))
+        return view
 
     def _hits(self, name: str, side: str) -> list[tuple[Rule, dict[str, str]]]:
         """The rules that map ``name`` on ``side``, each with its placeholder values."""
