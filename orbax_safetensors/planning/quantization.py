@@ -51,8 +51,18 @@ _E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5
 
 @dataclasses.dataclass(frozen=True)
 class FP8:
-    """FP8 weights (``F8_E4M3``) with float32 scales in blocks of ``block`` (``None``:
-    per tensor or per channel), stored as ``<weight name><scale_suffix>``."""
+    """FP8 weights (``F8_E4M3``) with float32 scales, stored as ``<weight><scale_suffix>``:
+    one per block of ``block`` (a config's ``weight_block_size``, e.g. ``(128, 128)``;
+    the last axes of the weight, a partial last block included), or with ``None`` one per
+    tensor or per channel (each scale axis 1 or the weight's own size).
+
+    ``ost.Mapping(rules, quantization=ost.FP8((128, 128)))`` reads each such weight as
+    ``float32(fp8) * scale``, rounded once more into the target's dtype: what MaxText's
+    ``dequantize_fp8`` computes. The block is never inferred from the shapes: transformers
+    infers it from ``weight.shape / scale.shape``, which fails on DeepSeek-V3's own
+    ``kv_a_proj_with_mqa`` ([576, 7168], scales [5, 56]) and is silently wrong where the
+    division works with another block. ``ost.mappings.for_config`` builds it from the config.
+    """
 
     block: tuple[int, ...] | None = None
     scale_suffix: str = "_scale_inv"
@@ -80,9 +90,12 @@ class FP8:
 
 @dataclasses.dataclass(frozen=True)
 class MXFP4:
-    """MXFP4 (OCP microscaling): ``<name>_blocks`` (U8, ``[..., groups, group // 2]``)
-    and ``<name>_scales`` (U8 exponents, ``[..., groups]``); ``swap_last``: the twin's
-    last two axes are swapped (gpt-oss: ``[experts, hidden, 2 * intermediate]``)."""
+    """MXFP4 (OCP microscaling), as gpt-oss stores its experts: ``<name>_blocks`` (U8,
+    ``[..., groups, group // 2]``, two e2m1 values a byte, the even one in the low nibble)
+    and ``<name>_scales`` (U8 exponents, ``[..., groups]``: ``2 ** (byte - 127)``), read as
+    ``<name>``. Exact in float32 (an e2m1 value times a power of two). ``swap_last``: the
+    tensor read has its last two axes swapped, as transformers' dequantization returns
+    gpt-oss's ``gate_up_proj`` (``[experts, hidden, 2 * intermediate]``) and ``down_proj``."""
 
     group: int = 32
     swap_last: bool = True
