@@ -202,7 +202,7 @@ def map_leaves(checkpoint: Checkpoint, target: LoadTarget, names: list[str], req
                 problems.append(f"{name}: {e}")
                 assembly = None
         assemblies.append(assembly)
-    unexpected = sorted(set(checkpoint.tensors) - used)
+    unexpected = sorted(n for n in set(checkpoint.tensors) - used if not mapping.ignores(n))
     if strict is True and unexpected and not from_checkpoint:
         problems.append(f"in the checkpoint but not the target: {', '.join(unexpected)}")
     if strict and problems:
