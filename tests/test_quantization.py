@@ -12,20 +12,11 @@ from hypothesis import strategies as st
 import orbax_safetensors as ost
 from orbax_safetensors.planning.quantization import FP8, MXFP4, Quantized
 from tests.quantized_reference import bits, fp8_reference, mxfp4_reference, random_fp8, random_mxfp4
+from tests.test_mapping import box_in  # a non-empty box (empty ones: test_empty_boxes_are_empty)
 
 
 def _slice(array, box):
     return array[tuple(slice(a, c) for a, c in box)]
-
-
-@st.composite
-def boxes(draw, shape):
-    """A non-empty box of ``shape`` (empty ones: ``test_empty_boxes_are_empty``)."""
-    bounds = []
-    for size in shape:
-        a = draw(st.integers(0, size - 1))
-        bounds.append((a, draw(st.integers(a + 1, size))))
-    return tuple(bounds)
 
 
 def _check_box(q, weight, scales, reference, box):
@@ -52,7 +43,7 @@ def test_fp8_block_boxes_are_the_reference_and_read_only_the_blocks_they_touch(s
     weight, scales = random_fp8(np.random.default_rng(len(shape) + block[-1]), shape, grid)
     q = Quantized(FP8(block), "w", "w_scale_inv", shape, grid)
     assert q.shape == shape
-    box = data.draw(boxes(shape))
+    box = data.draw(box_in(shape))
     weight_box, scale_box = _check_box(q, weight, scales, fp8_reference(weight, scales, block), box)
     assert weight_box == box
     blocks = (1,) * (len(shape) - len(block)) + tuple(block)
@@ -89,7 +80,7 @@ def test_fp8_per_channel_scales_read_the_channels_of_the_box(scale_shape, data):
     reference = (weight.astype(np.float64) * scales.reshape(scale_shape + (1,) * (2 - len(scale_shape)))
                  ).astype(np.float32)
     np.testing.assert_array_equal(bits(reference), bits(fp8_reference(weight, scales, None)))
-    box = data.draw(boxes((40, 24)))
+    box = data.draw(box_in((40, 24)))
     _, scale_box = _check_box(q, weight, scales, reference, box)
     axis = 0 if scale_shape[0] == 40 else 1
     assert scale_box[axis] == box[axis]
@@ -105,7 +96,7 @@ def test_mxfp4_boxes_cut_groups_and_are_the_reference(swap_last, data):
     q = Quantized(MXFP4(swap_last=swap_last), "x_blocks", "x_scales", blocks.shape, scales.shape)
     reference = mxfp4_reference(blocks, scales, swap_last=swap_last)
     assert q.shape == reference.shape
-    box = data.draw(boxes(reference.shape))
+    box = data.draw(box_in(reference.shape))
     weight_box, scale_box = _check_box(q, blocks, scales, reference, box)
     values = box[:-2] + (box[-1], box[-2]) if swap_last else box
     groups = (values[-1][0] // 32, -(-values[-1][1] // 32))

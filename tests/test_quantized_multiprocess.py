@@ -79,22 +79,21 @@ def checkpoint(tmp_path_factory):
     return str(directory)
 
 
-def _ranges(result, axis):
-    """The ranges of ``axis`` a process's devices hold."""
-    return sorted(tuple(box[axis]) for box in result.value["boxes"])
-
-
 def _blocks_touched(a, c, block):
     return -(-c // block) - a // block
 
 
-def test_fp8_scale_block_cut_between_processes(multiprocess, checkpoint):
+def _load(multiprocess, checkpoint, tensor, axis):
+    """Each process's load of ``tensor``: the ranges of ``axis`` its devices hold, its stats."""
     results = multiprocess(f"{_MODULE}:_child_load", num_processes=2, devices_per_process=4,
-                           args={"path": checkpoint, "tensor": "a.weight"})
-    rows = [_ranges(r, 0) for r in results]
-    assert [(r[0][0], r[-1][1]) for r in rows] == [(0, 288), (288, 576)]  # block 2 (256..383) on both sides
-    for ranges, result in zip(rows, results):
-        stats = result.value["stats"]
+                           args={"path": checkpoint, "tensor": tensor})
+    return [(sorted(tuple(box[axis]) for box in r.value["boxes"]), r.value["stats"]) for r in results]
+
+
+def test_fp8_scale_block_cut_between_processes(multiprocess, checkpoint):
+    loads = _load(multiprocess, checkpoint, "a.weight", axis=0)
+    assert [(r[0][0], r[-1][1]) for r, _ in loads] == [(0, 288), (288, 576)]  # block 2 (256..383) on both sides
+    for ranges, stats in loads:
         # Each device: its rows of values (a byte each) and the rows of scale blocks they touch
         # (2 float32 a row): never a scale block its rows do not touch, nor other rows' values.
         needed = sum((c - a) * COLS + _blocks_touched(a, c, BLOCK) * 2 * 4 for a, c in ranges)
@@ -103,16 +102,12 @@ def test_fp8_scale_block_cut_between_processes(multiprocess, checkpoint):
 
 
 def test_mxfp4_group_cut_between_processes(multiprocess, checkpoint):
-    results = multiprocess(f"{_MODULE}:_child_load", num_processes=2, devices_per_process=4,
-                           args={"path": checkpoint, "tensor": "e.w"})
-    values = [_ranges(r, 1) for r in results]
-    assert [(v[0][0], v[-1][1]) for v in values] == [(0, 48), (48, 96)]  # group 1 (32..63) on both sides
-    for ranges, result in zip(values, results):
-        stats = result.value["stats"]
-        # Each device needs the groups its values touch (16 bytes of nibbles and 1 exponent byte
-        # a group), in every expert and row; a device's 12 values span 1 or 2 groups of 32. The
-        # process reads at least the groups its span touches once, at most each device's.
-        group_rows = EXPERTS * OUT * (16 + 1)
+    loads = _load(multiprocess, checkpoint, "e.w", axis=1)
+    assert [(v[0][0], v[-1][1]) for v, _ in loads] == [(0, 48), (48, 96)]  # group 1 (32..63) on both sides
+    group_rows = EXPERTS * OUT * (16 + 1)  # a group's 16 bytes of nibbles and exponent byte, every row
+    for ranges, stats in loads:
+        # Each device needs the groups its values touch (a device's 12 values span 1 or 2 groups
+        # of 32); the process reads at least the groups its span touches, at most each device's.
         needed = sum(group_rows * _blocks_touched(a, c, 32) for a, c in ranges)
         once = group_rows * _blocks_touched(ranges[0][0], ranges[-1][1], 32)
         assert stats["bytes_needed"] == needed, (ranges, stats)
