@@ -104,9 +104,6 @@ def test_mxfp4_boxes_cut_groups_and_are_the_reference(swap_last, data):
     assert weight_box == scale_box + ((0, 16),)
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "core bug (reported to the lead): dequantize of an empty box raises 'cannot reshape' for per-channel "
-    "FP8 scales (rows,) and for MXFP4 with an empty leading axis; remove this mark once fixed"))
 @pytest.mark.parametrize("scheme,weight_shape,scale_shape,box", [
     (FP8(None), (40, 24), (40,), ((0, 1), (5, 5))),
     (MXFP4(), (3, 10, 4, 16), (3, 10, 4), ((0, 0), (0, 128), (0, 10))),
