@@ -49,6 +49,10 @@ are ``pre_self_attention_norm``, ``post_self_attention_norm``,
 ``pre_ffw_norm``, ``post_ffw_norm`` and the q/k norms, and its embedding is
 tied.
 
+DeepSeek-V3 (``"deepseek3"``: MLA attention, dense then MoE layers) has a tree
+of its own, ``decoder.dense_layers_{k}`` / ``decoder.moe_layers_{k}``: its
+rules, and what is exact, are ``mappings.deepseek``'s.
+
 Values follow MaxText's converter: Llama 3.1's, Mixtral's and Mistral's query
 kernel is scaled by ``1/sqrt(head_dim)`` (in float32; their MaxText attention
 does not scale), Llama 3.1's query and key heads are reordered from Hugging
@@ -80,7 +84,9 @@ from typing import Any
 import ml_dtypes
 
 from orbax_safetensors.errors import ArgumentError
+from orbax_safetensors.mappings import deepseek
 from orbax_safetensors.mappings._config import attention_dims, config_value
+from orbax_safetensors.mappings._quantized import quantized_mapping
 from orbax_safetensors.planning.rules import Mapping, Rule, Strided
 
 _LLAMA_NORMS = (("input_layernorm", "pre_self_attention_layer_norm"),
@@ -120,9 +126,12 @@ FAMILIES = {
     "gemma3": _Family(query_scale=False, rope_interleave=False, qk_norm=True, norms=_GEMMA3_NORMS, norm_offset=1.0,
                       embedding_scale=True, pattern=6),
 }
+# MaxText families whose tree is not the Llama-like one above: their own rules.
+OWN_RULES: dict[str, Callable[..., Mapping]] = {"deepseek3": deepseek.maxtext_deepseek3}
 
 
-def maxtext(family: str, config: Any, scan_layers: bool = True, *, dtype: Any = None) -> Mapping:
+def maxtext(family: str, config: Any, scan_layers: bool = True, *, dtype: Any = None,
+            dequantize: bool = True) -> Mapping:
     """The mapping between a Hugging Face checkpoint of ``family`` and MaxText's tree.
 
     ``family`` is MaxText's ``model_name`` or its prefix (``"llama3.1"``,
@@ -134,11 +143,15 @@ def maxtext(family: str, config: Any, scan_layers: bool = True, *, dtype: Any = 
     ``dtype`` the dtype a save writes (MaxText trains float32 params;
     ``"bfloat16"`` gives back a bfloat16 checkpoint). Qwen3 is MoE when the
     config has ``num_experts > 1`` (``moe_block``, experts stacked at axis 0,
-    layers then at 1).
+    layers then at 1). ``"deepseek3"`` (``deepseek3-671b``, ``deepseek3-tiny``) is
+    ``mappings.deepseek``'s. A quantized checkpoint (``quantization_config``) is read
+    dequantized, or kept with ``dequantize=False`` (``mappings._quantized``).
     """
-    name = next((f for f in FAMILIES if family == f or family.startswith(f + "-")), None)
+    name = next((f for f in (*FAMILIES, *OWN_RULES) if family == f or family.startswith(f + "-")), None)
     if name is None:
-        raise ArgumentError(f"no MaxText mapping for {family!r}; available: {', '.join(FAMILIES)}")
+        raise ArgumentError(f"no MaxText mapping for {family!r}; available: {', '.join((*FAMILIES, *OWN_RULES))}")
+    if name in OWN_RULES:
+        return OWN_RULES[name](config, scan_layers, dtype=dtype, dequantize=dequantize)
     spec = FAMILIES[name]
     if config is None:  # the query scale and the head split need the head sizes
         raise ArgumentError(f"maxtext({family!r}, config): config is None; pass the checkpoint's Hugging "
@@ -146,7 +159,7 @@ def maxtext(family: str, config: Any, scan_layers: bool = True, *, dtype: Any = 
                          "num_key_value_heads, head_dim or hidden_size)")
     text = config_value(config, "text_config")
     prefix = "model." if text is None else "model.language_model."
-    config = config if text is None else text
+    checkpoint, config = config, config if text is None else text
     dims = attention_dims(config, f"maxtext({family!r})")
     per_layer = _layer_rules(f"{prefix}layers.{{i}}.", scan_layers, spec.pattern,
                              _num_layers(config, family) if spec.pattern else 0)
@@ -178,7 +191,7 @@ def maxtext(family: str, config: Any, scan_layers: bool = True, *, dtype: Any = 
             rules += per_layer(f"mlp.{hf}.weight", f"mlp.{mt}.kernel", **linear)
     if not config_value(config, "tie_word_embeddings", False):  # tied: MaxText's logits_via_embedding
         rules.append(Rule("lm_head.weight", "decoder.logits_dense.kernel", **linear))
-    return Mapping(rules, dims=dims, checkpoint_form="maxtext")
+    return quantized_mapping(rules, checkpoint, dequantize=dequantize, dims=dims, checkpoint_form="maxtext")
 
 
 def _layer_rules(stored_prefix: str, scan_layers: bool, pattern: int | None, num_layers: int
