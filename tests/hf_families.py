@@ -174,6 +174,13 @@ def tiny_config(family: str):
     return cls(**{**common, **extra})
 
 
+def saved_tensors(model) -> list[tuple[str, Any]]:
+    """The tensors ``save_pretrained`` writes, each once (tied weights are listed once):
+    parameters and persistent buffers (DeepSeek's ``e_score_correction_bias``)."""
+    saved = set(model.state_dict())
+    return [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if n in saved)]
+
+
 def tiny_model(family: str, directory: str, *, seed: int = 0, dtype: str = "float32") -> None:
     """Save a tiny random `family` model to `directory` (safetensors) in torch `dtype`."""
     import torch
@@ -183,10 +190,8 @@ def tiny_model(family: str, directory: str, *, seed: int = 0, dtype: str = "floa
         tiny_config(family), attn_implementation="eager"
     )
     generator = torch.Generator().manual_seed(seed)
-    saved = set(model.state_dict())  # and persistent buffers: DeepSeek's e_score_correction_bias
-    tensors = [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if n in saved)]
     with torch.no_grad():
-        for name, param in tensors:  # tied weights are listed once
+        for name, param in saved_tensors(model):
             noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
             if "norm" in name:  # Gemma norms are offsets from 1; the others multiply directly
                 value = 0.3 * noise if family in _GEMMA else 1.0 + 0.3 * noise

@@ -66,7 +66,7 @@ RESULT_PREFIX = "MAXTEXT_RESULT "
 # Our family name -> the MaxText model whose yml, layers and conversion tables it uses
 # (qwen3 with experts: MOE_MODEL).
 MAXTEXT_MODEL = {"llama3.1": "llama3.1-8b", "qwen3": "qwen3-0.6b", "mixtral": "mixtral-8x7b", "mistral": "mistral-7b",
-                 "gemma3": "gemma3-4b"}
+                 "gemma3": "gemma3-4b", "deepseek3": "deepseek3-671b"}
 MOE_MODEL = {"qwen3": "qwen3-30b-a3b", "mixtral": "mixtral-8x7b"}
 # The llama3.1 RoPE scaling MaxText hard-codes (layers/embeddings.py LLaMARotaryEmbedding).
 MAXTEXT_LLAMA3_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -306,7 +306,7 @@ def maxtext_overrides(family, model_name, hf, scan_layers, seq_len, out_dir):
         if wrong:
             raise ValueError(f"MaxText hard-codes llama3 RoPE scaling {MAXTEXT_LLAMA3_ROPE}; "
                              f"the checkpoint has {wrong}")
-    elif rope_type != "default":
+    elif rope_type != "default" and family != "deepseek3":  # deepseek3's yarn: _deepseek3_overrides
         raise ValueError(f"rope_type {rope_type!r}: MaxText's {model_name} supports "
                          + ("llama3 or default" if family == "llama3.1" else "default"))
     if _get(hf, "hidden_act", "silu") != "silu" or _get(hf, "attention_bias") or _get(hf, "mlp_bias"):
@@ -347,6 +347,8 @@ def maxtext_overrides(family, model_name, hf, scan_layers, seq_len, out_dir):
         overrides["rope_use_scale"] = rope_type == "llama3"
     if family == "gemma3":
         overrides.update(_gemma3_overrides(hf))
+    if family == "deepseek3":
+        overrides.update(_deepseek3_overrides(hf, rope))
     experts = _num_experts(hf)
     if experts > 1:
         if family == "qwen3":
@@ -365,14 +367,41 @@ def maxtext_overrides(family, model_name, hf, scan_layers, seq_len, out_dir):
             num_experts_per_tok=_get(hf, "num_experts_per_tok"),
             base_moe_mlp_dim=moe_mlp,
             base_mlp_dim=moe_mlp,  # MaxText: base_mlp_dim == base_moe_mlp_dim for a fully MoE model
-            # Every token to its top-k experts, no capacity, no kernels: the dense (one-hot
-            # dispatch) dense_matmul path, exact on CPU.
-            sparse_matmul=False,
-            megablox=False,
-            capacity_factor=-1.0,
-            load_balance_loss_weight=0.0,
+            **DENSE_MATMUL,
         )
     return overrides
+
+
+# Every token to its top-k experts, no capacity, no kernels: the dense (one-hot dispatch)
+# dense_matmul path, exact on CPU.
+DENSE_MATMUL = dict(sparse_matmul=False, megablox=False, capacity_factor=-1.0, load_balance_loss_weight=0.0)
+
+
+def _deepseek3_overrides(hf, rope):
+    """DeepSeek-V3's own keys: MLA's sizes, yarn RoPE on the interleaved layout, the first dense
+    layers, sigmoid routing with the score-correction bias over groups, the shared experts."""
+    if rope.get("rope_type") != "yarn" or not _get(hf, "rope_interleave", True):
+        raise ValueError("MaxText's deepseek3 block: yarn RoPE on the interleaved layout")
+    if rope.get("mscale", 1.0) != rope.get("mscale_all_dim", 1.0):  # MaxText's mscale is both
+        raise ValueError("MaxText's deepseek3 block: yarn's mscale == mscale_all_dim")
+    if not _get(hf, "norm_topk_prob", True) or _get(hf, "moe_layer_freq", 1) != 1:
+        raise ValueError("MaxText's deepseek3 block: renormalised top-k, every layer after the dense ones MoE")
+    return dict(
+        first_num_dense_layers=_get(hf, "first_k_dense_replace"),
+        q_lora_rank=_get(hf, "q_lora_rank") or 0, kv_lora_rank=_get(hf, "kv_lora_rank"),
+        qk_nope_head_dim=_get(hf, "qk_nope_head_dim"), qk_rope_head_dim=_get(hf, "qk_rope_head_dim"),
+        v_head_dim=_get(hf, "v_head_dim"),
+        rope_type="yarn", rope_factor=rope["factor"], beta_fast=rope.get("beta_fast", 32),
+        beta_slow=rope.get("beta_slow", 1), mscale=rope.get("mscale_all_dim", 1.0),
+        original_max_position_embeddings=rope["original_max_position_embeddings"],
+        max_position_embeddings=_get(hf, "max_position_embeddings"), rope_interleave=True,
+        rope_truncate=rope.get("truncate", True), rope_attention_scaling=False,
+        num_experts=_get(hf, "n_routed_experts"), num_experts_per_tok=_get(hf, "num_experts_per_tok"),
+        base_moe_mlp_dim=_get(hf, "moe_intermediate_size"), shared_experts=_get(hf, "n_shared_experts"),
+        routed_scaling_factor=_get(hf, "routed_scaling_factor"), routed_score_func="sigmoid", routed_bias=True,
+        n_routing_groups=_get(hf, "n_group"), topk_routing_group=_get(hf, "topk_group"),
+        mtp_num_layers=0, **DENSE_MATMUL,
+    )
 
 
 def _gemma3_overrides(hf):
