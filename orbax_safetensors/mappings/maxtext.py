@@ -141,11 +141,12 @@ def maxtext(family: str, config: Any, scan_layers: bool = True, *, dtype: Any = 
     ``text_config`` it reads, with the text tensors under
     ``model.language_model.``); ``scan_layers`` as in MaxText's config;
     ``dtype`` the dtype a save writes (MaxText trains float32 params;
-    ``"bfloat16"`` gives back a bfloat16 checkpoint). Qwen3 is MoE when the
+    ``"bfloat16"`` gives back a bfloat16 checkpoint); ``dequantize`` how a quantized
+    release (the config's ``quantization_config``) is read: dequantized (the default;
+    MaxText's tree holds the values) or, FP8, kept (``mappings._quantized``). Qwen3 is MoE when the
     config has ``num_experts > 1`` (``moe_block``, experts stacked at axis 0,
     layers then at 1). ``"deepseek3"`` (``deepseek3-671b``, ``deepseek3-tiny``) is
-    ``mappings.deepseek``'s. A quantized checkpoint (``quantization_config``) is read
-    dequantized, or kept with ``dequantize=False`` (``mappings._quantized``).
+    ``mappings.deepseek``'s.
     """
     name = next((f for f in (*FAMILIES, *OWN_RULES) if family == f or family.startswith(f + "-")), None)
     if name is None:
@@ -157,9 +158,9 @@ def maxtext(family: str, config: Any, scan_layers: bool = True, *, dtype: Any = 
         raise ArgumentError(f"maxtext({family!r}, config): config is None; pass the checkpoint's Hugging "
                          "Face config (a transformers config or its dict: num_attention_heads, "
                          "num_key_value_heads, head_dim or hidden_size)")
-    text = config_value(config, "text_config")
+    release, text = config, config_value(config, "text_config")
     prefix = "model." if text is None else "model.language_model."
-    checkpoint, config = config, config if text is None else text
+    config = config if text is None else text
     dims = attention_dims(config, f"maxtext({family!r})")
     per_layer = _layer_rules(f"{prefix}layers.{{i}}.", scan_layers, spec.pattern,
                              _num_layers(config, family) if spec.pattern else 0)
@@ -191,7 +192,7 @@ def maxtext(family: str, config: Any, scan_layers: bool = True, *, dtype: Any = 
             rules += per_layer(f"mlp.{hf}.weight", f"mlp.{mt}.kernel", **linear)
     if not config_value(config, "tie_word_embeddings", False):  # tied: MaxText's logits_via_embedding
         rules.append(Rule("lm_head.weight", "decoder.logits_dense.kernel", **linear))
-    return quantized_mapping(rules, checkpoint, dequantize=dequantize, dims=dims, checkpoint_form="maxtext")
+    return quantized_mapping(rules, release, dequantize=dequantize, dims=dims, checkpoint_form="maxtext")
 
 
 def _layer_rules(stored_prefix: str, scan_layers: bool, pattern: int | None, num_layers: int
