@@ -457,10 +457,18 @@ def _run_variant(args, result, family, model_name, hf_dir, scan, hf_config, toke
     shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, config.logical_axis_rules)
     lap("config_and_abstract")
 
-    assert set(abstract) == {"params"}, sorted(abstract)
+    # MaxText keeps DeepSeek's router bias in a collection of its own (MoEBiasVar); its converter
+    # and checkpoints hold it under params (checkpointing._alias_legacy_collections reads it from
+    # there): so does the target, and the forward gets it back in its collection.
+    assert "params" in abstract, sorted(abstract)
     is_box = lambda x: isinstance(x, nn.LogicallyPartitioned)
-    boxes = _flatten(abstract["params"], is_box)  # "decoder.layers.mlp.wi_0.kernel" -> box
-    named_shardings = _flatten(shardings["params"], lambda x: isinstance(x, jax.sharding.Sharding))
+    boxes, named_shardings, collection = {}, {}, {}  # "decoder.layers.mlp.wi_0.kernel" -> box, ...
+    for name in abstract:
+        own = _flatten(abstract[name], is_box)
+        assert not set(own) & set(boxes), sorted(set(own) & set(boxes))
+        boxes.update(own)
+        collection.update(dict.fromkeys(own, name))
+        named_shardings.update(_flatten(shardings[name], lambda x: isinstance(x, jax.sharding.Sharding)))
     assert set(boxes) == set(named_shardings)
     for name, box in boxes.items():
         assert is_box(box) and isinstance(box.value, jax.ShapeDtypeStruct), (name, box)
@@ -468,7 +476,7 @@ def _run_variant(args, result, family, model_name, hf_dir, scan, hf_config, toke
     from maxtext.checkpoint_conversion.utils.utils import param_key_parts_from_path
     canonical = {"-".join(param_key_parts_from_path(path)) for path, _ in
                  jax.tree_util.tree_flatten_with_path(abstract, is_leaf=is_box)[0]}
-    assert canonical == {"params-" + n.replace(".", "-") for n in boxes}, canonical
+    assert canonical == {f"{collection[n]}-" + n.replace(".", "-") for n in boxes}, canonical
     target = nest({n: jax.ShapeDtypeStruct(b.value.shape, b.value.dtype, sharding=named_shardings[n])
                          for n, b in boxes.items()})
     if args.print_tree:
@@ -523,7 +531,8 @@ def _run_variant(args, result, family, model_name, hf_dir, scan, hf_config, toke
         lap("converter_check")
 
     # MaxText's forward on the loaded params, boxed back into its tree.
-    variables = {"params": nest({n: boxes[n].replace_boxed(loaded[n]) for n in boxes})}
+    variables = {name: nest({n: boxes[n].replace_boxed(loaded[n]) for n in boxes if collection[n] == name})
+                 for name in abstract}
     batch, seq = tokens.shape
 
     def forward(variables, tokens):
