@@ -11,9 +11,9 @@ import (~12 s) once; pyconfig is re-initialised per case and variant::
 ``cases.json`` is a list of ``{"case", "family", "hf_dir", "reference"[, "atol"][, "model_name"]}``
 (``atol``: an .npy of each logit's tolerance, ``tests/tolerances.py``; else ``--atol``): ``family``
 is what is passed to ``ost.mappings.maxtext`` (``llama3.1``, ``qwen3``, ``mixtral``, ``mistral``,
-``gemma3``), ``model_name`` the MaxText model whose yml, layers and conversion tables are used (by
-default ``llama3.1-8b``, ``qwen3-0.6b`` or, with experts, ``qwen3-30b-a3b``, ``mixtral-8x7b``,
-``mistral-7b``, ``gemma3-4b``). ``--hf-dir``/``--reference``/``--family`` give a single case instead.
+``gemma3``, ``deepseek3``), ``model_name`` the MaxText model whose yml, layers and conversion tables
+are used (by default ``llama3.1-8b``, ``qwen3-0.6b`` or, with experts, ``qwen3-30b-a3b``,
+``mixtral-8x7b``, ``mistral-7b``, ``gemma3-4b``, ``deepseek3-671b``). ``--hf-dir``/``--reference``/``--family`` give a single case instead.
 
 For each case and variant (``scan``: ``scan_layers=True``, ``unscan``: ``scan_layers=False``) it
 builds the MaxText config from the HF ``config.json`` (pyconfig with ``override_model_config``,

@@ -18,6 +18,10 @@ in float32 (eager attention) for the reference logits:
   layers (``gemma3-4b``; MaxText's converter is ``Gemma3ForConditionalGeneration``'s, compared
   through its ``model.language_model.`` names). Its norm weights are bfloat16 values, for which
   MaxText's ``1 + w`` in float32 round-trips exactly.
+* ``deepseek3``: ``DeepseekV3ForCausalLM``, MLA with a low-rank query, 1 dense layer then 2 MoE
+  layers (8 experts top-2, sigmoid scores with the random ``e_score_correction_bias``, one group,
+  a shared expert), DeepSeek-V3's yarn RoPE (``deepseek3-671b``; unscanned only: the mapping
+  refuses ``scan_layers=True`` for now, a strict xfail).
 
 MaxText needs Python 3.12 and its own pinned stack (JAX 0.12, Flax 0.12), so
 ``tests/maxtext_child.py`` runs in a separate venv, once for every family: MaxText's own model
