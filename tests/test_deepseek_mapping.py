@@ -150,6 +150,17 @@ def test_without_a_low_rank_query_the_query_is_q_proj(checkpoint):
         assert mapping.transform(query, stored_shape=(4 * 24, 64)).tree_shape == (64, 4, 24)
 
 
+def test_the_prediction_layer_after_the_last_is_left_out(checkpoint):
+    """DeepSeek-V3 stores its multi-token-prediction layer as ``model.layers.61.`` (one past the
+    last): neither tree holds it (transformers skips it too)."""
+    directory, config, _ = checkpoint
+    config = {**config.to_dict(), "num_nextn_predict_layers": 1}
+    stored = {n: t.shape for n, t in ost.metadata(directory).tensors.items()}
+    extra = {"model.layers.3.eh_proj.weight": (64, 128), "model.layers.3.self_attn.q_a_proj.weight": (24, 64)}
+    for mapping in (ost.mappings.deepseek_v3(config), ost.mappings.maxtext("deepseek3", config, scan_layers=False)):
+        assert mapping.tree_shapes({**stored, **extra}) == mapping.tree_shapes(stored)
+
+
 def test_an_fp8_release_reads_through_the_same_rules(checkpoint):
     """DeepSeek-V3's own ``quantization_config``: the rules are the bfloat16 release's, read
     dequantized (or kept as FP8 with ``dequantize=False``)."""

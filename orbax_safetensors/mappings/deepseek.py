@@ -52,6 +52,10 @@ axis 0 / 1) need a stack whose index is the layer minus ``first_k_dense_replace`
 and whose name carries no index, which ``Rule``/``Strided`` cannot state yet:
 they are refused with that reason.
 
+The multi-token-prediction layers stored after the last one (V3's
+``model.layers.61.``: ``num_nextn_predict_layers``) are left out (``Mapping.ignore``),
+as transformers leaves them out.
+
 A quantized release (``quantization_config``: DeepSeek-V3's FP8 weights with
 ``weight_scale_inv`` per 128×128 block) reads through the same rules:
 ``dequantize=True`` gives each FP8 weight as its bfloat16 release's tensor,
@@ -136,6 +140,16 @@ def _outer(config: Any, tree: tuple[str, str, str], dtype: Any) -> list[Rule]:
     return rules
 
 
+def _prediction_layers(config: Any) -> tuple[str, ...]:
+    """The stored prefixes of the multi-token-prediction layers after the last layer (V3's
+    ``model.layers.61.``), which the tree leaves out, as transformers does."""
+    layers = None if config is None else config_value(config, "num_hidden_layers")
+    if layers is None:
+        return ()
+    extra = config_value(config, "num_nextn_predict_layers", config_value(config, "num_mtp_layers", 0))
+    return tuple(f"model.layers.{int(layers) + k}." for k in range(int(extra)))
+
+
 def _refuse_scan(where: str) -> None:
     raise ArgumentError(f"{where}: scan_layers=True is not available yet: DeepSeek's MoE layers would stack "
                         "from layer first_k_dense_replace under a name with no index, which Rule/Strided "
@@ -169,7 +183,8 @@ def deepseek_v3(config: Any = None, *, scan_layers: bool = False, dtype: Any = N
 
     rules = _outer(config, ("model.embed_tokens.embedding", "model.norm.scale", "lm_head.kernel"), dtype)
     rules += _rules(config, per_layer, maxtext=False, dtype=dtype)
-    return quantized_mapping(rules, config, dequantize=dequantize, dims=_dims(config))
+    return quantized_mapping(rules, config, dequantize=dequantize, dims=_dims(config),
+                             ignore=_prediction_layers(config))
 
 
 def maxtext_deepseek3(config: Any, scan_layers: bool, *, dtype: Any, dequantize: bool) -> Mapping:
@@ -193,4 +208,5 @@ def maxtext_deepseek3(config: Any, scan_layers: bool, *, dtype: Any, dequantize:
     rules = _outer(config, ("token_embedder.embedding", "decoder.decoder_norm.scale", "decoder.logits_dense.kernel"),
                    dtype)
     rules += _rules(config, per_layer, maxtext=True, dtype=dtype)
-    return quantized_mapping(rules, config, dequantize=dequantize, dims=_dims(config), checkpoint_form="maxtext")
+    return quantized_mapping(rules, config, dequantize=dequantize, dims=_dims(config), checkpoint_form="maxtext",
+                             ignore=_prediction_layers(config))

@@ -442,27 +442,46 @@ class Mapping:
     ``quantization`` (``FP8``, ``MXFP4``): the checkpoint may store tensors
     quantized so; each is read as its dequantized twin, the tensor the rules
     name (``planning.quantization``), dequantized box by box as it is read.
+    ``ignore``: prefixes of stored names the tree does not hold (DeepSeek-V3's
+    multi-token-prediction layer, which transformers skips too): left out of
+    a load or a conversion, and never reported as unmapped or unexpected.
     """
 
     def __init__(self, rules: Iterable[Rule], *, dims: MappingABC[str, int] | None = None,
-                 checkpoint_form: str | None = None, quantization: Quantization | None = None):
+                 checkpoint_form: str | None = None, quantization: Quantization | None = None,
+                 ignore: Iterable[str] = ()):
         self.rules = tuple(rules)
         self.dims = dict(dims or {})
         self.checkpoint_form = checkpoint_form
         self.quantization = quantization
+        self.ignore = tuple(ignore)
         self._stored = [(rule, _pattern(p, "stored")[0]) for rule in self.rules for p in rule.stored_patterns]
         self._tree = [(rule, _pattern(rule.tree, "tree")[0]) for rule in self.rules]
 
     def __repr__(self) -> str:
         return f"Mapping({len(self.rules)} rules, dims={self.dims})"
 
-    def stored_view(self, stored_shapes: MappingABC[str, Sequence[int]]) -> MappingABC[str, Sequence[int]]:
+    def stored_view(self, stored_shapes: MappingABC[str, Sequence[int]],
+                    dtypes: MappingABC[str, str] | None = None) -> MappingABC[str, Sequence[int]]:
         """A checkpoint's tensors (name → shape) as the rules see them: with a
         ``quantization``, each quantized tensor as its dequantized twin (pass this to
-        ``assembly``, which then reads the twins' pieces from the quantized tensors)."""
-        if self.quantization is None or hasattr(stored_shapes, "quantized"):
+        ``assembly``, which then reads the twins' pieces from the quantized tensors).
+        ``dtypes`` (name → dtype code), when known, check that no FP8 tensor lacks its
+        scales: read without them its values would be off by the scale, silently. Names
+        the mapping ``ignore``s are left out."""
+        if hasattr(stored_shapes, "quantized"):
             return stored_shapes
-        return dequantized(self.quantization, stored_shapes)
+        if self.ignore:
+            stored_shapes = {n: shape for n, shape in stored_shapes.items() if not self.ignores(n)}
+        if self.quantization is None:
+            return stored_shapes
+        view = dequantized(self.quantization, stored_shapes)
+        unscaled = [name for name, code in (dtypes or {}).items()
+                    if code.startswith("F8_") and name in view and name not in view.quantized]
+        if unscaled:
+            raise MappingError(f"{len(unscaled)} FP8 tensors have no scales ({self.quantization}): "
+                               + ", ".join(sorted(unscaled)[:5]) + (" ..." if len(unscaled) > 5 else ""))
+        return view
 
     def _hits(self, name: str, side: str) -> list[tuple[Rule, dict[str, str]]]:
         """The rules that map ``name`` on ``side``, each with its placeholder values."""
@@ -500,6 +519,10 @@ class Mapping:
         """The transform of a tree leaf that is one stored tensor, between the shapes given."""
         _, rule = self.stored_rule(tree_name)
         return rule.resolve(stored_shape=stored_shape, tree_shape=tree_shape, dims=self.dims)
+
+    def ignores(self, stored_name: str) -> bool:
+        """Whether the tree leaves a stored tensor out (``ignore``)."""
+        return bool(self.ignore) and stored_name.startswith(self.ignore)
 
     def unmapped(self, names: Iterable[str], side: str = "tree") -> list[str]:
         """The names no rule or several rules map (to report them all at once)."""
