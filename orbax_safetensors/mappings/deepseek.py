@@ -169,10 +169,10 @@ def _first_dense(config: Any, where: str) -> tuple[int, int]:
 
 def deepseek_v3(config: Any = None, *, scan_layers: bool = False, dtype: Any = None,
                 dequantize: bool = True) -> Mapping:
-    """``DeepseekV3ForCausalLM`` ↔ the Flax-style tree above (unscanned; ``scan_layers=True`` is
-    refused until rules can offset a stack). ``config`` pins the MLA head sizes and says whether
-    the query is low-rank (``q_lora_rank``; without a config it is, as in V3); ``dequantize``
-    as in ``mappings._quantized`` for an FP8 release."""
+    """``DeepseekV3ForCausalLM`` ↔ ``mappings.deepseek``'s Flax-style tree (unscanned;
+    ``scan_layers=True`` is refused until rules can offset a stack). ``config`` pins the MLA
+    head sizes and says whether the query is low-rank (``q_lora_rank``; without a config it
+    is, as in V3); ``dequantize`` as in ``mappings._quantized`` for an FP8 release."""
     if scan_layers:
         _refuse_scan("ost.mappings.deepseek_v3")
 
