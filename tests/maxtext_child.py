@@ -11,9 +11,9 @@ import (~12 s) once; pyconfig is re-initialised per case and variant::
 ``cases.json`` is a list of ``{"case", "family", "hf_dir", "reference"[, "atol"][, "model_name"]}``
 (``atol``: an .npy of each logit's tolerance, ``tests/tolerances.py``; else ``--atol``): ``family``
 is what is passed to ``ost.mappings.maxtext`` (``llama3.1``, ``qwen3``, ``mixtral``, ``mistral``,
-``gemma3``), ``model_name`` the MaxText model whose yml, layers and conversion tables are used (by
-default ``llama3.1-8b``, ``qwen3-0.6b`` or, with experts, ``qwen3-30b-a3b``, ``mixtral-8x7b``,
-``mistral-7b``, ``gemma3-4b``). ``--hf-dir``/``--reference``/``--family`` give a single case instead.
+``gemma3``, ``deepseek3``), ``model_name`` the MaxText model whose yml, layers and conversion tables
+are used (by default ``llama3.1-8b``, ``qwen3-0.6b`` or, with experts, ``qwen3-30b-a3b``,
+``mixtral-8x7b``, ``mistral-7b``, ``gemma3-4b``, ``deepseek3-671b``). ``--hf-dir``/``--reference``/``--family`` give a single case instead.
 
 For each case and variant (``scan``: ``scan_layers=True``, ``unscan``: ``scan_layers=False``) it
 builds the MaxText config from the HF ``config.json`` (pyconfig with ``override_model_config``,
@@ -66,7 +66,7 @@ RESULT_PREFIX = "MAXTEXT_RESULT "
 # Our family name -> the MaxText model whose yml, layers and conversion tables it uses
 # (qwen3 with experts: MOE_MODEL).
 MAXTEXT_MODEL = {"llama3.1": "llama3.1-8b", "qwen3": "qwen3-0.6b", "mixtral": "mixtral-8x7b", "mistral": "mistral-7b",
-                 "gemma3": "gemma3-4b"}
+                 "gemma3": "gemma3-4b", "deepseek3": "deepseek3-671b"}
 MOE_MODEL = {"qwen3": "qwen3-30b-a3b", "mixtral": "mixtral-8x7b"}
 # The llama3.1 RoPE scaling MaxText hard-codes (layers/embeddings.py LLaMARotaryEmbedding).
 MAXTEXT_LLAMA3_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -306,7 +306,7 @@ def maxtext_overrides(family, model_name, hf, scan_layers, seq_len, out_dir):
         if wrong:
             raise ValueError(f"MaxText hard-codes llama3 RoPE scaling {MAXTEXT_LLAMA3_ROPE}; "
                              f"the checkpoint has {wrong}")
-    elif rope_type != "default":
+    elif rope_type != "default" and family != "deepseek3":  # deepseek3's yarn: _deepseek3_overrides
         raise ValueError(f"rope_type {rope_type!r}: MaxText's {model_name} supports "
                          + ("llama3 or default" if family == "llama3.1" else "default"))
     if _get(hf, "hidden_act", "silu") != "silu" or _get(hf, "attention_bias") or _get(hf, "mlp_bias"):
@@ -347,6 +347,8 @@ def maxtext_overrides(family, model_name, hf, scan_layers, seq_len, out_dir):
         overrides["rope_use_scale"] = rope_type == "llama3"
     if family == "gemma3":
         overrides.update(_gemma3_overrides(hf))
+    if family == "deepseek3":
+        overrides.update(_deepseek3_overrides(hf, rope))
     experts = _num_experts(hf)
     if experts > 1:
         if family == "qwen3":
@@ -365,14 +367,41 @@ def maxtext_overrides(family, model_name, hf, scan_layers, seq_len, out_dir):
             num_experts_per_tok=_get(hf, "num_experts_per_tok"),
             base_moe_mlp_dim=moe_mlp,
             base_mlp_dim=moe_mlp,  # MaxText: base_mlp_dim == base_moe_mlp_dim for a fully MoE model
-            # Every token to its top-k experts, no capacity, no kernels: the dense (one-hot
-            # dispatch) dense_matmul path, exact on CPU.
-            sparse_matmul=False,
-            megablox=False,
-            capacity_factor=-1.0,
-            load_balance_loss_weight=0.0,
+            **DENSE_MATMUL,
         )
     return overrides
+
+
+# Every token to its top-k experts, no capacity, no kernels: the dense (one-hot dispatch)
+# dense_matmul path, exact on CPU.
+DENSE_MATMUL = dict(sparse_matmul=False, megablox=False, capacity_factor=-1.0, load_balance_loss_weight=0.0)
+
+
+def _deepseek3_overrides(hf, rope):
+    """DeepSeek-V3's own keys: MLA's sizes, yarn RoPE on the interleaved layout, the first dense
+    layers, sigmoid routing with the score-correction bias over groups, the shared experts."""
+    if rope.get("rope_type") != "yarn" or not _get(hf, "rope_interleave", True):
+        raise ValueError("MaxText's deepseek3 block: yarn RoPE on the interleaved layout")
+    if rope.get("mscale", 1.0) != rope.get("mscale_all_dim", 1.0):  # MaxText's mscale is both
+        raise ValueError("MaxText's deepseek3 block: yarn's mscale == mscale_all_dim")
+    if not _get(hf, "norm_topk_prob", True) or _get(hf, "moe_layer_freq", 1) != 1:
+        raise ValueError("MaxText's deepseek3 block: renormalised top-k, every layer after the dense ones MoE")
+    return dict(
+        first_num_dense_layers=_get(hf, "first_k_dense_replace"),
+        q_lora_rank=_get(hf, "q_lora_rank") or 0, kv_lora_rank=_get(hf, "kv_lora_rank"),
+        qk_nope_head_dim=_get(hf, "qk_nope_head_dim"), qk_rope_head_dim=_get(hf, "qk_rope_head_dim"),
+        v_head_dim=_get(hf, "v_head_dim"),
+        rope_type="yarn", rope_factor=rope["factor"], beta_fast=rope.get("beta_fast", 32),
+        beta_slow=rope.get("beta_slow", 1), mscale=rope.get("mscale_all_dim", 1.0),
+        original_max_position_embeddings=rope["original_max_position_embeddings"],
+        max_position_embeddings=_get(hf, "max_position_embeddings"), rope_interleave=True,
+        rope_truncate=rope.get("truncate", True), rope_attention_scaling=False,
+        num_experts=_get(hf, "n_routed_experts"), num_experts_per_tok=_get(hf, "num_experts_per_tok"),
+        base_moe_mlp_dim=_get(hf, "moe_intermediate_size"), shared_experts=_get(hf, "n_shared_experts"),
+        routed_scaling_factor=_get(hf, "routed_scaling_factor"), routed_score_func="sigmoid", routed_bias=True,
+        n_routing_groups=_get(hf, "n_group"), topk_routing_group=_get(hf, "topk_group"),
+        mtp_num_layers=0, **DENSE_MATMUL,
+    )
 
 
 def _gemma3_overrides(hf):
@@ -428,10 +457,18 @@ def _run_variant(args, result, family, model_name, hf_dir, scan, hf_config, toke
     shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, config.logical_axis_rules)
     lap("config_and_abstract")
 
-    assert set(abstract) == {"params"}, sorted(abstract)
+    # MaxText keeps DeepSeek's router bias in a collection of its own (MoEBiasVar); its converter
+    # and checkpoints hold it under params (checkpointing._alias_legacy_collections reads it from
+    # there): so does the target, and the forward gets it back in its collection.
+    assert "params" in abstract, sorted(abstract)
     is_box = lambda x: isinstance(x, nn.LogicallyPartitioned)
-    boxes = _flatten(abstract["params"], is_box)  # "decoder.layers.mlp.wi_0.kernel" -> box
-    named_shardings = _flatten(shardings["params"], lambda x: isinstance(x, jax.sharding.Sharding))
+    boxes, named_shardings, collection = {}, {}, {}  # "decoder.layers.mlp.wi_0.kernel" -> box, ...
+    for name in abstract:
+        own = _flatten(abstract[name], is_box)
+        assert not set(own) & set(boxes), sorted(set(own) & set(boxes))
+        boxes.update(own)
+        collection.update(dict.fromkeys(own, name))
+        named_shardings.update(_flatten(shardings[name], lambda x: isinstance(x, jax.sharding.Sharding)))
     assert set(boxes) == set(named_shardings)
     for name, box in boxes.items():
         assert is_box(box) and isinstance(box.value, jax.ShapeDtypeStruct), (name, box)
@@ -439,7 +476,7 @@ def _run_variant(args, result, family, model_name, hf_dir, scan, hf_config, toke
     from maxtext.checkpoint_conversion.utils.utils import param_key_parts_from_path
     canonical = {"-".join(param_key_parts_from_path(path)) for path, _ in
                  jax.tree_util.tree_flatten_with_path(abstract, is_leaf=is_box)[0]}
-    assert canonical == {"params-" + n.replace(".", "-") for n in boxes}, canonical
+    assert canonical == {f"{collection[n]}-" + n.replace(".", "-") for n in boxes}, canonical
     target = nest({n: jax.ShapeDtypeStruct(b.value.shape, b.value.dtype, sharding=named_shardings[n])
                          for n, b in boxes.items()})
     if args.print_tree:
@@ -494,7 +531,8 @@ def _run_variant(args, result, family, model_name, hf_dir, scan, hf_config, toke
         lap("converter_check")
 
     # MaxText's forward on the loaded params, boxed back into its tree.
-    variables = {"params": nest({n: boxes[n].replace_boxed(loaded[n]) for n in boxes})}
+    variables = {name: nest({n: boxes[n].replace_boxed(loaded[n]) for n in boxes if collection[n] == name})
+                 for name in abstract}
     batch, seq = tokens.shape
 
     def forward(variables, tokens):

@@ -165,7 +165,12 @@ REVERSE_KNOWN = {**{key: ("xfail", f"MaxText 0.2.5's to_maxtext.py cannot conver
                  # stops with KeyError 'text_config' on a text-only Gemma3ForCausalLM checkpoint.
                  **{("gemma3", v): ("skip", "MaxText 0.2.5's to_maxtext.py converts Gemma 3 only as the "
                                             "multimodal model (KeyError 'text_config' on a text-only one)")
-                    for v in VARIANTS}, **KNOWN}
+                    for v in VARIANTS},
+                 # Its DeepSeek tables name the router bias params-…-gate-bias; its model holds it in
+                 # the MoEBiasVar collection, so to_maxtext.py stops ("missing keys: MoEBiasVar-…").
+                 ("deepseek3", "unscan"): ("xfail", "MaxText 0.2.5's to_maxtext.py cannot convert DeepSeek-V3: "
+                                                    "its tables miss the MoEBiasVar router bias"),
+                 **KNOWN}
 
 
 @pytest.mark.timeout(PIP_TIMEOUT + CHILD_TIMEOUT)

@@ -28,6 +28,8 @@ layers and stacked experts are ``Rule.stack``: each device still reads only
 its own layers, experts, rows and columns, and a save writes the per-layer,
 per-expert tensors ``save_pretrained`` writes.
 
+DeepSeek-V3 (MLA attention, dense then MoE layers) is ``mappings.deepseek``.
+
 ``config`` (a transformers config or a dict of its fields) pins the head
 sizes, needed only when loading without a target, and says whether the
 release is quantized (``quantization_config``); ``dtype`` is the dtype a save
@@ -43,6 +45,7 @@ from typing import Any
 from orbax_safetensors.errors import ArgumentError
 from orbax_safetensors.mappings._config import attention_dims, config_value
 from orbax_safetensors.mappings._quantized import quantized_mapping
+from orbax_safetensors.mappings.deepseek import deepseek_v3
 from orbax_safetensors.planning.rules import Mapping, Rule
 
 
@@ -149,7 +152,7 @@ def qwen3_moe(config: Any = None, *, scan_layers: bool = False, dtype: Any = Non
 
 
 FAMILIES = {"llama": llama, "mistral": mistral, "qwen2": qwen2, "qwen3": qwen3, "gemma2": gemma2,
-            "gemma3_text": gemma3, "mixtral": mixtral, "qwen3_moe": qwen3_moe}
+            "gemma3_text": gemma3, "mixtral": mixtral, "qwen3_moe": qwen3_moe, "deepseek_v3": deepseek_v3}
 
 
 def for_config(config: Any, *, scan_layers: bool = False, dtype: Any = None,

@@ -49,6 +49,10 @@ are ``pre_self_attention_norm``, ``post_self_attention_norm``,
 ``pre_ffw_norm``, ``post_ffw_norm`` and the q/k norms, and its embedding is
 tied.
 
+DeepSeek-V3 (``"deepseek3"``: MLA attention, dense then MoE layers) has a tree
+of its own, ``decoder.dense_layers_{k}`` / ``decoder.moe_layers_{k}``: its
+rules, and what is exact, are ``mappings.deepseek``'s.
+
 Values follow MaxText's converter: Llama 3.1's, Mixtral's and Mistral's query
 kernel is scaled by ``1/sqrt(head_dim)`` (in float32; their MaxText attention
 does not scale), Llama 3.1's query and key heads are reordered from Hugging
@@ -80,6 +84,7 @@ from typing import Any
 import ml_dtypes
 
 from orbax_safetensors.errors import ArgumentError
+from orbax_safetensors.mappings import deepseek
 from orbax_safetensors.mappings._config import attention_dims, config_value
 from orbax_safetensors.mappings._quantized import quantized_mapping
 from orbax_safetensors.planning.rules import Mapping, Rule, Strided
@@ -121,6 +126,8 @@ FAMILIES = {
     "gemma3": _Family(query_scale=False, rope_interleave=False, qk_norm=True, norms=_GEMMA3_NORMS, norm_offset=1.0,
                       embedding_scale=True, pattern=6),
 }
+# MaxText families whose tree is not the Llama-like one above: their own rules.
+OWN_RULES: dict[str, Callable[..., Mapping]] = {"deepseek3": deepseek.maxtext_deepseek3}
 
 
 def maxtext(family: str, config: Any, scan_layers: bool = True, *, dtype: Any = None,
@@ -138,11 +145,14 @@ def maxtext(family: str, config: Any, scan_layers: bool = True, *, dtype: Any = 
     release (the config's ``quantization_config``) is read: dequantized (the default;
     MaxText's tree holds the values) or, FP8, kept (``mappings._quantized``). Qwen3 is MoE when the
     config has ``num_experts > 1`` (``moe_block``, experts stacked at axis 0,
-    layers then at 1).
+    layers then at 1). ``"deepseek3"`` (``deepseek3-671b``, ``deepseek3-tiny``) is
+    ``mappings.deepseek``'s.
     """
-    name = next((f for f in FAMILIES if family == f or family.startswith(f + "-")), None)
+    name = next((f for f in (*FAMILIES, *OWN_RULES) if family == f or family.startswith(f + "-")), None)
     if name is None:
-        raise ArgumentError(f"no MaxText mapping for {family!r}; available: {', '.join(FAMILIES)}")
+        raise ArgumentError(f"no MaxText mapping for {family!r}; available: {', '.join((*FAMILIES, *OWN_RULES))}")
+    if name in OWN_RULES:
+        return OWN_RULES[name](config, scan_layers, dtype=dtype, dequantize=dequantize)
     spec = FAMILIES[name]
     if config is None:  # the query scale and the head split need the head sizes
         raise ArgumentError(f"maxtext({family!r}, config): config is None; pass the checkpoint's Hugging "
