@@ -153,7 +153,13 @@ class Rule:
     ``PERMUTATIONS`` or a function of the axis size ``n``), ``scale`` multiplies
     and then ``offset`` adds (in float32, float64 for float64 tensors; undone
     on save, exactly where ``planning.transforms`` says), and ``dtype`` is the
-    dtype saved (a float32 tree saved as ``"bfloat16"``).
+    dtype saved (a float32 tree saved as ``"bfloat16"``). ``take={axis: k}``
+    keeps index ``k`` of an axis of the reshaped piece and drops the axis:
+    one stored tensor read as several leaves, e.g. gpt-oss's interleaved
+    ``gate_up_proj`` ``[E, D, 2F]`` as MaxText's ``wi_0`` (``split={2: ("mlp",
+    2)}, take={3: 0}``) and ``wi_1`` (``take={3: 1}``). Such a leaf is read
+    only: a save through the rule is refused while it is planned, since the
+    leaf cannot write the stored tensor alone.
 
     Pieces form the leaf: ``stack={placeholder: axis}`` names placeholders of
     the stored side only, each a leaf axis whose index is the placeholder's
@@ -181,6 +187,7 @@ class Rule:
     stack: MappingABC[str, int] = dataclasses.field(default_factory=dict)
     concat: MappingABC[int, Sequence[Size]] = dataclasses.field(default_factory=dict)
     strided: MappingABC[str, Strided] = dataclasses.field(default_factory=dict)
+    take: MappingABC[int, int] = dataclasses.field(default_factory=dict)
 
     @property
     def stored_patterns(self) -> tuple[str, ...]:
@@ -243,6 +250,8 @@ class Rule:
         merged = {a + k for a, sizes in self.merge.items() for k in range(len(sizes))}
         if merged & set(self.split) or len(merged) != sum(len(s) for s in self.merge.values()):
             raise MappingError(f"{where}: split and merge axes overlap")
+        if any(not isinstance(v, int) or v < 0 for item in self.take.items() for v in item):
+            raise MappingError(f"{where}: take {dict(self.take)}: axes and indices must be ints >= 0")
 
     def _check_values(self, where: str) -> None:
         for permutation in self.permute.values():
@@ -273,12 +282,26 @@ class Rule:
         if stored_shape is None and tree_shape is None:
             raise MappingError(f"{where}: needs the stored or the tree shape")
         stored, tree = _shape(stored_shape), _shape(tree_shape)
-        layout = self._layout(self._transposed(stored), tree, dims or {})
-        if tree is not None and layout.tree_shape != tree:
-            raise MappingError(
-                f"{where}: stored shape {stored} maps to {layout.tree_shape}, not the tree's {tree}")
-        return dataclasses.replace(layout, permutes=self._permutes(layout.tree_shape),
+        if self.take and stored is None:  # the tree's shape lacks the taken axes
+            raise MappingError(f"{where}: takes one index {dict(self.take)} of a stored tensor that holds "
+                               "other leaves too, so it is read only: a save cannot write the stored tensor "
+                               "from it, and a load needs the stored shape")
+        layout = self._layout(self._transposed(stored), None if self.take else tree, dims or {})
+        takes = self._takes(layout.tree_shape)
+        shape = dataclasses.replace(layout, takes=takes).tree_shape
+        if tree is not None and shape != tree:
+            raise MappingError(f"{where}: stored shape {stored} maps to {shape}, not the tree's {tree}")
+        return dataclasses.replace(layout, permutes=self._permutes(layout.tree_shape), takes=takes,
                                    scale=self.scale, offset=self.offset, dtype=self.dtype)
+
+    def _takes(self, reshaped: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+        """``take`` as the transform's ``(axis, index)`` pairs of the ``reshaped`` piece (a rule
+        that takes is resolved from the stored shape alone: the tree's lacks the taken axes;
+        without one, as when a save is planned, it is refused)."""
+        for axis, index in self.take.items():
+            if axis >= len(reshaped) or index >= reshaped[axis]:
+                raise MappingError(f"{self._where}: take {axis}: index {index} of a piece of shape {reshaped}")
+        return tuple(sorted(self.take.items()))
 
     def _accepts(self, values: MappingABC[str, str], side: str) -> bool:
         """Whether a name whose pattern gave placeholder ``values`` on ``side`` is this
