@@ -94,9 +94,18 @@ class Strided:
              stack={"i": 1}, strided={"i": Strided("k", 6, stop=R)})
         Rule("model.layers.{i}.mlp.up_proj.weight", "decoder.layers_remainder.layers_{k}.mlp.wi_1.kernel",
              strided={"i": Strided("k", 6, start=R)})
+
+    ``within=None``: ``k`` is 0 and the tree side has no placeholder for it, so a
+    stack can start or stop at any layer: DeepSeek-V3's first ``K`` layers are dense
+    and the rest MoE, stacked apart (``decoder.dense_layers`` holds layers ``[0, K)``,
+    ``decoder.moe_layers`` the rest)::
+
+        Rule("model.layers.{i}.self_attn.kv_a_layernorm.weight",
+             "decoder.moe_layers.self_attention.kv_norm.scale", stack={"i": 1},
+             strided={"i": Strided(None, 1, start=K)})
     """
 
-    within: str
+    within: str | None
     step: int
     start: int = 0
     stop: int | None = None
@@ -116,6 +125,10 @@ class Strided:
         if number is None or number < self.start or (self.stop is not None and number >= self.stop):
             return None
         return divmod(number - self.start, self.step)
+
+    def k(self, tree: MappingABC[str, str]) -> int:
+        """``k`` of the leaf whose tree placeholders are ``tree`` (0 without ``within``)."""
+        return 0 if self.within is None else int(tree[self.within])
 
     def count(self, k: int) -> int | None:
         """How many stored values the leaf ``within=k`` stacks (``None``: no ``stop``, so the
@@ -215,12 +228,12 @@ class Rule:
         side's only) and the strided ones' ``within`` (the tree side's only)."""
         _, tree_names = _pattern(self.tree, "tree")
         stored_only = set(self.stack) | set(self.strided)
-        tree_only = {s.within for s in self.strided.values()}
+        tree_only = {s.within for s in self.strided.values() if s.within is not None}
         for pattern in self.stored_patterns:
             _, stored_names = _pattern(pattern, "stored")
             if (set(stored_names) - stored_only != set(tree_names) - tree_only or not stored_only <= set(stored_names)
                     or not tree_only <= set(tree_names) - set(stored_names)
-                    or len(tree_only) != len(self.strided)):
+                    or len(tree_only) != sum(s.within is not None for s in self.strided.values())):
                 raise MappingError(
                     f"rule {pattern!r} ↔ {self.tree!r}: both sides need the same placeholders, "
                     "except the stacked and strided ones, which only the stored side has, and each "
@@ -307,17 +320,18 @@ class Rule:
         """Whether a name whose pattern gave placeholder ``values`` on ``side`` is this
         rule's: every value a ``Strided`` placeholder computes is in its range."""
         if side == "tree":
-            return all(s.holds(values[s.within]) for s in self.strided.values())
+            return all(s.within is None or s.holds(values[s.within]) for s in self.strided.values())
         for placeholder, strided in self.strided.items():
             split = strided.split(values[placeholder])
-            if split is None or (placeholder not in self.stack and split[0] != 0):
+            if split is None or (placeholder not in self.stack and split[0] != 0) or (
+                    strided.within is None and split[1] != 0):
                 return False
         return True
 
     def _tree_values(self, stored: MappingABC[str, str]) -> dict[str, str]:
         """The tree's placeholder values of a stored name's (that ``_accepts``)."""
         values = {p: v for p, v in stored.items() if p not in self.stack and p not in self.strided}
-        values.update({s.within: str(s.split(stored[p])[1]) for p, s in self.strided.items()})
+        values.update({s.within: str(s.split(stored[p])[1]) for p, s in self.strided.items() if s.within is not None})
         return values
 
     def _stored_values(self, tree: MappingABC[str, str], index: Sequence[int]) -> dict[str, str]:
@@ -325,7 +339,7 @@ class Rule:
         stack axes) of the leaf whose tree placeholders are ``tree``."""
         stacked = dict(zip(self._stacked_placeholders, index))
         values = {**tree, **{p: str(i) for p, i in stacked.items()}}
-        values.update({p: str(s.value(stacked.get(p, 0), int(tree[s.within]))) for p, s in self.strided.items()})
+        values.update({p: str(s.value(stacked.get(p, 0), s.k(tree))) for p, s in self.strided.items()})
         return values
 
     def _stack_index(self, stored: MappingABC[str, str], tree: MappingABC[str, str]) -> tuple[str, ...] | None:
@@ -338,7 +352,7 @@ class Rule:
                 index.append(stored[placeholder])
                 continue
             split = strided.split(stored[placeholder])
-            if split is None or str(split[1]) != tree[strided.within]:
+            if split is None or split[1] != strided.k(tree):
                 return None
             index.append(str(split[0]))
         return tuple(index)
@@ -614,7 +628,7 @@ class Mapping:
         counts = []
         for placeholder, found in seen.items():
             strided = rule.strided.get(placeholder)
-            known = None if strided is None else strided.count(int(values[strided.within]))
+            known = None if strided is None else strided.count(strided.k(values))
             expected = {str(i) for i in range(len(found) if known is None else known)}
             if found != expected:
                 raise MappingError(f"{where}: stacked {{{placeholder}}} takes the values "
