@@ -176,11 +176,41 @@ def test_an_fp8_release_reads_through_the_same_rules(checkpoint):
         "model.layers.0.self_attn.q_b_proj.weight_scale_inv"
 
 
-@pytest.mark.parametrize("make", [lambda c: ost.mappings.deepseek_v3(c, scan_layers=True),
-                                  lambda c: ost.mappings.maxtext("deepseek3", c)], ids=["flax", "maxtext"])
-def test_scanned_layers_are_refused_with_the_reason(checkpoint, make):
-    with pytest.raises(ost.ArgumentError, match="scan_layers=True is not available yet.*first_k_dense_replace"):
-        make(checkpoint[1])
+def scan_by_hand(tree: dict, first_dense: int, axis: int) -> dict:
+    """A tree with each layer under its own name (``model.layers_{i}``, or MaxText's
+    ``decoder.{dense,moe}_layers_{k}``) scanned: dense and MoE layers stacked apart at ``axis``."""
+    stacks, out = {}, {}
+    for name, value in tree.items():
+        layer = re.fullmatch(r"(model|decoder)\.(layers|dense_layers|moe_layers)_(\d+)\.(.+)", name)
+        if layer is None:
+            out[name] = value
+            continue
+        root, block, k, leaf = layer.groups()
+        if block == "layers":
+            block, k = ("dense_layers", int(k)) if int(k) < first_dense else ("moe_layers", int(k) - first_dense)
+        stacks.setdefault(f"{root}.{block}.{leaf}", {})[int(k)] = value
+    out.update((name, np.stack([layers[k] for k in range(len(layers))], axis)) for name, layers in stacks.items())
+    return out
+
+
+@pytest.mark.parametrize("tree", ["flax", "maxtext"])
+def test_scanned_trees_stack_dense_and_moe_layers_apart(checkpoint, tmp_path, tree):
+    """Scanned, the dense layers are one stack and the MoE layers another, whose index ``n`` is
+    layer ``first_k_dense_replace + n`` (layers at axis 0 here, at 1 in MaxText's tree)."""
+    directory, config, tensors = checkpoint
+    flax_tree, first = flax_by_hand(tensors, config.num_attention_heads), config.first_k_dense_replace
+    if tree == "flax":
+        mapping = ost.mappings.deepseek_v3(config, scan_layers=True, dtype="bfloat16")
+        expected = scan_by_hand(flax_tree, first, axis=0)
+    else:
+        mapping = ost.mappings.maxtext("deepseek3", config, dtype="bfloat16")
+        expected = scan_by_hand(maxtext_by_hand(flax_tree, first), first, axis=1)
+    _load_save_and_compare(directory, mapping, expected, str(tmp_path / "back"))
+
+
+def test_scanned_trees_need_the_config():
+    with pytest.raises(ost.ArgumentError, match="config is None"):
+        ost.mappings.deepseek_v3(None, scan_layers=True)
 
 
 def test_maxtext_needs_the_config():

@@ -20,8 +20,8 @@ in float32 (eager attention) for the reference logits:
   MaxText's ``1 + w`` in float32 round-trips exactly;
 * ``deepseek3``: ``DeepseekV3ForCausalLM``, MLA with a low-rank query, 1 dense layer then 2 MoE
   layers (8 experts top-2, sigmoid scores with the random ``e_score_correction_bias``, one group,
-  a shared expert), DeepSeek-V3's yarn RoPE (``deepseek3-671b``; unscanned only: the mapping
-  refuses ``scan_layers=True`` for now, a strict xfail);
+  a shared expert), DeepSeek-V3's yarn RoPE (``deepseek3-671b``; scanned as MaxText's
+  ``dense_layers`` and ``moe_layers`` stacks);
 * ``gpt-oss``: ``GptOssForCausalLM``, 4 layers (two sliding-window / global pairs, scanned as
   ``layers_0``, ``layers_1``), sliding window 4, yarn RoPE, q/k/v/o biases, attention sinks, 4
   experts top-2 with a router bias and fused, interleaved gate/up (``gpt-oss-20b``). Its mapping
@@ -166,8 +166,7 @@ ROUTER_MARGIN = 1e-3
 SEEDS = {"deepseek3": 1}
 # (case, variant) -> mark: known disagreements of the mapping with MaxText (strict xfail, flips
 # to a failure when fixed) and families MaxText cannot run here (skip).
-KNOWN = {("deepseek3", "scan"): ("xfail", "maxtext('deepseek3') refuses scan_layers=True: its MoE layers stack "
-                                            "from layer first_k_dense_replace, which Rule/Strided cannot state")}
+KNOWN: dict[tuple[str, str], tuple[str, str]] = {}
 # (case, variant) -> leaves where MaxText 0.2.5's own converter contradicts MaxText's own tree, so
 # the child compares them with its hooks stacked at param_scan_axis instead (its
 # "converter_workarounds"). to_maxtext.py's _build_single_axis_stacked_tensor takes any scanned key

@@ -46,11 +46,12 @@ scales the query itself, and reads HF's interleaved RoPE layout as it is), so
 neither do these rules: a load is the checkpoint's values, and a save gives back
 a bfloat16 or float32 checkpoint bit for bit.
 
-Scanned layers (``scan_layers=True``: ``model.dense_layers`` / ``model.moe_layers``
-here, ``decoder.dense_layers`` / ``decoder.moe_layers`` in MaxText, layers at
-axis 0 / 1) need a stack whose index is the layer minus ``first_k_dense_replace``
-and whose name carries no index, which ``Rule``/``Strided`` cannot state yet:
-they are refused with that reason.
+Scanned (``scan_layers=True``), dense and MoE layers are two stacks, as
+MaxText scans them: ``model.dense_layers.<leaf>`` / ``model.moe_layers.<leaf>``
+here (layers at axis 0, experts then at 1), ``decoder.dense_layers.…`` /
+``decoder.moe_layers.…`` in MaxText (layers at axis 1, experts at 0); index
+``n`` of the MoE stack is layer ``first_k_dense_replace + n``
+(``Strided(None, 1, start=...)``).
 
 The multi-token-prediction layers stored after the last one (V3's
 ``model.layers.61.``: ``num_nextn_predict_layers``) are left out (``Mapping.ignore``),
@@ -150,12 +151,6 @@ def _prediction_layers(config: Any) -> tuple[str, ...]:
     return tuple(f"model.layers.{int(layers) + k}." for k in range(int(extra)))
 
 
-def _refuse_scan(where: str) -> None:
-    raise ArgumentError(f"{where}: scan_layers=True is not available yet: DeepSeek's MoE layers would stack "
-                        "from layer first_k_dense_replace under a name with no index, which Rule/Strided "
-                        "cannot state; use scan_layers=False")
-
-
 def _first_dense(config: Any, where: str) -> tuple[int, int]:
     """(first_k_dense_replace, num_hidden_layers), which place each layer in MaxText's tree."""
     if config is None:
@@ -167,20 +162,49 @@ def _first_dense(config: Any, where: str) -> tuple[int, int]:
     return int(dense), int(layers)
 
 
-def deepseek_v3(config: Any = None, *, scan_layers: bool = False, dtype: Any = None,
-                dequantize: bool = True) -> Mapping:
-    """``DeepseekV3ForCausalLM`` ↔ ``mappings.deepseek``'s Flax-style tree (unscanned;
-    ``scan_layers=True`` is refused until rules can offset a stack). ``config`` pins the MLA
-    head sizes and says whether the query is low-rank (``q_lora_rank``; without a config it
-    is, as in V3); ``dequantize`` as in ``mappings._quantized`` for an FP8 release."""
-    if scan_layers:
-        _refuse_scan("ost.mappings.deepseek_v3")
+def _by_block(config: Any, where: str, *, scan_layers: bool, root: str, layer_axis: int,
+              expert_axis: int) -> PerLayer:
+    """``per_layer`` for a tree that holds dense and MoE layers apart (MaxText's, and any
+    scanned one): dense layer ``k`` under ``<root>.dense_layers_{k}``, MoE layer
+    ``first_k_dense_replace + k`` under ``<root>.moe_layers_{k}``; scanned, stacked at
+    ``layer_axis`` of ``<root>.dense_layers`` / ``<root>.moe_layers`` (``Strided(None, ...)``:
+    the MoE stack's index ``n`` is layer ``first_k_dense_replace + n``)."""
+    dense_layers, layers = _first_dense(config, where)
+    blocks = {True: ("dense_layers", 0, dense_layers), False: ("moe_layers", dense_layers, layers)}
 
     def per_layer(stored: str, tree: str, dense: bool | None, *, experts: bool = False, **layout: Any) -> list[Rule]:
-        del dense  # unscanned, a layer's own names say whether it is dense
-        return [Rule(f"model.layers.{{i}}.{stored}", f"model.layers_{{i}}.{tree}",
-                     stack={"e": 0} if experts else {}, **layout)]
+        rules = []
+        for block, start, stop in (blocks.values() if dense is None else [blocks[dense]]):
+            if start >= stop:
+                continue
+            stack = {"e": expert_axis} if experts else {}
+            if scan_layers:
+                name, strided = f"{root}.{block}", Strided(None, 1, start=start, stop=stop)
+                stack["i"] = layer_axis
+            else:
+                name, strided = f"{root}.{block}_{{k}}", Strided("k", stop - start, start=start, stop=stop)
+            rules.append(Rule(f"model.layers.{{i}}.{stored}", f"{name}.{tree}", stack=stack,
+                              strided={"i": strided}, **layout))
+        return rules
 
+    return per_layer
+
+
+def _every_layer(stored: str, tree: str, dense: bool | None, *, experts: bool = False, **layout: Any) -> list[Rule]:
+    """``per_layer`` of the unscanned Flax-style tree: layer ``i`` under ``model.layers_{i}``."""
+    del dense  # a layer's own names say whether it is dense
+    return [Rule(f"model.layers.{{i}}.{stored}", f"model.layers_{{i}}.{tree}", stack={"e": 0} if experts else {},
+                 **layout)]
+
+
+def deepseek_v3(config: Any = None, *, scan_layers: bool = False, dtype: Any = None,
+                dequantize: bool = True) -> Mapping:
+    """``DeepseekV3ForCausalLM`` ↔ ``mappings.deepseek``'s Flax-style tree. ``config`` pins the
+    MLA head sizes, says whether the query is low-rank (``q_lora_rank``; without a config it
+    is, as in V3) and, scanned (where it is needed), which layers are dense; ``dequantize`` as
+    in ``mappings._quantized`` for an FP8 release."""
+    per_layer = _by_block(config, "ost.mappings.deepseek_v3 (scanned)", scan_layers=True, root="model",
+                          layer_axis=0, expert_axis=1) if scan_layers else _every_layer
     rules = _outer(config, ("model.embed_tokens.embedding", "model.norm.scale", "lm_head.kernel"), dtype)
     rules += _rules(config, per_layer, maxtext=False, dtype=dtype)
     return quantized_mapping(rules, config, dequantize=dequantize, dims=_dims(config),
@@ -188,23 +212,9 @@ def deepseek_v3(config: Any = None, *, scan_layers: bool = False, dtype: Any = N
 
 
 def maxtext_deepseek3(config: Any, scan_layers: bool, *, dtype: Any, dequantize: bool) -> Mapping:
-    """HF DeepSeek-V3 ↔ MaxText's ``deepseek3-*`` tree (unscanned), for ``mappings.maxtext``."""
+    """HF DeepSeek-V3 ↔ MaxText's ``deepseek3-*`` tree, for ``mappings.maxtext``."""
     where = "maxtext('deepseek3')"
-    if scan_layers:
-        _refuse_scan(where)
-    dense_layers, layers = _first_dense(config, where)
-    # decoder.dense_layers_{k}: layer k < dense_layers; decoder.moe_layers_{k}: layer dense_layers + k.
-    blocks = {True: ("dense_layers", 0, dense_layers), False: ("moe_layers", dense_layers, layers)}
-
-    def per_layer(stored: str, tree: str, dense: bool | None, *, experts: bool = False, **layout: Any) -> list[Rule]:
-        rules = []
-        for block, start, stop in (blocks.values() if dense is None else [blocks[dense]]):
-            if start < stop:
-                rules.append(Rule(f"model.layers.{{i}}.{stored}", f"decoder.{block}_{{k}}.{tree}",
-                                  stack={"e": 0} if experts else {},
-                                  strided={"i": Strided("k", stop - start, start=start, stop=stop)}, **layout))
-        return rules
-
+    per_layer = _by_block(config, where, scan_layers=scan_layers, root="decoder", layer_axis=1, expert_axis=0)
     rules = _outer(config, ("token_embedder.embedding", "decoder.decoder_norm.scale", "decoder.logits_dense.kernel"),
                    dtype)
     rules += _rules(config, per_layer, maxtext=True, dtype=dtype)
