@@ -183,10 +183,69 @@ def test_maxtext_tree_refuses_a_save_while_it_is_planned(checkpoint, tmp_path):
         assert not os.path.exists(tmp_path / "out")
 
 
-def test_maxtext_load_without_a_target_names_the_rules_sharing_gate_up(checkpoint):
-    directory, config, _ = checkpoint
-    with pytest.raises(ost.Error, match=r"mlp\.experts\.gate_up_proj"):
-        ost.load(directory, mapping=_mapping("maxtext", config, True))
+@pytest.mark.parametrize("family", ["flax", "maxtext"])
+def test_load_without_a_target_gives_the_whole_tree(checkpoint, family):
+    """Without a target every leaf comes from the stored names: ``gate_up_proj`` is both
+    ``wi_0`` and ``wi_1`` of MaxText's tree (each rule takes its part)."""
+    directory, config, stored = checkpoint
+    params = ost.load(directory, mapping=_mapping(family, config, True))
+    expected = _expected(stored, family, True)
+    assert set(params) == set(expected)
+    for name, value in expected.items():
+        np.testing.assert_array_equal(params[name], value, err_msg=name)
+
+
+@pytest.fixture(scope="module")
+def mxfp4_release(checkpoint, tmp_path_factory):
+    """(MXFP4 release, its bfloat16 twin, the MXFP4 config): the experts' random MXFP4 bytes,
+    and the twin holding ``tests/quantized_reference.py``'s dequantization of them (exact in
+    bfloat16), every other tensor the tiny checkpoint's."""
+    from tests.quantized_reference import mxfp4_reference, random_mxfp4
+
+    _, config, stored = checkpoint
+    rng, release, twin = np.random.default_rng(0), {}, {}
+    for name, value in stored.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            experts, rows, cols = value.shape  # the twin [experts, in, out]; stored [experts, out, in / 32, 16]
+            blocks, scales = random_mxfp4(rng, (experts, cols), rows // 32)
+            release[name + "_blocks"], release[name + "_scales"] = blocks, scales
+            twin[name] = mxfp4_reference(blocks, scales).astype(value.dtype)
+        else:
+            release[name] = twin[name] = value
+    root = tmp_path_factory.mktemp("gpt_oss_mxfp4")
+    ost.save(str(root / "mxfp4"), release)
+    ost.save(str(root / "twin"), twin)
+    return str(root / "mxfp4"), str(root / "twin"), {**config.to_dict(), "quantization_config": {"quant_method": "mxfp4"}}
+
+
+@pytest.mark.parametrize("family", ["flax", "maxtext"])
+def test_mxfp4_release_reads_as_its_dequantized_twin(checkpoint, mxfp4_release, family):
+    """Sharded, each device's experts and columns dequantized as they are read: the very
+    values the bfloat16 twin holds (MaxText's wi_0/wi_1 taken from the dequantized gate_up)."""
+    release, twin, mxfp4_config = mxfp4_release
+    mapping = _mapping(family, mxfp4_config, True)
+    assert mapping.quantization == ost.MXFP4()
+    expected = flat(ost.load(twin, mapping=_mapping(family, checkpoint[1], True), nest=True))
+    target = _sharded({name: value.shape for name, value in expected.items()})
+    params = flat(ost.load(release, nest(target), mapping=mapping))
+    assert set(params) == set(expected)
+    for name, value in expected.items():
+        assert params[name].sharding == target[name].sharding, name
+        np.testing.assert_array_equal(np.asarray(params[name]), value.astype(np.float32), err_msg=name)
+
+
+def test_mxfp4_release_converts_to_maxtext(mxfp4_release, tmp_path):
+    """``ost.convert`` dequantizes a quantized release into MaxText's tree in bounded memory."""
+    import orbax.checkpoint as ocp
+
+    release, twin, mxfp4_config = mxfp4_release
+    mapping = _mapping("maxtext", mxfp4_config, True)
+    ost.convert(release, str(tmp_path / "mt"), mapping=mapping, dtype="bfloat16", memory_budget="64MB")
+    restored = flat(ocp.StandardCheckpointer().restore(str(tmp_path / "mt" / "0" / "items")))
+    expected = ost.load(twin, mapping=mapping)
+    assert {name.removeprefix("params.params.") for name in restored if name.startswith("params.")} == set(expected)
+    for name, value in expected.items():
+        np.testing.assert_array_equal(np.asarray(restored["params.params." + name]), value, err_msg=name)
 
 
 def test_gpt_oss_is_shipped_by_model_type_and_by_name(checkpoint):

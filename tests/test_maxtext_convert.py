@@ -100,12 +100,6 @@ def bf16_copy(hf_dir, directory):
 
 # --- MaxText restores our conversion ---------------------------------------------------------------
 
-# ost.convert reads the checkpoint without a target (Mapping.tree_shapes), where a stored tensor
-# read as two leaves (gpt-oss's gate_up_proj: Rule.take) is mapped by two rules.
-CONVERT_KNOWN = {**{(case, v): ("xfail", "ost.convert names the leaves from the stored tensors, and one stored "
-                                         "tensor is two leaves here (Rule.take): the Mapping does not name both yet")
-                    for case in READ_ONLY for v in VARIANTS}, **KNOWN}
-
 
 @pytest.fixture(scope="module")
 def converted_results(maxtext_python, hf_checkpoints, tmp_path_factory):
@@ -114,7 +108,7 @@ def converted_results(maxtext_python, hf_checkpoints, tmp_path_factory):
 
 
 @pytest.mark.timeout(PIP_TIMEOUT + CHILD_TIMEOUT)  # a first run builds the venv
-@pytest.mark.parametrize(("case", "variant"), list(case_params(CONVERT_KNOWN)))
+@pytest.mark.parametrize(("case", "variant"), list(case_params(KNOWN)))
 def test_maxtext_restores_our_conversion(converted_results, case, variant):
     assert_child_result(converted_results, case, variant)
 

@@ -65,9 +65,9 @@ experts at axis 0. Hugging Face stores each layer's experts fused, gate and
 up interleaved in one ``gate_up_proj`` (gate at even columns): ``wi_0`` and
 ``wi_1`` are its even and odd columns (``Rule.take``), each device reading
 only the column pairs it holds. Since two leaves come from one stored
-tensor, this mapping loads only: a save through it is refused while it is
-planned (``MappingError``), and so is a load without a target (the stored
-name maps to two leaves; MaxText always loads into its abstract params).
+tensor, this mapping loads (and ``ost.convert`` writes MaxText's checkpoint)
+but cannot save: a save through it is refused while it is planned
+(``MappingError``).
 
 Values follow MaxText's converter: Llama 3.1's, Mixtral's and Mistral's query
 kernel is scaled by ``1/sqrt(head_dim)`` (in float32; their MaxText attention

@@ -551,6 +551,14 @@ class Mapping:
         rule, values = self._find(stored_name, "stored")
         return _fill(rule.tree, rule._tree_values(values))
 
+    def tree_names(self, stored_name: str) -> list[str]:
+        """The tree leaves a stored tensor is (part of): one, or each that ``take``s a part of
+        it (gpt-oss's ``gate_up_proj``: MaxText's ``wi_0`` and ``wi_1``)."""
+        hits = self._hits(stored_name, "stored")
+        if not _one_tensor_per_leaf(hits):
+            self._find(stored_name, "stored")  # raises, naming the rules
+        return [_fill(rule.tree, rule._tree_values(values)) for rule, values in hits]
+
     def transform(self, tree_name: str, *, stored_shape: Sequence[int] | None = None,
                   tree_shape: Sequence[int] | None = None) -> Transform:
         """The transform of a tree leaf that is one stored tensor, between the shapes given."""
@@ -562,8 +570,11 @@ class Mapping:
         return bool(self.ignore) and stored_name.startswith(self.ignore)
 
     def unmapped(self, names: Iterable[str], side: str = "tree") -> list[str]:
-        """The names no rule or several rules map (to report them all at once)."""
-        return [n for n in names if len(self._hits(n, side)) != 1]
+        """The names no rule or several rules map (to report them all at once); a stored name
+        several rules each ``take`` a part of is mapped."""
+        if side == "tree":
+            return [n for n in names if len(self._hits(n, side)) != 1]
+        return [n for n in names if not _one_tensor_per_leaf(self._hits(n, side))]
 
     def idle_rules(self, stored_names: Iterable[str]) -> list[Rule]:
         """The rules no stored name matches: a checkpoint of another family, or one missing
@@ -660,7 +671,7 @@ class Mapping:
         bad = self.unmapped(stored_shapes, "stored")
         if bad:
             raise MappingError(f"no single rule maps the stored names: {', '.join(sorted(bad))}")
-        leaves = dict.fromkeys(self.tree_name(name) for name in stored_shapes)
+        leaves = dict.fromkeys(leaf for name in stored_shapes for leaf in self.tree_names(name))
         return {leaf: self.assembly(leaf, stored_shapes=stored_shapes).shape for leaf in leaves}
 
     def map_specs(self, specs: Sequence[TensorSpec]) -> tuple[list[TensorSpec], dict[str, Assembly]]:
@@ -684,6 +695,12 @@ class Mapping:
                 dtype = spec.dtype if piece.transform.dtype is None else dtype_for_numpy(piece.transform.dtype)
                 stored_specs.append(TensorSpec(piece.stored, dtype, piece.transform.stored_shape))
         return stored_specs, assemblies
+
+
+def _one_tensor_per_leaf(hits: Sequence[tuple[Rule, Any]]) -> bool:
+    """Whether the rules that map a stored name agree: one rule, or several that each take a
+    part of it into a leaf of its own."""
+    return len(hits) == 1 or (len(hits) > 1 and all(rule.take for rule, _ in hits))
 
 
 def _piece_names(rule: Rule, values: MappingABC[str, str], index: Sequence[int]) -> list[str]:
