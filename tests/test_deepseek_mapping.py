@@ -216,3 +216,36 @@ def test_scanned_trees_need_the_config():
 def test_maxtext_needs_the_config():
     with pytest.raises(ost.ArgumentError, match="config is None"):
         ost.mappings.maxtext("deepseek3", None, scan_layers=False)
+
+
+@pytest.mark.parametrize("tree", ["flax", "maxtext"])
+def test_fp8_release_reads_as_its_dequantized_twin(checkpoint, tmp_path, tree):
+    """DeepSeek-V3's FP8 release (every attention and MLP weight F8_E4M3 with a float32
+    ``weight_scale_inv`` per 128 × 128 block; embeddings, norms, router and head as they are):
+    each leaf, sharded over 8 devices, is what the twin (``tests/quantized_reference.py``'s
+    float32 dequantization, saved as a float32 release) gives through the plain mapping."""
+    from tests.quantized_reference import fp8_reference, random_fp8
+
+    directory, config, tensors = checkpoint
+    rng, release, twin = np.random.default_rng(0), {}, {}
+    for name, value in tensors.items():
+        linear = name.endswith("_proj.weight") or name.endswith("_proj_with_mqa.weight")
+        if linear:
+            values, scales = random_fp8(rng, value.shape, tuple(-(-n // 128) for n in value.shape))
+            release[name], release[name + "_scale_inv"] = values, scales
+            twin[name] = fp8_reference(values, scales, (128, 128))
+        else:
+            release[name], twin[name] = value, value.astype(np.float32)
+    ost.save(str(tmp_path / "fp8"), release)
+    ost.save(str(tmp_path / "twin"), twin)
+    fp8 = {**config.to_dict(), "quantization_config": {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}}
+    make = ((lambda c: ost.mappings.deepseek_v3(c, scan_layers=True)) if tree == "flax"
+            else (lambda c: ost.mappings.maxtext("deepseek3", c)))
+    expected = flat(ost.load(str(tmp_path / "twin"), mapping=make(config), nest=True))
+    target = _sharded({name: value.shape for name, value in expected.items()})
+    params = flat(ost.load(str(tmp_path / "fp8"), nest(target), mapping=make(fp8), strict=True))
+    assert set(params) == set(expected)
+    for name, value in expected.items():
+        assert params[name].sharding == target[name].sharding, name
+        np.testing.assert_array_equal(np.asarray(params[name]), value, err_msg=name)
