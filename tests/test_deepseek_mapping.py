@@ -189,7 +189,8 @@ def scan_by_hand(tree: dict, first_dense: int, axis: int) -> dict:
         if block == "layers":
             block, k = ("dense_layers", int(k)) if int(k) < first_dense else ("moe_layers", int(k) - first_dense)
         stacks.setdefault(f"{root}.{block}.{leaf}", {})[int(k)] = value
-    out.update((name, np.stack([layers[k] for k in range(len(layers))], axis)) for name, layers in stacks.items())
+    out.update((name, np.stack([layers[k] for k in range(len(layers))], 0 if name.endswith("gate.bias") else axis))
+               for name, layers in stacks.items())  # MaxText's router bias (MoEBiasVar) is scanned at axis 0
     return out
 
 

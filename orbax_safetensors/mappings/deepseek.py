@@ -49,7 +49,8 @@ a bfloat16 or float32 checkpoint bit for bit.
 Scanned (``scan_layers=True``), dense and MoE layers are two stacks, as
 MaxText scans them: ``model.dense_layers.<leaf>`` / ``model.moe_layers.<leaf>``
 here (layers at axis 0, experts then at 1), ``decoder.dense_layers.…`` /
-``decoder.moe_layers.…`` in MaxText (layers at axis 1, experts at 0); index
+``decoder.moe_layers.…`` in MaxText (layers at axis 1, experts at 0; the router
+bias, which MaxText keeps in its ``MoEBiasVar`` collection, at axis 0); index
 ``n`` of the MoE stack is layer ``first_k_dense_replace + n``
 (``Strided(None, 1, start=...)``).
 
@@ -127,8 +128,10 @@ def _rules(config: Any, per_layer: PerLayer, *, maxtext: bool, dtype: Any) -> li
                            False, experts=True, **linear)
     router = f"{_MOE}.MoeBlock_0.gate" if maxtext else "mlp.gate"
     rules += per_layer("mlp.gate.weight", f"{router}.kernel", False, **linear)
+    # MaxText keeps the router bias in its MoEBiasVar collection, which nn.scan stacks at axis 0.
     rules += per_layer("mlp.gate.e_score_correction_bias",
-                       f"{router}.bias" if maxtext else f"{router}.e_score_correction_bias", False, dtype=dtype)
+                       f"{router}.bias" if maxtext else f"{router}.e_score_correction_bias", False, dtype=dtype,
+                       scan_axis=0)
     return rules
 
 
@@ -172,7 +175,8 @@ def _by_block(config: Any, where: str, *, scan_layers: bool, root: str, layer_ax
     dense_layers, layers = _first_dense(config, where)
     blocks = {True: ("dense_layers", 0, dense_layers), False: ("moe_layers", dense_layers, layers)}
 
-    def per_layer(stored: str, tree: str, dense: bool | None, *, experts: bool = False, **layout: Any) -> list[Rule]:
+    def per_layer(stored: str, tree: str, dense: bool | None, *, experts: bool = False, scan_axis: int | None = None,
+                  **layout: Any) -> list[Rule]:
         rules = []
         for block, start, stop in (blocks.values() if dense is None else [blocks[dense]]):
             if start >= stop:
@@ -180,7 +184,7 @@ def _by_block(config: Any, where: str, *, scan_layers: bool, root: str, layer_ax
             stack = {"e": expert_axis} if experts else {}
             if scan_layers:
                 name, strided = f"{root}.{block}", Strided(None, 1, start=start, stop=stop)
-                stack["i"] = layer_axis
+                stack["i"] = layer_axis if scan_axis is None else scan_axis
             else:
                 name, strided = f"{root}.{block}_{{k}}", Strided("k", stop - start, start=start, stop=stop)
             rules.append(Rule(f"model.layers.{{i}}.{stored}", f"{name}.{tree}", stack=stack,
@@ -190,9 +194,10 @@ def _by_block(config: Any, where: str, *, scan_layers: bool, root: str, layer_ax
     return per_layer
 
 
-def _every_layer(stored: str, tree: str, dense: bool | None, *, experts: bool = False, **layout: Any) -> list[Rule]:
+def _every_layer(stored: str, tree: str, dense: bool | None, *, experts: bool = False, scan_axis: int | None = None,
+                 **layout: Any) -> list[Rule]:
     """``per_layer`` of the unscanned Flax-style tree: layer ``i`` under ``model.layers_{i}``."""
-    del dense  # a layer's own names say whether it is dense
+    del dense, scan_axis  # a layer's own names say whether it is dense; nothing is scanned
     return [Rule(f"model.layers.{{i}}.{stored}", f"model.layers_{{i}}.{tree}", stack={"e": 0} if experts else {},
                  **layout)]
 
