@@ -379,15 +379,22 @@ def copy_into(out: np.ndarray, x: np.ndarray) -> None:
     matrix here (1.2 vs 0.6 GB/s), which is most of a transposing load's time on the host.
     """
     if x.ndim >= 2 and not x.flags.c_contiguous and x.size >= _TILE * _TILE:
-        flat_out, flat_x = out.view(), x.view()
-        try:  # as 2-D views, axis 0 and the rest (a reshape that would copy raises here)
-            flat_out.shape = flat_x.shape = (x.shape[0], -1)
-        except AttributeError:
+        try:  # as 2-D views, axis 0 and the rest (a reshape that would copy raises here, having
+            # copied nothing: numpy's shape setter copies the whole array before it refuses)
+            flat_out, flat_x = (a.reshape((x.shape[0], -1), copy=False) for a in (out, x))
+        except ValueError:
+            if x.ndim > 2 and x[0].size >= _TILE * _TILE:  # one slab of axis 0 at a time (experts)
+                for part_out, part in zip(out, x):
+                    copy_into(part_out, part)
+                return
             flat_out, flat_x = out, x
         rows, cols = flat_x.shape[0], flat_x.shape[-1]
+        # A cast reads its source element by element where it is strided (8 ns each for
+        # ml_dtypes' bfloat16): each tile is gathered first (in cache), then cast, 3x faster.
+        gather = np.ascontiguousarray if out.dtype != x.dtype and flat_x.ndim == 2 else (lambda tile: tile)
         for i in range(0, rows, _TILE):
             for j in range(0, cols, _TILE):
-                flat_out[i:i + _TILE, ..., j:j + _TILE] = flat_x[i:i + _TILE, ..., j:j + _TILE]
+                flat_out[i:i + _TILE, ..., j:j + _TILE] = gather(flat_x[i:i + _TILE, ..., j:j + _TILE])
         return
     out[...] = x
 
