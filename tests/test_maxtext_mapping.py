@@ -174,6 +174,10 @@ KNOWN: dict[tuple[str, str], tuple[str, str]] = {}
 # scanned router becomes (layers, embed, experts), the tree's leaf is (embed, layers, experts), and
 # to_maxtext.py stops with "Shape mismatch" (so it cannot convert Mixtral with scan_layers=True).
 MAXTEXT_CONVERTER_BUGS = {("mixtral", "scan"): {"decoder.layers.MoeBlock_0.gate.kernel"}}
+# (case, variant) -> why MaxText 0.2.5's own converter cannot compute some leaves of its own tree,
+# so there is nothing to compare them with (the forward pass still checks them): its DeepSeek
+# hooks reshape a scanned moe_layers leaf to every layer's count, the dense ones included.
+MAXTEXT_CONVERTER_FAILS = {("deepseek3", "scan"): "MaxText's DeepSeek hooks cannot reshape its scanned moe_layers"}
 
 # Run inside the venv: which of the requirements (argv[1], JSON) are not installed as asked.
 _PROBE = r"""
@@ -469,16 +473,19 @@ def assert_child_result(child_run, case, variant, *, round_trip=True):
     assert "error" not in result, f"{result['error']}\n{result.get('traceback', '')}"
     failures = result["failures"]
     assert result.get("shardings_match"), failures
-    assert not result.get("converter_errors"), failures  # MaxText's own converter failing on its tree
+    converter_fails = (case, variant) in MAXTEXT_CONVERTER_FAILS
+    assert bool(result.get("converter_errors")) == converter_fails, failures  # flips when MaxText is fixed
+    if converter_fails:
+        failures = [f for f in failures if not f.startswith("MaxText's own converter fails")]
     assert result.get("converter") == (case not in NO_CONVERTER), result.get("converter")
-    if case not in NO_CONVERTER:
+    if case not in NO_CONVERTER and not converter_fails:
         assert set(result.get("converter_workarounds", {})) == MAXTEXT_CONVERTER_BUGS.get((case, variant), set()), \
             result.get("converter_workarounds")
         assert result.get("converter_max_abs_diff") == 0.0, failures  # exact: float32
     assert result.get("logits_tolerance_used", np.inf) <= 1, failures
     if round_trip and case not in READ_ONLY:
         assert result.get("round_trip_identical"), failures
-    assert result["ok"] and not failures, failures
+    assert (result["ok"] or converter_fails) and not failures, failures
     if all(r["ok"] for r in results.values()):
         assert out.returncode == 0, out.stderr[-4000:]
 
@@ -528,7 +535,7 @@ def test_maxtext_load_dynamic_with_our_layout(dynamic_results, variant):
     assert result.get("shardings_match"), failures
     assert result.get("converter_max_abs_diff") == 0.0, failures
     assert result.get("logits_tolerance_used", np.inf) <= 1, failures
-    assert result["ok"] and not failures, failures
+    assert (result["ok"] or converter_fails) and not failures, failures
 
 
 if __name__ == "__main__":  # .ci/run builds the venv in the background while the suite starts
