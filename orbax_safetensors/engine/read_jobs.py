@@ -47,7 +47,6 @@ from orbax_safetensors.planning import (
     box_shape,
     box_size,
     full_box,
-    intersect,
     plan_byte_reads,
     plan_tensor_reads,
     plan_whole_reads,
@@ -328,16 +327,16 @@ def _mapped_job(tensor: _Shards, policy: ReadPolicy) -> Job:
 
 class Staging:
     """Where the stored boxes a mapped tensor's shards need are staged: one buffer for
-    the box they tile together, when they do (read as one run instead of strips cut apart
-    through a bounce buffer; the transform takes views), else one buffer each."""
+    the box that holds them all, when it is no larger than they are together (they tile it,
+    or overlap where a quantized block is cut between devices: read as one run instead of
+    strips cut apart through a bounce buffer; the transform takes views), else one each."""
 
     def __init__(self, source: TensorSource, name: str, wanted: Sequence[Box]):
         self.source, self.name = source, name
         wanted = tuple(dict.fromkeys(wanted))
         region = bounding_box(wanted) if wanted else ()
-        tiles = (1 < len(wanted) <= 64 and sum(box_size(b) for b in wanted) == box_size(region)
-                 and all(intersect(a, b) is None for k, a in enumerate(wanted) for b in wanted[k + 1:]))
-        self.boxes = (region,) if tiles else wanted
+        whole = 1 < len(wanted) <= 64 and box_size(region) <= sum(box_size(b) for b in wanted)
+        self.boxes = (region,) if whole else wanted
 
     def views(self, buffers: list[np.ndarray],
               check: Callable[[np.ndarray], None] | None = None) -> Callable[[Box], np.ndarray]:
