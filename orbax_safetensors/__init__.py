@@ -46,6 +46,7 @@ from orbax_safetensors.errors import (
     SkippedLeavesWarning,
     UnreachableError,
 )
+from orbax_safetensors.planning.quantization import FP8, MXFP4
 from orbax_safetensors.planning.rules import Mapping, Rule, Strided
 from orbax_safetensors.planning.transforms import Transform
 from orbax_safetensors import mappings
@@ -82,7 +83,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "Mapping", "MappingError", "Rule", "Strided", "Transform", "mappings",
+    "FP8", "MXFP4", "Mapping", "MappingError", "Rule", "Strided", "Transform", "mappings",
     "Error", "ArgumentError", "ArgumentTypeError", "CheckpointChangedError", "ProtocolError",
     "AccessDeniedError", "ReadOnlyLocationError", "UnreachableError", "LocationTakenError",
     "MissingDependencyError", "DistributedSetupError", "PeerTimeoutError",

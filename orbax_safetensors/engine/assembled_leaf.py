@@ -3,7 +3,8 @@ projections concatenated), read as one job per stored tensor and put on its devi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -15,8 +16,10 @@ from orbax_safetensors.engine.host_work import host_array, host_map
 from orbax_safetensors.engine.read_jobs import Job, Staging, local_boxes, planned_reads
 from orbax_safetensors.engine.read_policy import ReadPolicy
 from orbax_safetensors.errors import SafetensorsError
+from orbax_safetensors.format import DTYPES
 from orbax_safetensors.planning import Box, TensorSource, box_shape, box_size, full_box, relative_slices
 from orbax_safetensors.planning.assembly import Assembly, Piece
+from orbax_safetensors.planning.transforms import Transform
 
 
 class AssembledLeaf:
@@ -28,12 +31,18 @@ class AssembledLeaf:
     one per device box. The job that completes the leaf puts it on the
     devices, so a leaf's host buffers live from its first piece to its last
     (on CPU they become the array itself: 64-byte aligned, adopted by XLA).
+
+    A quantized piece (``Piece.quantized``) is two jobs: its scales, read
+    ``first`` (every such job finishes before any other: ``plan_reads``) and
+    kept, and its values, dequantized box by box with them as they are
+    finished. Each reads only the blocks its boxes touch.
     """
 
-    def __init__(self, name: str, sources: Sequence[TensorSource], assembly: Assembly,
+    def __init__(self, name: str, tensors: Mapping[str, TensorSource], assembly: Assembly,
                  dtype: np.dtype, sharding: jax.sharding.Sharding | None, policy: ReadPolicy):
         self.name, self.assembly, self.sharding = name, assembly, sharding
         self.dtype = np.dtype(dtype) if sharding is None else device_dtype(dtype)
+        sources = [_read_as(piece, tensors) for piece in assembly.pieces]
         casts = [cast_rule(piece.stored, source, piece.transform, self.dtype, policy.casting, leaf=name)
                  for piece, source in zip(assembly.pieces, sources)]
         # Every piece's refused cast (``refuse_casts``), whether or not this process reads it.
@@ -42,27 +51,65 @@ class AssembledLeaf:
         self.local = {full_box(shape): []} if sharding is None else local_boxes(name, shape, sharding)
         self.buffers: dict[Box, np.ndarray] = {}
         self.value: Any = None
-        self.jobs = [job for piece, source, cast in zip(assembly.pieces, sources, casts)
-                     for job in [self._job(piece, source, policy, cast)] if job is not None]
-        self._remaining = len(self.jobs)
+        self.jobs: list[Job] = []
+        for piece, source, cast in zip(assembly.pieces, sources, casts):
+            parts = {box: part for box in self.local for part in [piece.part(box)] if part is not None}
+            if parts and piece.quantized is not None:
+                self.jobs += self._quantized_jobs(piece, parts, tensors, policy)
+            elif parts:
+                self.jobs.append(self._job(piece, parts, source, policy, cast))
+        self._remaining = sum(not job.reads.first for job in self.jobs)
         if not self.jobs:  # this process holds none of it (or it is empty)
             self.value = self._result()
 
-    def _job(self, piece: Piece, source: TensorSource, policy: ReadPolicy, cast: Cast) -> Job | None:
-        """The job of one piece, if this process holds any of it; ``cast.check``: of the stored
-        values read, before the transform casts them into the leaf's buffers."""
+    def _job(self, piece: Piece, parts: dict[Box, tuple[Box, Box]], source: TensorSource, policy: ReadPolicy,
+             cast: Cast) -> Job:
+        """The job of one piece: the stored boxes behind its ``parts`` of this process's boxes;
+        ``cast.check``: of the stored values read, before the transform casts them into the
+        leaf's buffers."""
         if source.dtype.is_packed:
             raise SafetensorsError(f"a {source.dtype.code} tensor cannot be part of a stacked or "
                                    f"concatenated leaf ({self.name!r})", tensor=piece.stored)
-        parts = {box: part for box in self.local for part in [piece.part(box)] if part is not None}
-        if not parts:
-            return None
         transform = piece.transform
         staged = Staging(source, piece.stored, [transform.stored_box(own) for _, own in parts.values()])
         needed = sum(box_size(inside) for inside, _ in parts.values()) * source.dtype.bits // 8
+        return Job(planned_reads(source, staged.boxes, needed, policy),
+                   self._fill(transform, parts, lambda buffers: staged.views(buffers, cast.check)), scratch=True)
+
+    def _quantized_jobs(self, piece: Piece, parts: dict[Box, tuple[Box, Box]], tensors: Mapping[str, TensorSource],
+                        policy: ReadPolicy) -> list[Job]:
+        """A quantized piece's two jobs: its scales' (first, kept) and its values'."""
+        quantized, transform = piece.quantized, piece.transform
+        boxes = {twin: quantized.boxes(twin) for twin in dict.fromkeys(
+            transform.stored_box(own) for _, own in parts.values())}
+        weight, scales = tensors[quantized.weight], tensors[quantized.scales]
+        staged_weight = Staging(weight, quantized.weight, [w for w, _ in boxes.values()])
+        staged_scales = Staging(scales, quantized.scales, [s for _, s in boxes.values()])
+        held: dict[Box, np.ndarray] = {}
+
+        def keep(buffers: list[np.ndarray]) -> None:
+            views = staged_scales.views(buffers)
+            held.update((twin, np.array(views(s))) for twin, (_, s) in boxes.items())
+
+        def values(buffers: list[np.ndarray]) -> Callable[[Box], np.ndarray]:
+            views = staged_weight.views(buffers)
+            return lambda twin: quantized.dequantize(views(boxes[twin][0]), held[twin], twin)
+
+        def nbytes(source: TensorSource, which: int) -> int:
+            return sum(box_size(b[which]) for b in boxes.values()) * source.dtype.bits // 8
+
+        scale_reads = planned_reads(scales, staged_scales.boxes, nbytes(scales, 1), policy)
+        return [Job(dataclasses.replace(scale_reads, first=True), keep, scratch=True),
+                Job(planned_reads(weight, staged_weight.boxes, nbytes(weight, 0), policy),
+                    self._fill(transform, parts, values), scratch=True)]
+
+    def _fill(self, transform: Transform, parts: dict[Box, tuple[Box, Box]],
+              values: Callable[[list[np.ndarray]], Callable[[Box], np.ndarray]]) -> Callable[[list[np.ndarray]], Any]:
+        """A finish that copies the piece's ``parts`` into the leaf's buffers: ``values`` of
+        the filled buffers gives each stored box's values, which ``transform`` makes the part."""
 
         def finish(buffers: list[np.ndarray]) -> Any:
-            views = staged.views(buffers, cast.check)
+            stored_values = values(buffers)
             for box in parts:  # allocated here, in turn; filled below, in parallel
                 self._buffer(box)
 
@@ -71,7 +118,7 @@ class AssembledLeaf:
                 stored = transform.stored_box(own)
                 into = self.buffers[box][relative_slices(inside, box)].view()
                 into.shape = box_shape(own)  # drops the stacked axes; never a copy (raises instead)
-                transform.to_tree(views(stored), stored, own, out=into)
+                transform.to_tree(stored_values(stored), stored, own, out=into)
 
             host_map(fill, list(parts.items()))
             self._remaining -= 1  # finishes run on the one transfer thread, in turn
@@ -80,7 +127,7 @@ class AssembledLeaf:
                 return self.value
             return None
 
-        return Job(planned_reads(source, staged.boxes, needed, policy), finish, scratch=True)
+        return finish
 
     def _buffer(self, box: Box) -> np.ndarray:
         if box not in self.buffers:
@@ -94,3 +141,17 @@ class AssembledLeaf:
             return buffers[box] if box in buffers else np.zeros(self.assembly.shape, self.dtype)
         return device_array(self.assembly.shape, self.sharding, Cast(self.dtype), self.local,
                             lambda box: buffers[box] if box in buffers else np.zeros(box_shape(box), self.dtype))
+
+
+def _read_as(piece: Piece, tensors: Mapping[str, TensorSource]) -> TensorSource:
+    """The tensor a piece's values are read as: its stored tensor, or a quantized one's
+    float32 twin (in the values' file, for messages)."""
+    if piece.quantized is None:
+        return tensors[piece.stored]
+    return TensorSource(DTYPES["F32"], piece.quantized.shape, tensors[piece.quantized.weight].slices)
+
+
+def leaf_dtype(assembly: Assembly, tensors: Mapping[str, TensorSource]) -> np.dtype:
+    """The dtype of an assembled leaf no target names one for: its first piece's values."""
+    piece = assembly.pieces[0]
+    return piece.transform.tree_dtype(_read_as(piece, tensors).dtype.numpy)

@@ -22,7 +22,7 @@ from typing import Any
 
 import jax
 
-from orbax_safetensors.engine.assembled_leaf import AssembledLeaf
+from orbax_safetensors.engine.assembled_leaf import AssembledLeaf, leaf_dtype
 from orbax_safetensors.engine.casting import refuse_casts
 from orbax_safetensors.engine.catalog import Checkpoint
 from orbax_safetensors.engine.progress import Progress
@@ -116,10 +116,9 @@ def _jobs(checkpoint: Checkpoint, chosen: Selection, policy: ReadPolicy) -> tupl
     for i in chosen.wanted:
         request = chosen.requests[i]
         assembly = None if chosen.assemblies is None else chosen.assemblies[i]
-        if assembly is not None and assembly.transform is None:  # several stored tensors
-            sources = [checkpoint.tensors[piece.stored] for piece in assembly.pieces]
-            dtype = request.dtype or assembly.pieces[0].transform.tree_dtype(sources[0].dtype.numpy)
-            leaf = AssembledLeaf(chosen.names[i], sources, assembly, dtype, request.sharding, policy)
+        if assembly is not None and assembly.transform is None:  # several stored tensors, or quantized
+            dtype = request.dtype or leaf_dtype(assembly, checkpoint.tensors)
+            leaf = AssembledLeaf(chosen.names[i], checkpoint.tensors, assembly, dtype, request.sharding, policy)
             outputs.append(leaf)
             jobs.extend(leaf.jobs)
             continue

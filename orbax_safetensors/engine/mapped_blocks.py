@@ -30,7 +30,7 @@ import numpy as np
 
 from orbax_safetensors.engine.consolidate import BlockSource
 from orbax_safetensors.errors import ArgumentError, MappingError
-from orbax_safetensors.format import DType, TensorInfo, dtype_for_numpy, from_bytes, to_bytes
+from orbax_safetensors.format import DTYPES, DType, TensorInfo, dtype_for_numpy, from_bytes, to_bytes
 from orbax_safetensors.index import natural_key
 from orbax_safetensors.planning import Assembly, Box, Mapping, Piece, TensorSpec, box_shape, intersect, relative_slices
 
@@ -63,7 +63,7 @@ class TreeBlocks:
     def __init__(self, source: BlockSource, mapping: Mapping, dtype: np.dtype | None = None):
         self._source = source
         self._stored = {spec.name: spec for spec in source.specs}
-        shapes = {name: spec.shape for name, spec in self._stored.items()}
+        shapes = mapping.stored_view({name: spec.shape for name, spec in self._stored.items()})
         idle = mapping.idle_rules(shapes)
         if idle:
             raise MappingError("the checkpoint has no tensor for " + ", ".join(
@@ -80,7 +80,7 @@ class TreeBlocks:
 
     def _leaf_dtype(self, assembly: Assembly, wanted: np.dtype | None) -> DType:
         first = assembly.pieces[0]
-        stored = self._stored[first.stored].dtype
+        stored = DTYPES["F32"] if first.quantized is not None else self._stored[first.stored].dtype
         return _output_dtype(dtype_for_numpy(first.transform.tree_dtype(stored.numpy)), wanted)
 
     def stacked(self, leaf: str) -> tuple[int, ...]:
@@ -100,7 +100,13 @@ class TreeBlocks:
 
     def _fill(self, out: np.ndarray, block: Box, piece: Piece, inside: Box, own: Box) -> None:
         stored_box = piece.transform.stored_box(own)
-        data = _read(self._source, self._stored[piece.stored], stored_box)
+        quantized = piece.quantized
+        if quantized is None:
+            data = _read(self._source, self._stored[piece.stored], stored_box)
+        else:  # the values and the scales of the blocks the box touches, dequantized
+            weight, scales = (_read(self._source, self._stored[name], box)
+                              for name, box in zip(quantized.stored, quantized.boxes(stored_box)))
+            data = quantized.dequantize(weight, scales, stored_box)
         # The piece's place in the block; its stacked axes (one index each) indexed away.
         into = tuple(a - b0 if axis in piece.stacked else slice(a - b0, b - b0)
                      for axis, ((a, b), (b0, _)) in enumerate(zip(inside, block)))

@@ -170,8 +170,10 @@ def map_leaves(checkpoint: Checkpoint, target: LoadTarget, names: list[str], req
     missing), and with ``strict=True`` every stored tensor no leaf uses.
     """
     mapping, strict, from_checkpoint = target.mapping, target.strict, target.tree is None
-    shapes = {name: tensor.shape for name, tensor in checkpoint.tensors.items()}
+    shapes = mapping.stored_view({name: tensor.shape for name, tensor in checkpoint.tensors.items()})
     side = "stored" if from_checkpoint else "tree"
+    if from_checkpoint:
+        names = sorted(shapes)  # a quantized tensor's twin, its scales not a tensor of their own
     unmapped = set(mapping.unmapped(names, side))
     problems = [f"no single rule maps the {side} names: {', '.join(sorted(unmapped))}"] if unmapped else []
     if from_checkpoint:
@@ -194,12 +196,12 @@ def map_leaves(checkpoint: Checkpoint, target: LoadTarget, names: list[str], req
                          for p in assembly.pieces if tuple(shapes[p.stored]) != p.transform.stored_shape]
                 if wrong:
                     raise MappingError(f"shape mismatch: {'; '.join(wrong)}")
-                used.update(p.stored for p in assembly.pieces)
+                used.update(stored for p in assembly.pieces for stored in p.stored_tensors)
             except MappingError as e:
                 problems.append(f"{name}: {e}")
                 assembly = None
         assemblies.append(assembly)
-    unexpected = sorted(set(shapes) - used)
+    unexpected = sorted(set(checkpoint.tensors) - used)
     if strict is True and unexpected and not from_checkpoint:
         problems.append(f"in the checkpoint but not the target: {', '.join(unexpected)}")
     if strict and problems:

@@ -29,8 +29,11 @@ its own layers, experts, rows and columns, and a save writes the per-layer,
 per-expert tensors ``save_pretrained`` writes.
 
 ``config`` (a transformers config or a dict of its fields) pins the head
-sizes, needed only when loading without a target; ``dtype`` is the dtype a
-save writes (a float32 tree saved as the bfloat16 checkpoint it came from).
+sizes, needed only when loading without a target, and says whether the
+release is quantized (``quantization_config``); ``dtype`` is the dtype a save
+writes (a float32 tree saved as the bfloat16 checkpoint it came from);
+``dequantize`` whether a quantized release is read as the values it stands
+for (the default) or, FP8, kept as stored with its scales beside it.
 """
 
 from __future__ import annotations
@@ -39,10 +42,12 @@ from typing import Any
 
 from orbax_safetensors.errors import ArgumentError
 from orbax_safetensors.mappings._config import attention_dims, config_value
+from orbax_safetensors.mappings._quantized import quantized_mapping
 from orbax_safetensors.planning.rules import Mapping, Rule
 
 
-def _decoder(config: Any, family: str, *, scan_layers: bool, dtype: Any, attention_bias: bool = False,
+def _decoder(config: Any, family: str, *, scan_layers: bool, dtype: Any, dequantize: bool,
+             attention_bias: bool = False,
              output_bias: bool = False, qk_norm: bool = False, ffn_norms: bool = False,
              tied: bool = False, moe: tuple[str, str, tuple[str, str, str]] | None = None) -> Mapping:
     """The rules every family shares, and the ones its flags add.
@@ -84,50 +89,62 @@ def _decoder(config: Any, family: str, *, scan_layers: bool, dtype: Any, attenti
         rules.append(layer(f"{router}.weight", f"{router}.kernel", **linear))
         rules += [layer(f"{experts}.{{e}}.{p}.weight", f"{experts}.{p}.kernel", experts=True, **linear)
                   for p in projections]
-    return Mapping(rules, dims=attention_dims(config, f"ost.mappings.{family}"))
+    return quantized_mapping(rules, config, dequantize=dequantize,
+                             dims=attention_dims(config, f"ost.mappings.{family}"))
 
 
-def llama(config: Any = None, *, scan_layers: bool = False, dtype: Any = None) -> Mapping:
+def llama(config: Any = None, *, scan_layers: bool = False, dtype: Any = None,
+          dequantize: bool = True) -> Mapping:
     """``LlamaForCausalLM`` (Llama 2, 3.x: RoPE scaling is config, not weights); biases
     when the config sets ``attention_bias``."""
     bias = bool(config is not None and config_value(config, "attention_bias", False))
-    return _decoder(config, "llama", scan_layers=scan_layers, dtype=dtype, attention_bias=bias, output_bias=bias)
+    return _decoder(config, "llama", scan_layers=scan_layers, dtype=dtype, dequantize=dequantize,
+                    attention_bias=bias, output_bias=bias)
 
 
-def mistral(config: Any = None, *, scan_layers: bool = False, dtype: Any = None) -> Mapping:
+def mistral(config: Any = None, *, scan_layers: bool = False, dtype: Any = None,
+            dequantize: bool = True) -> Mapping:
     """``MistralForCausalLM``: Llama's tensors (the sliding window is config)."""
-    return _decoder(config, "mistral", scan_layers=scan_layers, dtype=dtype)
+    return _decoder(config, "mistral", scan_layers=scan_layers, dtype=dtype, dequantize=dequantize)
 
 
-def qwen2(config: Any = None, *, scan_layers: bool = False, dtype: Any = None) -> Mapping:
+def qwen2(config: Any = None, *, scan_layers: bool = False, dtype: Any = None,
+          dequantize: bool = True) -> Mapping:
     """``Qwen2ForCausalLM``: q/k/v biases."""
-    return _decoder(config, "qwen2", scan_layers=scan_layers, dtype=dtype, attention_bias=True)
+    return _decoder(config, "qwen2", scan_layers=scan_layers, dtype=dtype, dequantize=dequantize, attention_bias=True)
 
 
-def qwen3(config: Any = None, *, scan_layers: bool = False, dtype: Any = None) -> Mapping:
+def qwen3(config: Any = None, *, scan_layers: bool = False, dtype: Any = None,
+          dequantize: bool = True) -> Mapping:
     """``Qwen3ForCausalLM``: RMS norms of each query and key head."""
-    return _decoder(config, "qwen3", scan_layers=scan_layers, dtype=dtype, qk_norm=True)
+    return _decoder(config, "qwen3", scan_layers=scan_layers, dtype=dtype, dequantize=dequantize, qk_norm=True)
 
 
-def gemma2(config: Any = None, *, scan_layers: bool = False, dtype: Any = None) -> Mapping:
+def gemma2(config: Any = None, *, scan_layers: bool = False, dtype: Any = None,
+           dequantize: bool = True) -> Mapping:
     """``Gemma2ForCausalLM``: tied embeddings, norms around the MLP too."""
-    return _decoder(config, "gemma2", scan_layers=scan_layers, dtype=dtype, ffn_norms=True, tied=True)
+    return _decoder(config, "gemma2", scan_layers=scan_layers, dtype=dtype, dequantize=dequantize,
+                    ffn_norms=True, tied=True)
 
 
-def gemma3(config: Any = None, *, scan_layers: bool = False, dtype: Any = None) -> Mapping:
+def gemma3(config: Any = None, *, scan_layers: bool = False, dtype: Any = None,
+           dequantize: bool = True) -> Mapping:
     """``Gemma3ForCausalLM`` (text): Gemma 2's tensors and query/key norms."""
-    return _decoder(config, "gemma3", scan_layers=scan_layers, dtype=dtype, ffn_norms=True, tied=True, qk_norm=True)
+    return _decoder(config, "gemma3", scan_layers=scan_layers, dtype=dtype, dequantize=dequantize,
+                    ffn_norms=True, tied=True, qk_norm=True)
 
 
-def mixtral(config: Any = None, *, scan_layers: bool = False, dtype: Any = None) -> Mapping:
+def mixtral(config: Any = None, *, scan_layers: bool = False, dtype: Any = None,
+            dequantize: bool = True) -> Mapping:
     """``MixtralForCausalLM``: a router and experts ``w1, w3, w2`` stacked on a leading axis."""
-    return _decoder(config, "mixtral", scan_layers=scan_layers, dtype=dtype,
+    return _decoder(config, "mixtral", scan_layers=scan_layers, dtype=dtype, dequantize=dequantize,
                     moe=("block_sparse_moe.gate", "block_sparse_moe.experts", ("w1", "w3", "w2")))
 
 
-def qwen3_moe(config: Any = None, *, scan_layers: bool = False, dtype: Any = None) -> Mapping:
+def qwen3_moe(config: Any = None, *, scan_layers: bool = False, dtype: Any = None,
+              dequantize: bool = True) -> Mapping:
     """``Qwen3MoeForCausalLM`` (every layer sparse): query/key norms, experts stacked."""
-    return _decoder(config, "qwen3_moe", scan_layers=scan_layers, dtype=dtype, qk_norm=True,
+    return _decoder(config, "qwen3_moe", scan_layers=scan_layers, dtype=dtype, dequantize=dequantize, qk_norm=True,
                     moe=("mlp.gate", "mlp.experts", ("gate_proj", "up_proj", "down_proj")))
 
 
@@ -135,9 +152,12 @@ FAMILIES = {"llama": llama, "mistral": mistral, "qwen2": qwen2, "qwen3": qwen3, 
             "gemma3_text": gemma3, "mixtral": mixtral, "qwen3_moe": qwen3_moe}
 
 
-def for_config(config: Any, *, scan_layers: bool = False, dtype: Any = None) -> Mapping:
-    """The mapping of the family ``config.model_type`` names."""
+def for_config(config: Any, *, scan_layers: bool = False, dtype: Any = None,
+               dequantize: bool = True) -> Mapping:
+    """The mapping of the family ``config.model_type`` names, for the release ``config``
+    describes: a quantized one (``quantization_config``: FP8 block-scaled, MXFP4) read
+    dequantized (``dequantize=True``) or, FP8, kept as stored (``mappings._quantized``)."""
     model_type = config_value(config, "model_type")
     if model_type not in FAMILIES:
         raise ArgumentError(f"no shipped mapping for model_type {model_type!r}; shipped: {', '.join(FAMILIES)}")
-    return FAMILIES[model_type](config, scan_layers=scan_layers, dtype=dtype)
+    return FAMILIES[model_type](config, scan_layers=scan_layers, dtype=dtype, dequantize=dequantize)

@@ -81,6 +81,7 @@ import ml_dtypes
 
 from orbax_safetensors.errors import ArgumentError
 from orbax_safetensors.mappings._config import attention_dims, config_value
+from orbax_safetensors.mappings._quantized import quantized_mapping
 from orbax_safetensors.planning.rules import Mapping, Rule, Strided
 
 _LLAMA_NORMS = (("input_layernorm", "pre_self_attention_layer_norm"),
@@ -122,7 +123,8 @@ FAMILIES = {
 }
 
 
-def maxtext(family: str, config: Any, scan_layers: bool = True, *, dtype: Any = None) -> Mapping:
+def maxtext(family: str, config: Any, scan_layers: bool = True, *, dtype: Any = None,
+            dequantize: bool = True) -> Mapping:
     """The mapping between a Hugging Face checkpoint of ``family`` and MaxText's tree.
 
     ``family`` is MaxText's ``model_name`` or its prefix (``"llama3.1"``,
@@ -132,7 +134,9 @@ def maxtext(family: str, config: Any, scan_layers: bool = True, *, dtype: Any = 
     ``text_config`` it reads, with the text tensors under
     ``model.language_model.``); ``scan_layers`` as in MaxText's config;
     ``dtype`` the dtype a save writes (MaxText trains float32 params;
-    ``"bfloat16"`` gives back a bfloat16 checkpoint). Qwen3 is MoE when the
+    ``"bfloat16"`` gives back a bfloat16 checkpoint); ``dequantize`` how a quantized
+    release (the config's ``quantization_config``) is read: dequantized (the default;
+    MaxText's tree holds the values) or, FP8, kept (``mappings._quantized``). Qwen3 is MoE when the
     config has ``num_experts > 1`` (``moe_block``, experts stacked at axis 0,
     layers then at 1).
     """
@@ -144,7 +148,7 @@ def maxtext(family: str, config: Any, scan_layers: bool = True, *, dtype: Any = 
         raise ArgumentError(f"maxtext({family!r}, config): config is None; pass the checkpoint's Hugging "
                          "Face config (a transformers config or its dict: num_attention_heads, "
                          "num_key_value_heads, head_dim or hidden_size)")
-    text = config_value(config, "text_config")
+    release, text = config, config_value(config, "text_config")
     prefix = "model." if text is None else "model.language_model."
     config = config if text is None else text
     dims = attention_dims(config, f"maxtext({family!r})")
@@ -178,7 +182,7 @@ def maxtext(family: str, config: Any, scan_layers: bool = True, *, dtype: Any = 
             rules += per_layer(f"mlp.{hf}.weight", f"mlp.{mt}.kernel", **linear)
     if not config_value(config, "tie_word_embeddings", False):  # tied: MaxText's logits_via_embedding
         rules.append(Rule("lm_head.weight", "decoder.logits_dense.kernel", **linear))
-    return Mapping(rules, dims=dims, checkpoint_form="maxtext")
+    return quantized_mapping(rules, release, dequantize=dequantize, dims=dims, checkpoint_form="maxtext")
 
 
 def _layer_rules(stored_prefix: str, scan_layers: bool, pattern: int | None, num_layers: int

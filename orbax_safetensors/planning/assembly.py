@@ -29,18 +29,26 @@ from collections.abc import Iterable, Sequence
 
 from orbax_safetensors.errors import MappingError
 from orbax_safetensors.planning.boxes import Box, bounding_box, full_box, intersect
+from orbax_safetensors.planning.quantization import Quantized
 from orbax_safetensors.planning.transforms import Transform
 
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
     """One stored tensor's place in a tree leaf: the block ``region`` of the leaf, whose
-    ``stacked`` axes (one index each) the piece itself does not have."""
+    ``stacked`` axes (one index each) the piece itself does not have. ``quantized``: the
+    stored tensor is the dequantized twin of these quantized values and scales."""
 
     stored: str
     transform: Transform
     region: Box
     stacked: tuple[int, ...] = ()
+    quantized: Quantized | None = None
+
+    @property
+    def stored_tensors(self) -> tuple[str, ...]:
+        """The checkpoint's tensors the piece is read from."""
+        return (self.stored,) if self.quantized is None else self.quantized.stored
 
     def part(self, box: Box) -> tuple[Box, Box] | None:
         """The part of the leaf box ``box`` this piece holds, in the leaf and in the
@@ -62,8 +70,8 @@ class Assembly:
 
     @property
     def transform(self) -> Transform | None:
-        """The transform when one stored tensor is the whole leaf, else ``None``."""
-        if len(self.pieces) == 1 and not self.pieces[0].stacked:
+        """The transform when one stored tensor, as stored, is the whole leaf, else ``None``."""
+        if len(self.pieces) == 1 and not self.pieces[0].stacked and self.pieces[0].quantized is None:
             return self.pieces[0].transform
         return None
 

@@ -72,9 +72,9 @@ class FP8:
             return None
         return Quantized(self, name, scales, tuple(shapes[name]), tuple(shapes[scales]))
 
-    def companions(self, name: str) -> tuple[str, ...]:
-        """The stored names a twin ``name`` is read from, beside itself."""
-        return (name + self.scale_suffix,)
+    def twin(self, name: str) -> str | None:
+        """The twin a stored ``name`` would be the values of (if its scales are there)."""
+        return None if name.endswith(self.scale_suffix) else name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,16 +91,36 @@ class MXFP4:
             raise MappingError(f"MXFP4 group {self.group!r}: a positive even int")
 
     def find(self, name: str, shapes: MappingABC[str, Sequence[int]]) -> Quantized | None:
-        blocks, scales = self.companions(name)
+        blocks, scales = name + "_blocks", name + "_scales"
         if blocks not in shapes or scales not in shapes:
             return None
         return Quantized(self, blocks, scales, tuple(shapes[blocks]), tuple(shapes[scales]))
 
-    def companions(self, name: str) -> tuple[str, ...]:
-        return name + "_blocks", name + "_scales"
+    def twin(self, name: str) -> str | None:
+        return name[:-len("_blocks")] if name.endswith("_blocks") else None
 
 
 Quantization = FP8 | MXFP4
+
+
+class Dequantized(dict):
+    """A checkpoint's tensor shapes as a quantization reads them (name → shape): each
+    quantized tensor as its dequantized twin, its scales gone; ``quantized`` says what
+    each twin is read from."""
+
+    quantized: dict[str, Quantized]
+
+
+def dequantized(scheme: Quantization, shapes: MappingABC[str, Sequence[int]]) -> Dequantized:
+    """``shapes`` (a checkpoint's) as ``scheme`` reads them; a quantized tensor whose scales
+    do not fit it is an error naming both (``Quantized``), before anything is read."""
+    found = {twin: q for name in shapes for twin in [scheme.twin(name)] if twin is not None
+             for q in [scheme.find(twin, shapes)] if q is not None}
+    read = {stored for q in found.values() for stored in q.stored}
+    view = Dequantized((name, shape) for name, shape in shapes.items() if name not in read)
+    view.update((twin, q.shape) for twin, q in found.items())
+    view.quantized = found
+    return view
 
 
 @dataclasses.dataclass(frozen=True)

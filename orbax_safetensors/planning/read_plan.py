@@ -284,6 +284,8 @@ class TensorReads:
     tensor's own, or for packed dtypes and read-once parts its raw bytes, with
     ``byte_space``: then boxes index the bytes of the single whole slice).
     ``needed`` counts the bytes of the shards this process's devices hold.
+    ``first``: read and finished before every tensor without it (the scales
+    another tensor's values are dequantized with, in its finish).
     """
 
     slices: tuple[StoredSlice, ...]
@@ -295,6 +297,7 @@ class TensorReads:
     read_once: bool = False
     byte_space: bool = False
     resharded: bool = False
+    first: bool = False
 
     shard_nbytes: tuple[int, ...] = dataclasses.field(init=False, repr=False, compare=False)
     nbytes: int = dataclasses.field(init=False, repr=False, compare=False)
@@ -494,15 +497,17 @@ class ReadPlan:
 
 def plan_reads(tensors: Sequence[TensorReads], profile: ReadProfile,
                blocks: Mapping[str, BlockLayout] | None = None) -> ReadPlan:
-    """Batches of ``tensors`` in file order, each at most half the budget (so the next batch
-    is read while the last one is finished), with every request coalesced and chunked.
+    """Batches of ``tensors`` in file order (those ``first`` before the rest), each at most
+    half the budget (so the next batch is read while the last one is finished), with every
+    request coalesced and chunked. Batches finish in order, so a ``first`` tensor's finish
+    has run before any other's.
 
     ``blocks``: the checksum blocks of the files whose checksums the reads check; each
     block a run touches is read whole (``coalesce``), so it can be checked.
     """
     tensors = tuple(tensors)
     order = sorted(range(len(tensors)),
-                   key=lambda i: (tensors[i].slices[0].file, tensors[i].slices[0].offset))
+                   key=lambda i: (not tensors[i].first, tensors[i].slices[0].file, tensors[i].slices[0].offset))
     limit = max(profile.memory_budget // 2, 1)
     groups: list[list[int]] = []
     size = 0

@@ -49,7 +49,7 @@ import numpy as np
 from orbax_safetensors.errors import MappingError
 from orbax_safetensors.format.dtypes import dtype_for_numpy
 from orbax_safetensors.planning.assembly import Assembly, Tiling, assemble
-from orbax_safetensors.planning.quantization import Quantization
+from orbax_safetensors.planning.quantization import Quantization, dequantized
 from orbax_safetensors.planning.transforms import PERMUTATIONS, Permutation, Transform
 from orbax_safetensors.planning.write_plan import TensorSpec
 
@@ -456,6 +456,14 @@ class Mapping:
     def __repr__(self) -> str:
         return f"Mapping({len(self.rules)} rules, dims={self.dims})"
 
+    def stored_view(self, stored_shapes: MappingABC[str, Sequence[int]]) -> MappingABC[str, Sequence[int]]:
+        """A checkpoint's tensors (name → shape) as the rules see them: with a
+        ``quantization``, each quantized tensor as its dequantized twin (pass this to
+        ``assembly``, which then reads the twins' pieces from the quantized tensors)."""
+        if self.quantization is None or hasattr(stored_shapes, "quantized"):
+            return stored_shapes
+        return dequantized(self.quantization, stored_shapes)
+
     def _hits(self, name: str, side: str) -> list[tuple[Rule, dict[str, str]]]:
         """The rules that map ``name`` on ``side``, each with its placeholder values."""
         patterns = self._tree if side == "tree" else self._stored
@@ -530,6 +538,9 @@ class Mapping:
             pieces += tiling.place(index, [
                 (name, self._piece_transform(rule, name, shape, stored_shapes, where))
                 for name, shape in zip(names, own)])
+        quantized = getattr(stored_shapes, "quantized", {})
+        if quantized:
+            pieces = [dataclasses.replace(p, quantized=quantized.get(p.stored)) for p in pieces]
         return assemble(tree, pieces, where)
 
     def _piece_transform(self, rule: Rule, name: str, tree_shape: tuple[int, ...] | None,
@@ -585,6 +596,7 @@ class Mapping:
     def tree_shapes(self, stored_shapes: MappingABC[str, Sequence[int]]) -> dict[str, tuple[int, ...]]:
         """The tree leaves a checkpoint's tensors make and their shapes (from headers alone,
         e.g. ``ost.metadata(path).tensors``): the skeleton of a target, before shardings."""
+        stored_shapes = self.stored_view(stored_shapes)
         bad = self.unmapped(stored_shapes, "stored")
         if bad:
             raise MappingError(f"no single rule maps the stored names: {', '.join(sorted(bad))}")
