@@ -174,9 +174,9 @@ def quantize_mxfp4(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     exponent = np.ceil(np.log2(np.maximum(amax, np.float32(2.0 ** -100)) / np.float32(6.0)))
     exponent = np.clip(exponent, -127, 127).astype(np.int32)
     scaled = groups / np.ldexp(np.float32(1), exponent)[..., None]
-    magnitudes = E2M1[:8]
-    nearest = np.abs(np.abs(scaled)[..., None] - magnitudes).argmin(axis=-1).astype(np.uint8)
-    nibbles = nearest | ((scaled < 0) << 3).astype(np.uint8)
+    midpoints = (E2M1[:7] + E2M1[1:8]) / 2  # between neighbouring magnitudes
+    nearest = np.searchsorted(midpoints, np.abs(scaled)).astype(np.uint8)
+    nibbles = nearest | ((scaled < 0).astype(np.uint8) << 3)
     blocks = (nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)).astype(np.uint8)
     return blocks, (exponent + 127).astype(np.uint8)
 
@@ -228,7 +228,7 @@ def twin_from_stored(how: str, stored: list[np.ndarray], block: tuple[int, int] 
     if how == "fp8":
         return dequantize_fp8(*stored, block).astype(ml_dtypes.bfloat16)
     if how == "mxfp4":
-        return np.swapaxes(dequantize_mxfp4(*stored), -1, -2).astype(ml_dtypes.bfloat16)
+        return np.swapaxes(dequantize_mxfp4(*stored), -1, -2).astype(ml_dtypes.bfloat16, order="C")
     return stored[0]
 
 
@@ -278,8 +278,7 @@ def weight_map(checkpoint: Path) -> dict[str, str]:
     index = checkpoint / "model.safetensors.index.json"
     if index.exists():
         return json.loads(index.read_text())["weight_map"]
-    with open(checkpoint / "model.safetensors", "rb") as f:
-        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    header = RawFile(str(checkpoint / "model.safetensors")).header
     return {name: "model.safetensors" for name in header if name != "__metadata__"}
 
 
