@@ -87,7 +87,14 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))  # bench/ is not a package
 sys.path.insert(1, str(BENCH.parent))  # tests/: the checkpoints and their reference
 import common
-from common import CONDITION_NOTES, CONDITIONS, fmt_gb, machine_line, publish, run_undisturbed, spread
+from common import (
+    CONDITION_NOTES,
+    CONDITIONS,
+    fmt_gb,
+    machine_line,
+    publish,
+    run_undisturbed,
+)
 from convert import GNU_TIME, run_commands
 from convert import rows as convert_rows
 from load import checkpoint_files, warm_page_cache
@@ -116,7 +123,7 @@ CONTENDER_NOTES = {
 
 def ensure_checkpoint(root: Path, family: str, size: str) -> Path:
     """The cached checkpoint of ``family`` at ``size`` (``home/checkpoint``), written if absent or stale."""
-    specs, twins_of, write, _ = FAMILIES[family]
+    specs, _, write, _ = FAMILIES[family]
     spec = {"family": family, "seed": SEED, **specs[size]}
     home = root / f"{family}-{size}"
     if not common.cached(home, spec):
@@ -260,7 +267,7 @@ def maxtext_script(name: str) -> tuple[str, Path] | None:
     if not scripts:
         print("maxtext left out: no standalone_scripts in its venv", file=sys.stderr)
         return None
-    has_torch = subprocess.run([venv_python, "-c", "import torch"], capture_output=True).returncode == 0
+    has_torch = subprocess.run([venv_python, "-c", "import torch"], check=False, capture_output=True).returncode == 0
     if not has_torch and importlib.util.find_spec("torch") is None:
         print("maxtext left out: its scripts need torch (neither its venv nor this one has it)", file=sys.stderr)
         return None
@@ -285,7 +292,7 @@ def check_written(home: Path, written: Path, check: str) -> str | None:
     As values: its e2m1 decoder writes the −0 nibble (8) as +0 (``torch.where(is_zero, 0.0, ...)``);
     its float32 tensors, cast to bf16, are left out."""
     done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--check-written", str(home),
-                           str(written), check], capture_output=True, text=True, cwd=BENCH.parent)
+                           str(written), check], check=False, capture_output=True, text=True, cwd=BENCH.parent)
     return None if done.returncode == 0 else (done.stderr.strip().splitlines() or ["check failed"])[-1][:300]
 
 
@@ -370,8 +377,8 @@ def growth_rows(family: str, by_contender: dict, contenders: list[str], result_b
 def render(args, measured: dict, wall: float) -> str:
     results, benches = measured["results"], measured["benches"]
     lines = [
-        "### Quantized checkpoints loaded dequantized (bf16) into 8 CPU devices: ours vs load-then-dequantize "
-        "and MaxText 0.2.5's dequantize scripts, cold and warm",
+        ("### Quantized checkpoints loaded dequantized (bf16) into 8 CPU devices: ours vs load-then-dequantize "
+         "and MaxText 0.2.5's dequantize scripts, cold and warm"),
         "",
         f"- command: `{shlex.join(sys.orig_argv)}` ({time.strftime('%Y-%m-%d %H:%M %Z')}, whole benchmark {wall:.0f} s)",
         f"- machine: {machine_line()}",
@@ -383,18 +390,18 @@ def render(args, measured: dict, wall: float) -> str:
         lines.append(f"- {family}: {stored / 1e9:.2f} GB stored in {len(bench.files)} files, {len(bench.twins)} "
                      f"tensors, result {fmt_gb(bench.result_bytes)} GB; {spec}")
     lines += [
-        f"- **cold**: {CONDITION_NOTES['cold']}; **warm**: {CONDITION_NOTES['warm']}. The checkpoint is in the page "
-        f"cache (read right before each run); {args.repeats} runs of each, alternating; cells `median [min–max]`.",
-        "- seconds: ours and load_dequantize, the load call + `block_until_ready`; maxtext, its whole command "
-        "(process start to exit). Peak RSS (GB): the worker's `VmHWM` over the load / the command's `ru_maxrss`. "
-        "*ours ÷ row*: ours' median over this row's, cold / warm (time target ≤ 0.33 against load_dequantize). "
-        "*RSS growth ÷ result* (second table; target ≤ 1.2): (peak − RSS before the load) ÷ the result's bytes "
-        "(maxtext: its whole peak). Every run's output was checked against the numpy reference "
-        f"({'every tensor' if args.check == 'all' else 'a sample: layer 0, the last layer, the rest'}, bit for bit; "
-        "maxtext's written tensors as values: its e2m1 decoder writes −0 as +0) before it counted.",
+        (f"- **cold**: {CONDITION_NOTES['cold']}; **warm**: {CONDITION_NOTES['warm']}. The checkpoint is in the page "
+         f"cache (read right before each run); {args.repeats} runs of each, alternating; cells `median [min–max]`."),
+        ("- seconds: ours and load_dequantize, the load call + `block_until_ready`; maxtext, its whole command "
+         "(process start to exit). Peak RSS (GB): the worker's `VmHWM` over the load / the command's `ru_maxrss`. "
+         "*ours ÷ row*: ours' median over this row's, cold / warm (time target ≤ 0.33 against load_dequantize). "
+         "*RSS growth ÷ result* (second table; target ≤ 1.2): (peak − RSS before the load) ÷ the result's bytes "
+         "(maxtext: its whole peak). Every run's output was checked against the numpy reference "
+         f"({'every tensor' if args.check == 'all' else 'a sample: layer 0, the last layer, the rest'}, bit for bit; "
+         "maxtext's written tensors as values: its e2m1 decoder writes −0 as +0) before it counted."),
         "",
-        "| size GB | family | contender | cold s | warm s | peak RSS cold GB | peak RSS warm GB | ours ÷ row, "
-        "time | ours ÷ row, peak RSS | discarded |",
+        ("| size GB | family | contender | cold s | warm s | peak RSS cold GB | peak RSS warm GB | ours ÷ row, "
+         "time | ours ÷ row, peak RSS | discarded |"),
         "|---|---|---|---|---|---|---|---:|---:|---|",
     ]
     for family, by_contender in results.items():

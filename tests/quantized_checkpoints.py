@@ -254,12 +254,13 @@ def reference_twins(checkpoint: Path, twins: dict, names=None, open_file=None) -
             yield name, twin_from_stored(twins[name][1], stored, block)
 
 
+STORED_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "BF16": ml_dtypes.bfloat16, "F32": np.float32, "U8": np.uint8}
+
+
 class RawFile:
     """A safetensors file read by its format alone (8-byte header size, JSON header, data):
     the reference's reader, independent of ``safetensors`` and of ours (whose numpy backend
     has no float8 in safetensors 0.8)."""
-
-    DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "BF16": ml_dtypes.bfloat16, "F32": np.float32, "U8": np.uint8}
 
     def __init__(self, path: str):
         with open(path, "rb") as f:
@@ -270,7 +271,7 @@ class RawFile:
     def get_tensor(self, name: str) -> np.ndarray:
         entry = self.header[name]
         start, end = entry["data_offsets"]
-        return np.array(self.data[start:end]).view(self.DTYPES[entry["dtype"]]).reshape(entry["shape"])
+        return np.array(self.data[start:end]).view(STORED_DTYPES[entry["dtype"]]).reshape(entry["shape"])
 
 
 def weight_map(checkpoint: Path) -> dict[str, str]:
