@@ -72,7 +72,7 @@ def load(checkpoint: Path, twins: dict, split) -> dict:
 
 @pytest.mark.parametrize("family, split", [
     ("fp8", first), ("fp8", last), ("mxfp4", first), ("mxfp4", last),
-    pytest.param("mxfp4", groups, marks=pytest.mark.slow)])  # ~20 s: many small reads (see the report)
+    pytest.param("mxfp4", groups, marks=pytest.mark.slow)])  # ~20 s: a read per expert row, 135K in all
 def test_ours_loads_every_tensor_as_the_reference_bit_for_bit(checkpoints, family, split):
     twins = FAMILIES[family][1](FAMILIES[family][2])
     result = load(checkpoints[family], twins, split)
