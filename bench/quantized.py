@@ -30,8 +30,9 @@ Contenders:
   twins' ``jax.ShapeDtypeStruct``s with their ``NamedSharding``s: each device's shard is
   dequantized from the bytes and scales that cover it;
 * ``load_dequantize``: what a user writes without us: ``safetensors.safe_open(f,
-  framework="numpy").get_tensor`` of each weight and its scales, whole, the numpy reference
-  dequantization (``tests/quantized_checkpoints.py``: float32 product, then bf16), then
+  framework="numpy").get_tensor`` of each weight and its scales, whole, numpy dequantization
+  in float32 (``tests/quantized_checkpoints.py``'s ``dequantize_fp8`` / ``dequantize_mxfp4``),
+  then bf16, then
   ``jax.device_put(twin, sharding)``, tensor by tensor (safetensors 0.8's numpy backend looks
   float8 up on numpy, so the worker gives it ``ml_dtypes.float8_e4m3fn`` there first);
 * ``maxtext``: MaxText 0.2.5's dequantize step as users run it today:
@@ -57,7 +58,7 @@ contender by contender and cold/warm; a run during which others used the CPU is 
 (``--attempts``). Every run's output is checked before its number counts: shapes, dtypes and
 shardings of every leaf, and the values of a sample (layer 0, the last layer and the
 non-layer tensors; every tensor with ``--quick`` or ``--check all``) bit for bit against the
-numpy reference; the maxtext rows check their written bf16 tensors as values (its e2m1 decoder
+numpy reference (``tests/quantized_reference.py``); the maxtext rows check their written bf16 tensors as values (its e2m1 decoder
 writes −0 as +0, 5.6 % of the tiny gpt-oss experts' elements; the float32
 ``e_score_correction_bias``, which it casts to bf16, is left out).
 
@@ -218,7 +219,7 @@ def load_dequantize(checkpoint: Path, twins: dict, target: dict):
 
     opened = partial(safe_open, framework="numpy")
     return {name: jax.device_put(twin, target[name].sharding)
-            for name, twin in qc.reference_twins(checkpoint, twins, open_file=opened)}
+            for name, twin in qc.reference_twins(checkpoint, twins, open_file=opened, reference=False)}
 
 
 LOADERS = {"ours": load_ours, "load_dequantize": load_dequantize}

@@ -15,10 +15,12 @@ Two releases as people download them, scaled down, written once from random weig
   ``[experts, rows, groups]``, one per 32 values); their biases, the attention (with its
   biases and sinks), the router, norms and embeddings are bf16.
 
-The reference (``dequantize_fp8``, ``dequantize_mxfp4``, ``reference_twins``) is written
-from the formats' description, not from ``orbax_safetensors.planning.quantization``: an FP8
-value is ``float32(fp8) * float32(scale)``; an MXFP4 value is ``e2m1(nibble) * 2 **
-(scale - 127)``. Each quantized tensor reads as its *dequantized twin*: ``X.weight`` for FP8;
+``reference_twins`` reads a checkpoint's tensors as their twins, dequantized by
+``tests/quantized_reference.py`` (the ground truth, independent of
+``orbax_safetensors.planning.quantization``) or, for the bench's load-then-dequantize peer, by
+``dequantize_fp8`` / ``dequantize_mxfp4``: whole tensors in float32, as a user (and MaxText's
+scripts) write it: an FP8 value is ``float32(fp8) * float32(scale)``; an MXFP4 value is
+``e2m1(nibble) * 2 ** (scale - 127)``. Each quantized tensor reads as its *dequantized twin*: ``X.weight`` for FP8;
 ``X`` for ``X_blocks`` + ``X_scales``, with its last two axes swapped (``[experts, in, out]``,
 as transformers' dequantization returns gpt-oss's experts).
 
@@ -34,6 +36,8 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+
+from tests import quantized_reference
 
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 BLOCK = (128, 128)  # DeepSeek-V3's weight_block_size
@@ -181,22 +185,11 @@ def quantize_mxfp4(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return blocks, (exponent + 127).astype(np.uint8)
 
 
-def _e2m1_table() -> np.ndarray:
-    """The 16 e2m1 values by nibble: bit 3 the sign, bits 2-1 the exponent (bias 1), bit 0
-    the mantissa; exponent 0 is subnormal (``m / 2``)."""
-    table = []
-    for nibble in range(16):
-        sign, exponent, mantissa = nibble >> 3, (nibble >> 1) & 3, nibble & 1
-        magnitude = mantissa / 2 if exponent == 0 else (1 + mantissa / 2) * 2.0 ** (exponent - 1)
-        table.append(-magnitude if sign else magnitude)
-    return np.array(table, np.float32)
-
-
-E2M1 = _e2m1_table()
+E2M1 = quantized_reference.e2m1(np.arange(16)).astype(np.float32)  # by nibble
 
 
 # ---------------------------------------------------------------------------
-# The reference dequantizers.
+# Dequantizing: the load-then-dequantize peer's float32 numpy, and the reference.
 
 
 def dequantize_fp8(values: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int] = BLOCK) -> np.ndarray:
@@ -223,19 +216,25 @@ def stored_names(twin: str, how: str) -> tuple[str, ...]:
     return (twin,)
 
 
-def twin_from_stored(how: str, stored: list[np.ndarray], block: tuple[int, int] = BLOCK) -> np.ndarray:
-    """The twin (in its load dtype) of the stored tensors ``stored_names`` names."""
+def twin_from_stored(how: str, stored: list[np.ndarray], block: tuple[int, int] = BLOCK,
+                     reference: bool = True) -> np.ndarray:
+    """The twin (in its load dtype) of the stored tensors ``stored_names`` names, dequantized by
+    ``tests/quantized_reference.py`` or (``reference=False``) by this module's float32 numpy."""
     if how == "fp8":
-        return dequantize_fp8(*stored, block).astype(ml_dtypes.bfloat16)
+        values = quantized_reference.fp8_reference(*stored, block) if reference else dequantize_fp8(*stored, block)
+        return values.astype(ml_dtypes.bfloat16)
     if how == "mxfp4":
-        return np.swapaxes(dequantize_mxfp4(*stored), -1, -2).astype(ml_dtypes.bfloat16, order="C")
+        values = (quantized_reference.mxfp4_reference(*stored) if reference
+                  else np.swapaxes(dequantize_mxfp4(*stored), -1, -2))
+        return values.astype(ml_dtypes.bfloat16, order="C")
     return stored[0]
 
 
-def reference_twins(checkpoint: Path, twins: dict, names=None, open_file=None) -> Iterator[tuple[str, np.ndarray]]:
+def reference_twins(checkpoint: Path, twins: dict, names=None, open_file=None,
+                    reference: bool = True) -> Iterator[tuple[str, np.ndarray]]:
     """``(twin name, twin)`` for ``names`` (default: all of ``twins``), each stored tensor read
-    whole (``open_file(path).get_tensor(name)``; default ``RawFile``) and dequantized by the
-    reference, file by file."""
+    whole (``open_file(path).get_tensor(name)``; default ``RawFile``), file by file, and
+    dequantized by ``twin_from_stored(..., reference=reference)``."""
     config = json.loads((Path(checkpoint) / "config.json").read_text())
     block = tuple(config["quantization_config"].get("weight_block_size", BLOCK))
     where = weight_map(Path(checkpoint))
@@ -251,7 +250,7 @@ def reference_twins(checkpoint: Path, twins: dict, names=None, open_file=None) -
                 if source not in handles:
                     handles[source] = (open_file or RawFile)(str(Path(checkpoint) / source))
                 stored.append(handles[source].get_tensor(stored_name))
-            yield name, twin_from_stored(twins[name][1], stored, block)
+            yield name, twin_from_stored(twins[name][1], stored, block, reference)
 
 
 STORED_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "BF16": ml_dtypes.bfloat16, "F32": np.float32, "U8": np.uint8}

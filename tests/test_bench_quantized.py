@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import jax
-import ml_dtypes
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
@@ -24,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 import orbax_safetensors as ost
 from tests import quantized_checkpoints as qc
+from tests import quantized_reference
 
 REPO = Path(__file__).resolve().parent.parent
 FAMILIES = {"fp8": (qc.write_deepseek, qc.deepseek_twins, qc.DEEPSEEK["tiny"]),
@@ -100,14 +100,17 @@ def test_the_checkpoints_are_shaped_as_the_releases(checkpoints):
     assert config["quantization_config"] == {"quant_method": "mxfp4"}
 
 
-def test_the_reference_reads_the_formats_as_described():
-    assert qc.E2M1.tolist() == [0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6]
-    blocks = np.array([[[0x21] + [0] * 15]], np.uint8)  # low nibble 1 (0.5) is element 0, high 2 (1.0)
-    values = qc.dequantize_mxfp4(blocks, np.array([[129]], np.uint8))  # 2 ** (129 - 127) = 4
-    assert values.shape == (1, 32) and values[0, :3].tolist() == [2.0, 4.0, 0.0]
-    fp8 = np.full((130, 2), 2.0, np.float32).astype(ml_dtypes.float8_e4m3fn)
-    out = qc.dequantize_fp8(fp8, np.array([[0.5], [3.0]], np.float32))  # a partial last row block
-    assert out[127, 0] == 1.0 and out[128, 0] == 6.0 and out.shape == (130, 2)
+def test_the_peers_float32_dequantizers_agree_with_the_reference():
+    """load_dequantize's numpy (float32, whole tensors) equals the reference bit for bit: every
+    FP8 code and e2m1 nibble, partial last blocks on both axes."""
+    rng = np.random.default_rng(3)
+    values, scales = quantized_reference.random_fp8(rng, (300, 200), (3, 2))
+    np.testing.assert_array_equal(quantized_reference.bits(qc.dequantize_fp8(values, scales)),
+                                  quantized_reference.bits(quantized_reference.fp8_reference(values, scales, qc.BLOCK)))
+    blocks, exponents = quantized_reference.random_mxfp4(rng, (4, 24), 3)
+    got = np.swapaxes(qc.dequantize_mxfp4(blocks, exponents), -1, -2)
+    np.testing.assert_array_equal(quantized_reference.bits(got),
+                                  quantized_reference.bits(quantized_reference.mxfp4_reference(blocks, exponents)))
 
 
 @pytest.mark.parametrize("quantize, dequantize, step", [
