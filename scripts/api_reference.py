@@ -24,7 +24,7 @@ GROUPS = {
                             "convert"],
     "Options and results": ["ReadOptions", "LoadStats", "SaveStats", "CheckpointMetadata",
                             "VerifyReport", "Problem", "ConvertStats"],
-    "Name and layout mapping": ["Mapping", "Rule", "Strided", "Transform", "MappingError", "mappings"],
+    "Name and layout mapping": ["Mapping", "Rule", "Strided", "Transform", "FP8", "MXFP4", "MappingError", "mappings"],
     "Orbax": ["SafetensorsSave", "SafetensorsRestore", "SafetensorsCheckpointHandler",
               "SafetensorsHandler", "SafetensorsLayout", "install_orbax_layout"],
     "Errors": ["Error", "ArgumentError", "ArgumentTypeError", "SafetensorsError", "MissingTensorError",

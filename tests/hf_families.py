@@ -76,6 +76,16 @@ TOKENS = np.array(
     dtype=np.int32,
 )
 
+# DeepSeek-V3's tensors (no JAX forward here: tests/test_deepseek_mapping.py checks leaves by
+# hand and MaxText's forward): MLA with a low-rank query, 1 dense layer then 2 MoE layers of 8
+# routed experts in 2 groups and a shared expert.
+DEEPSEEK_V3: dict[str, Any] = {
+    "num_hidden_layers": 3, "first_k_dense_replace": 1, "num_key_value_heads": 4, "head_dim": 8,
+    "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12,
+    "moe_intermediate_size": 32, "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
+    "n_group": 2, "topk_group": 1,
+}
+
 _GEMMA = ("gemma2", "gemma3")
 _QK_NORM = ("qwen3", "gemma3", "qwen3_moe")
 _PER_LAYER_TYPES = ("qwen2", "qwen3", "gemma2", "gemma3")  # sliding only where layer_types says
@@ -148,6 +158,7 @@ def tiny_config(family: str):
             "decoder_sparse_step": 1,
             "mlp_only_layers": [],
         },
+        "deepseek_v3": DEEPSEEK_V3,
     }[family]
     cls = {
         "llama": transformers.LlamaConfig,
@@ -158,8 +169,16 @@ def tiny_config(family: str):
         "gemma3": transformers.Gemma3TextConfig,
         "mixtral": transformers.MixtralConfig,
         "qwen3_moe": transformers.Qwen3MoeConfig,
+        "deepseek_v3": transformers.DeepseekV3Config,
     }[family]
-    return cls(**common, **extra)
+    return cls(**{**common, **extra})
+
+
+def saved_tensors(model) -> list[tuple[str, Any]]:
+    """The tensors ``save_pretrained`` writes, each once (tied weights are listed once):
+    parameters and persistent buffers (DeepSeek's ``e_score_correction_bias``)."""
+    saved = set(model.state_dict())
+    return [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if n in saved)]
 
 
 def tiny_model(family: str, directory: str, *, seed: int = 0, dtype: str = "float32") -> None:
@@ -172,7 +191,7 @@ def tiny_model(family: str, directory: str, *, seed: int = 0, dtype: str = "floa
     )
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, param in model.named_parameters():  # tied weights are listed once
+        for name, param in saved_tensors(model):
             noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
             if "norm" in name:  # Gemma norms are offsets from 1; the others multiply directly
                 value = 0.3 * noise if family in _GEMMA else 1.0 + 0.3 * noise

@@ -11,9 +11,10 @@ import (~12 s) once; pyconfig is re-initialised per case and variant::
 ``cases.json`` is a list of ``{"case", "family", "hf_dir", "reference"[, "atol"][, "model_name"]}``
 (``atol``: an .npy of each logit's tolerance, ``tests/tolerances.py``; else ``--atol``): ``family``
 is what is passed to ``ost.mappings.maxtext`` (``llama3.1``, ``qwen3``, ``mixtral``, ``mistral``,
-``gemma3``), ``model_name`` the MaxText model whose yml, layers and conversion tables are used (by
-default ``llama3.1-8b``, ``qwen3-0.6b`` or, with experts, ``qwen3-30b-a3b``, ``mixtral-8x7b``,
-``mistral-7b``, ``gemma3-4b``). ``--hf-dir``/``--reference``/``--family`` give a single case instead.
+``gemma3``, ``deepseek3``, ``gpt-oss``), ``model_name`` the MaxText model whose yml, layers and conversion
+tables are used (by default ``llama3.1-8b``, ``qwen3-0.6b`` or, with experts, ``qwen3-30b-a3b``,
+``mixtral-8x7b``, ``mistral-7b``, ``gemma3-4b``, ``deepseek3-671b``, ``gpt-oss-20b``). ``--hf-dir``/``--reference``/``--family``
+give a single case instead.
 
 For each case and variant (``scan``: ``scan_layers=True``, ``unscan``: ``scan_layers=False``) it
 builds the MaxText config from the HF ``config.json`` (pyconfig with ``override_model_config``,
@@ -31,7 +32,8 @@ the forward. It checks
   functions, in numpy), where MaxText has one (``mistral-7b`` has none: ``"converter": false``;
   Gemma 3's are for ``Gemma3ForConditionalGeneration``, so the text checkpoint's names are
   read as ``model.language_model.…``);
-* that ``ost.save`` through the mapping writes back the HF tensors byte for byte.
+* that ``ost.save`` through the mapping writes back the HF tensors byte for byte (not for
+  ``READ_ONLY`` families, whose mapping refuses a save).
 
 Each case and variant prints one line ``MAXTEXT_RESULT {json}``; the exit status is 1 when one
 fails. ``--loader`` picks what fills the target:
@@ -66,8 +68,11 @@ RESULT_PREFIX = "MAXTEXT_RESULT "
 # Our family name -> the MaxText model whose yml, layers and conversion tables it uses
 # (qwen3 with experts: MOE_MODEL).
 MAXTEXT_MODEL = {"llama3.1": "llama3.1-8b", "qwen3": "qwen3-0.6b", "mixtral": "mixtral-8x7b", "mistral": "mistral-7b",
-                 "gemma3": "gemma3-4b"}
-MOE_MODEL = {"qwen3": "qwen3-30b-a3b", "mixtral": "mixtral-8x7b"}
+                 "gemma3": "gemma3-4b", "deepseek3": "deepseek3-671b", "gpt-oss": "gpt-oss-20b"}
+MOE_MODEL = {"qwen3": "qwen3-30b-a3b", "mixtral": "mixtral-8x7b", "gpt-oss": "gpt-oss-20b"}
+# Families whose mapping only loads (gpt-oss: wi_0 and wi_1 are read from one stored gate_up_proj,
+# so a save through the mapping is refused): no round trip.
+READ_ONLY = {"gpt-oss"}
 # The llama3.1 RoPE scaling MaxText hard-codes (layers/embeddings.py LLaMARotaryEmbedding).
 MAXTEXT_LLAMA3_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                        "original_max_position_embeddings": 8192}
@@ -212,6 +217,8 @@ class _OstLoader:
         self.ost = ost
         self.source = os.path.dirname(ost.__file__)  # this checkout's, see main()
         self.mapping = ost.mappings.maxtext(family, hf_config, scan_layers=scan_layers)
+        if family in READ_ONLY:
+            self.save = None
 
     def load(self, hf_dir, target, maxtext_config):
         del maxtext_config
@@ -301,18 +308,8 @@ def maxtext_overrides(family, model_name, hf, scan_layers, seq_len, out_dir):
     rope = dict(_get(hf, "rope_parameters") or _get(hf, "rope_scaling") or {})
     theta = rope.get("rope_theta", _get(hf, "rope_theta", 10000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if family == "llama3.1" and rope_type == "llama3":
-        wrong = {k: (rope.get(k), v) for k, v in MAXTEXT_LLAMA3_ROPE.items() if float(rope.get(k, -1)) != v}
-        if wrong:
-            raise ValueError(f"MaxText hard-codes llama3 RoPE scaling {MAXTEXT_LLAMA3_ROPE}; "
-                             f"the checkpoint has {wrong}")
-    elif rope_type != "default":
-        raise ValueError(f"rope_type {rope_type!r}: MaxText's {model_name} supports "
-                         + ("llama3 or default" if family == "llama3.1" else "default"))
-    if _get(hf, "hidden_act", "silu") != "silu" or _get(hf, "attention_bias") or _get(hf, "mlp_bias"):
-        raise ValueError(f"MaxText's {model_name} block: silu MLP, no biases")
-    if _get(hf, "sliding_window") and (family in ("mixtral", "mistral") or _get(hf, "use_sliding_window")):
-        raise ValueError(f"MaxText's {model_name} block has no sliding window")
+    if family not in ("deepseek3", "gpt-oss"):  # their RoPE, biases, windows: _deepseek3_/_gpt_oss_overrides
+        _check_plain_block(family, model_name, hf, rope, rope_type)
     overrides = dict(
         run_name="ost-maxtext-mapping",
         base_output_directory=out_dir,
@@ -347,6 +344,10 @@ def maxtext_overrides(family, model_name, hf, scan_layers, seq_len, out_dir):
         overrides["rope_use_scale"] = rope_type == "llama3"
     if family == "gemma3":
         overrides.update(_gemma3_overrides(hf))
+    if family == "deepseek3":
+        overrides.update(_deepseek3_overrides(hf, rope))
+    if family == "gpt-oss":
+        overrides.update(_gpt_oss_overrides(hf, rope))
     experts = _num_experts(hf)
     if experts > 1:
         if family == "qwen3":
@@ -365,14 +366,74 @@ def maxtext_overrides(family, model_name, hf, scan_layers, seq_len, out_dir):
             num_experts_per_tok=_get(hf, "num_experts_per_tok"),
             base_moe_mlp_dim=moe_mlp,
             base_mlp_dim=moe_mlp,  # MaxText: base_mlp_dim == base_moe_mlp_dim for a fully MoE model
-            # Every token to its top-k experts, no capacity, no kernels: the dense (one-hot
-            # dispatch) dense_matmul path, exact on CPU.
-            sparse_matmul=False,
-            megablox=False,
-            capacity_factor=-1.0,
-            load_balance_loss_weight=0.0,
+            **DENSE_MATMUL,
         )
     return overrides
+
+
+# Every token to its top-k experts, no capacity, no kernels: the dense (one-hot dispatch)
+# dense_matmul path, exact on CPU.
+DENSE_MATMUL = dict(sparse_matmul=False, megablox=False, capacity_factor=-1.0, load_balance_loss_weight=0.0)
+
+
+def _deepseek3_overrides(hf, rope):
+    """DeepSeek-V3's own keys: MLA's sizes, yarn RoPE on the interleaved layout, the first dense
+    layers, sigmoid routing with the score-correction bias over groups, the shared experts."""
+    if rope.get("rope_type") != "yarn" or not _get(hf, "rope_interleave", True):
+        raise ValueError("MaxText's deepseek3 block: yarn RoPE on the interleaved layout")
+    if rope.get("mscale", 1.0) != rope.get("mscale_all_dim", 1.0):  # MaxText's mscale is both
+        raise ValueError("MaxText's deepseek3 block: yarn's mscale == mscale_all_dim")
+    if not _get(hf, "norm_topk_prob", True) or _get(hf, "moe_layer_freq", 1) != 1:
+        raise ValueError("MaxText's deepseek3 block: renormalised top-k, every layer after the dense ones MoE")
+    return dict(
+        first_num_dense_layers=_get(hf, "first_k_dense_replace"),
+        q_lora_rank=_get(hf, "q_lora_rank") or 0, kv_lora_rank=_get(hf, "kv_lora_rank"),
+        qk_nope_head_dim=_get(hf, "qk_nope_head_dim"), qk_rope_head_dim=_get(hf, "qk_rope_head_dim"),
+        v_head_dim=_get(hf, "v_head_dim"),
+        rope_type="yarn", rope_factor=rope["factor"], beta_fast=rope.get("beta_fast", 32),
+        beta_slow=rope.get("beta_slow", 1), mscale=rope.get("mscale_all_dim", 1.0),
+        original_max_position_embeddings=rope["original_max_position_embeddings"],
+        max_position_embeddings=_get(hf, "max_position_embeddings"), rope_interleave=True,
+        rope_truncate=rope.get("truncate", True), rope_attention_scaling=False,
+        num_experts=_get(hf, "n_routed_experts"), num_experts_per_tok=_get(hf, "num_experts_per_tok"),
+        base_moe_mlp_dim=_get(hf, "moe_intermediate_size"), shared_experts=_get(hf, "n_shared_experts"),
+        routed_scaling_factor=_get(hf, "routed_scaling_factor"), routed_score_func="sigmoid", routed_bias=True,
+        n_routing_groups=_get(hf, "n_group"), topk_routing_group=_get(hf, "topk_group"),
+        mtp_num_layers=0, **DENSE_MATMUL,
+    )
+
+
+def _check_plain_block(family, model_name, hf, rope, rope_type):
+    """What the Llama-like blocks cannot express: other RoPEs, activations, biases, windows."""
+    if family == "llama3.1" and rope_type == "llama3":
+        wrong = {k: (rope.get(k), v) for k, v in MAXTEXT_LLAMA3_ROPE.items() if float(rope.get(k, -1)) != v}
+        if wrong:
+            raise ValueError(f"MaxText hard-codes llama3 RoPE scaling {MAXTEXT_LLAMA3_ROPE}; "
+                             f"the checkpoint has {wrong}")
+    elif rope_type != "default":
+        raise ValueError(f"rope_type {rope_type!r}: MaxText's {model_name} supports "
+                         + ("llama3 or default" if family == "llama3.1" else "default"))
+    if _get(hf, "hidden_act", "silu") != "silu" or _get(hf, "attention_bias") or _get(hf, "mlp_bias"):
+        raise ValueError(f"MaxText's {model_name} block: silu MLP, no biases")
+    if _get(hf, "sliding_window") and (family in ("mixtral", "mistral") or _get(hf, "use_sliding_window")):
+        raise ValueError(f"MaxText's {model_name} block has no sliding window")
+
+
+def _gpt_oss_overrides(hf, rope):
+    """gpt-oss's own keys: yarn RoPE, the sliding window of every other layer, the clamped
+    swiglu (MaxText hard-codes alpha 1.702), biases and sinks (its yml has them)."""
+    if rope.get("rope_type") != "yarn":
+        raise ValueError(f"MaxText's gpt-oss block: yarn RoPE; got {rope}")
+    pattern = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(_get(hf, "num_hidden_layers"))]
+    if list(_get(hf, "layer_types") or pattern) != pattern:
+        raise ValueError(f"MaxText's gpt-oss block: sliding then full attention; got {_get(hf, 'layer_types')}")
+    if _get(hf, "swiglu_alpha", 1.702) != 1.702 or not _get(hf, "attention_bias", True):
+        raise ValueError("MaxText's gpt-oss block: swiglu alpha 1.702, attention biases")
+    return dict(sliding_window_size=_get(hf, "sliding_window"), mlp_activations_limit=_get(hf, "swiglu_limit"),
+                rope_factor=int(rope["factor"]), beta_fast=int(rope["beta_fast"]), beta_slow=int(rope["beta_slow"]),
+                original_max_position_embeddings=rope["original_max_position_embeddings"],
+                max_position_embeddings=_get(hf, "max_position_embeddings"),
+                rope_truncate=bool(rope.get("truncate", True)))
 
 
 def _gemma3_overrides(hf):
@@ -428,10 +489,18 @@ def _run_variant(args, result, family, model_name, hf_dir, scan, hf_config, toke
     shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, config.logical_axis_rules)
     lap("config_and_abstract")
 
-    assert set(abstract) == {"params"}, sorted(abstract)
+    # MaxText keeps DeepSeek's router bias in a collection of its own (MoEBiasVar); its converter
+    # and checkpoints hold it under params (checkpointing._alias_legacy_collections reads it from
+    # there): so does the target, and the forward gets it back in its collection.
+    assert "params" in abstract, sorted(abstract)
     is_box = lambda x: isinstance(x, nn.LogicallyPartitioned)
-    boxes = _flatten(abstract["params"], is_box)  # "decoder.layers.mlp.wi_0.kernel" -> box
-    named_shardings = _flatten(shardings["params"], lambda x: isinstance(x, jax.sharding.Sharding))
+    boxes, named_shardings, collection = {}, {}, {}  # "decoder.layers.mlp.wi_0.kernel" -> box, ...
+    for name in abstract:
+        own = _flatten(abstract[name], is_box)
+        assert not set(own) & set(boxes), sorted(set(own) & set(boxes))
+        boxes.update(own)
+        collection.update(dict.fromkeys(own, name))
+        named_shardings.update(_flatten(shardings[name], lambda x: isinstance(x, jax.sharding.Sharding)))
     assert set(boxes) == set(named_shardings)
     for name, box in boxes.items():
         assert is_box(box) and isinstance(box.value, jax.ShapeDtypeStruct), (name, box)
@@ -439,7 +508,7 @@ def _run_variant(args, result, family, model_name, hf_dir, scan, hf_config, toke
     from maxtext.checkpoint_conversion.utils.utils import param_key_parts_from_path
     canonical = {"-".join(param_key_parts_from_path(path)) for path, _ in
                  jax.tree_util.tree_flatten_with_path(abstract, is_leaf=is_box)[0]}
-    assert canonical == {"params-" + n.replace(".", "-") for n in boxes}, canonical
+    assert canonical == {f"{collection[n]}-" + n.replace(".", "-") for n in boxes}, canonical
     target = nest({n: jax.ShapeDtypeStruct(b.value.shape, b.value.dtype, sharding=named_shardings[n])
                          for n, b in boxes.items()})
     if args.print_tree:
@@ -494,7 +563,8 @@ def _run_variant(args, result, family, model_name, hf_dir, scan, hf_config, toke
         lap("converter_check")
 
     # MaxText's forward on the loaded params, boxed back into its tree.
-    variables = {"params": nest({n: boxes[n].replace_boxed(loaded[n]) for n in boxes})}
+    variables = {name: nest({n: boxes[n].replace_boxed(loaded[n]) for n in boxes if collection[n] == name})
+                 for name in abstract}
     batch, seq = tokens.shape
 
     def forward(variables, tokens):
@@ -602,7 +672,9 @@ def _maxtext_converter(model_name, hf_config, config, hf_dir, boxes, *, np):
     keys = validate_and_filter_param_map_keys(mapping.keys(), {"params-" + n.replace(".", "-") for n in boxes})
     out, errors, workarounds = {}, {}, {}
     for key in keys:
-        assert isinstance(key, str), key  # no composite keys in these families
+        if isinstance(key, tuple):  # gpt-oss's (wi_0, wi_1) from one gate_up_proj: split as to_maxtext.py does
+            out.update(_composite(key, mapping[key], hooks.get(key), weights, boxes, config, to_maxtext, np=np))
+            continue
         name = key.removeprefix("params-").replace("-", ".")
         shape = tuple(boxes[name].value.shape)
         load = to_maxtext._get_hf_loading_function(mapping[key], weights.__getitem__, hooks.get(key), shape, config,
@@ -633,6 +705,15 @@ def _maxtext_converter(model_name, hf_config, config, hf_dir, boxes, *, np):
     if set(out) | set(errors) != set(boxes):
         raise AssertionError(f"MaxText's converter tables vs its tree: {sorted((set(out) | set(errors)) ^ set(boxes))}")
     return out, errors, workarounds
+
+
+def _composite(key, hf_keys, hook, weights, boxes, config, to_maxtext, *, np):
+    """The leaves of a composite MaxText key, as to_maxtext.py's eager ``_get_maxtext_weight`` makes
+    them: the hook's output split on its last axis, one index per leaf."""
+    names = [k.removeprefix("params-").replace("-", ".") for k in key]
+    shapes = [tuple(boxes[n].value.shape) for n in names]
+    both = np.asarray(to_maxtext._get_hf_loading_function(hf_keys, weights.__getitem__, hook, shapes, config, key)())
+    return {n: both[..., i].astype(np.float64) for i, n in enumerate(names)}
 
 
 def _flat_key_list(hf_keys):

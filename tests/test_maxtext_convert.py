@@ -45,6 +45,7 @@ from tests.test_maxtext_mapping import (  # noqa: F401 -- maxtext_python, hf_che
     MAXTEXT_CONVERTER_BUGS,
     NO_CONVERTER,
     PIP_TIMEOUT,
+    READ_ONLY,
     REPO,
     TOKENS,
     VARIANTS,
@@ -99,6 +100,7 @@ def bf16_copy(hf_dir, directory):
 
 # --- MaxText restores our conversion ---------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def converted_results(maxtext_python, hf_checkpoints, tmp_path_factory):
     return complete_child_run(maxtext_python, runnable(hf_checkpoints), str(tmp_path_factory.mktemp("child")),
@@ -106,7 +108,7 @@ def converted_results(maxtext_python, hf_checkpoints, tmp_path_factory):
 
 
 @pytest.mark.timeout(PIP_TIMEOUT + CHILD_TIMEOUT)  # a first run builds the venv
-@pytest.mark.parametrize(("case", "variant"), list(case_params()))
+@pytest.mark.parametrize(("case", "variant"), list(case_params(KNOWN)))
 def test_maxtext_restores_our_conversion(converted_results, case, variant):
     assert_child_result(converted_results, case, variant)
 
@@ -165,7 +167,14 @@ REVERSE_KNOWN = {**{key: ("xfail", f"MaxText 0.2.5's to_maxtext.py cannot conver
                  # stops with KeyError 'text_config' on a text-only Gemma3ForCausalLM checkpoint.
                  **{("gemma3", v): ("skip", "MaxText 0.2.5's to_maxtext.py converts Gemma 3 only as the "
                                             "multimodal model (KeyError 'text_config' on a text-only one)")
-                    for v in VARIANTS}, **KNOWN}
+                    for v in VARIANTS},
+                 # Its DeepSeek tables name the router bias params-…-gate-bias; its model holds it in
+                 # the MoEBiasVar collection, so to_maxtext.py stops ("missing keys: MoEBiasVar-…").
+                 **{("deepseek3", v): ("xfail", "MaxText 0.2.5's to_maxtext.py cannot convert DeepSeek-V3: "
+                                                "its tables miss the MoEBiasVar router bias") for v in VARIANTS},
+                 **{(case, v): ("skip", "its mapping loads only: a save through it (MaxText's form back to "
+                                        "Hugging Face's) is refused while it is planned")
+                    for case in READ_ONLY for v in VARIANTS}, **KNOWN}
 
 
 @pytest.mark.timeout(PIP_TIMEOUT + CHILD_TIMEOUT)

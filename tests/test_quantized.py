@@ -216,3 +216,19 @@ def test_strict_target_counts_the_scales_as_used(releases):
     target = _sharded_target(mapping, fp8)
     loaded = ost.load(fp8, target, mapping=mapping, strict=True)
     assert set(flat(loaded)) == set(target)
+
+
+def test_fp8_weights_without_their_scales_are_refused(releases, tmp_path):
+    """A release missing a scale tensor would load that weight off by its scale, silently."""
+    from safetensors.torch import load_file, save_file
+
+    fp8, _, fp8_config, _, quantized = releases
+    tensors = load_file(os.path.join(fp8, "model.safetensors"))
+    del tensors[quantized[0] + "_scale_inv"]
+    os.makedirs(tmp_path / "damaged")
+    save_file(tensors, str(tmp_path / "damaged" / "model.safetensors"))
+    with pytest.raises(ost.MappingError, match=f"FP8 tensors have no scales .*{quantized[0]}"):
+        ost.load(str(tmp_path / "damaged"), mapping=ost.mappings.for_config(fp8_config))
+    with pytest.raises(ost.MappingError, match="FP8 tensors have no scales"):
+        ost.convert(str(tmp_path / "damaged"), str(tmp_path / "out"), mapping=ost.mappings.for_config(fp8_config))
+    assert not (tmp_path / "out").exists()

@@ -463,3 +463,20 @@ def test_two_processes_read_their_own_layers_and_write_their_own_rows(multiproce
     with open(os.path.join(checkpoint, "model.safetensors"), "rb") as a, \
             open(os.path.join(out, "model.safetensors"), "rb") as b:
         assert a.read() == b.read()
+
+
+def test_ignored_stored_names_are_left_out(tmp_path):
+    """DeepSeek-V3 stores a multi-token-prediction layer after its last layer; a mapping that
+    ``ignore``s it stacks the real layers only, and no load calls it unmapped or unexpected."""
+    layers = {f"model.layers.{i}.w": np.full((2, 3), i, np.float32) for i in range(3)}
+    layers["model.layers.2.eh_proj"] = np.zeros((2, 2), np.float32)  # only the MTP layer has it
+    ost.save(tmp_path / "ckpt", layers)
+    mapping = ost.Mapping([ost.Rule("model.layers.{i}.w", "layers.w", stack={"i": 0})], ignore=("model.layers.2.",))
+    assert mapping.tree_shapes({n: t.shape for n, t in ost.metadata(tmp_path / "ckpt").tensors.items()}) == {
+        "layers.w": (2, 2, 3)}
+    loaded = ost.load(tmp_path / "ckpt", mapping=mapping)
+    np.testing.assert_array_equal(loaded["layers.w"], np.stack([layers["model.layers.0.w"], layers["model.layers.1.w"]]))
+    strict = ost.load(tmp_path / "ckpt", {"layers.w": np.zeros((2, 2, 3), np.float32)}, mapping=mapping, strict=True)
+    np.testing.assert_array_equal(strict["layers.w"], loaded["layers.w"])
+    with pytest.raises(ost.SafetensorsError, match="no single rule maps the stored names: model.layers.2.eh_proj"):
+        ost.load(tmp_path / "ckpt", mapping=ost.Mapping(mapping.rules))

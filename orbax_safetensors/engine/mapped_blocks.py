@@ -63,7 +63,8 @@ class TreeBlocks:
     def __init__(self, source: BlockSource, mapping: Mapping, dtype: np.dtype | None = None):
         self._source = source
         self._stored = {spec.name: spec for spec in source.specs}
-        shapes = mapping.stored_view({name: spec.shape for name, spec in self._stored.items()})
+        shapes = mapping.stored_view({name: spec.shape for name, spec in self._stored.items()},
+                                     {name: spec.dtype.code for name, spec in self._stored.items()})
         idle = mapping.idle_rules(shapes)
         if idle:
             raise MappingError("the checkpoint has no tensor for " + ", ".join(

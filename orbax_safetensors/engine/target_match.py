@@ -170,14 +170,15 @@ def map_leaves(checkpoint: Checkpoint, target: LoadTarget, names: list[str], req
     missing), and with ``strict=True`` every stored tensor no leaf uses.
     """
     mapping, strict, from_checkpoint = target.mapping, target.strict, target.tree is None
-    shapes = mapping.stored_view({name: tensor.shape for name, tensor in checkpoint.tensors.items()})
+    shapes = mapping.stored_view({name: tensor.shape for name, tensor in checkpoint.tensors.items()},
+                                 {name: tensor.dtype.code for name, tensor in checkpoint.tensors.items()})
     side = "stored" if from_checkpoint else "tree"
     if from_checkpoint:
         names = sorted(shapes)  # a quantized tensor's twin, its scales not a tensor of their own
     unmapped = set(mapping.unmapped(names, side))
     problems = [f"no single rule maps the {side} names: {', '.join(sorted(unmapped))}"] if unmapped else []
     if from_checkpoint:
-        names = list(dict.fromkeys(mapping.tree_name(n) for n in names if n not in unmapped))
+        names = list(dict.fromkeys(leaf for n in names if n not in unmapped for leaf in mapping.tree_names(n)))
         requests = [_ANY] * len(names)
         unmapped = set()
     assemblies: list[Assembly | None] = []
@@ -201,7 +202,7 @@ def map_leaves(checkpoint: Checkpoint, target: LoadTarget, names: list[str], req
                 problems.append(f"{name}: {e}")
                 assembly = None
         assemblies.append(assembly)
-    unexpected = sorted(set(checkpoint.tensors) - used)
+    unexpected = sorted(n for n in set(checkpoint.tensors) - used if not mapping.ignores(n))
     if strict is True and unexpected and not from_checkpoint:
         problems.append(f"in the checkpoint but not the target: {', '.join(unexpected)}")
     if strict and problems:

@@ -16,10 +16,14 @@ the other) with Flax's leaf names and layouts::
       self_attn.{q,k,v}_proj.bias                 (heads | kv_heads, head_dim)   Qwen2, attention_bias
       self_attn.o_proj.bias                       (hidden,)                      attention_bias
       self_attn.{q,k}_norm.scale                  (head_dim,)                    Qwen3, Gemma 3, Qwen3-MoE
+      self_attn.sinks                             (heads,)                       gpt-oss
       mlp.{gate,up}_proj.kernel (hidden, intermediate), mlp.down_proj.kernel (intermediate, hidden)
       block_sparse_moe.gate.kernel (hidden, experts); block_sparse_moe.experts.{w1,w3}.kernel
         (experts, hidden, intermediate), .w2.kernel (experts, intermediate, hidden)       Mixtral
       mlp.gate.kernel, mlp.experts.{gate,up,down}_proj.kernel (the same, Qwen3-MoE names)
+      mlp.router.kernel (hidden, experts), mlp.router.bias (experts,); mlp.experts.gate_up_proj.kernel
+        (experts, hidden, 2 * intermediate), .bias (experts, 2 * intermediate); mlp.experts.down_proj.kernel
+        (experts, intermediate, hidden), .bias (experts, hidden)                            gpt-oss
 
 Kernels are the transposed ``Linear`` weights; attention kernels keep heads as
 their own axis, so a device holding some heads reads only their rows. Norm
@@ -28,12 +32,20 @@ layers and stacked experts are ``Rule.stack``: each device still reads only
 its own layers, experts, rows and columns, and a save writes the per-layer,
 per-expert tensors ``save_pretrained`` writes.
 
+DeepSeek-V3 (MLA attention, dense then MoE layers) is ``mappings.deepseek``.
+
 ``config`` (a transformers config or a dict of its fields) pins the head
 sizes, needed only when loading without a target, and says whether the
 release is quantized (``quantization_config``); ``dtype`` is the dtype a save
 writes (a float32 tree saved as the bfloat16 checkpoint it came from);
 ``dequantize`` whether a quantized release is read as the values it stands
 for (the default) or, FP8, kept as stored with its scales beside it.
+
+gpt-oss stores its experts fused, one tensor per layer used as ``x @ w``
+(no transpose), with gate and up interleaved in ``gate_up_proj`` (gate at
+even columns): the tree keeps it one leaf, as stored. Its alternating
+sliding-window layers are config (``layer_types``), not weights; its MXFP4
+release reads into the same tree as the bfloat16 release's.
 """
 
 from __future__ import annotations
@@ -43,17 +55,19 @@ from typing import Any
 from orbax_safetensors.errors import ArgumentError
 from orbax_safetensors.mappings._config import attention_dims, config_value
 from orbax_safetensors.mappings._quantized import quantized_mapping
+from orbax_safetensors.mappings.deepseek import deepseek_v3
 from orbax_safetensors.planning.rules import Mapping, Rule
 
 
 def _decoder(config: Any, family: str, *, scan_layers: bool, dtype: Any, dequantize: bool,
-             attention_bias: bool = False,
-             output_bias: bool = False, qk_norm: bool = False, ffn_norms: bool = False,
-             tied: bool = False, moe: tuple[str, str, tuple[str, str, str]] | None = None) -> Mapping:
+             attention_bias: bool = False, output_bias: bool = False, qk_norm: bool = False,
+             ffn_norms: bool = False, tied: bool = False, moe: tuple[str, str, tuple[str, str, str]] | None = None,
+             sinks: bool = False, fused_experts: bool = False) -> Mapping:
     """The rules every family shares, and the ones its flags add.
 
     ``moe``: (router module, experts module, (gate, up, down) names), e.g.
-    ``("block_sparse_moe.gate", "block_sparse_moe.experts", ("w1", "w3", "w2"))``.
+    ``("block_sparse_moe.gate", "block_sparse_moe.experts", ("w1", "w3", "w2"))``;
+    ``fused_experts``: gpt-oss's MoE instead (``_fused_experts``).
     """
     tree_layer = "model.layers" if scan_layers else "model.layers_{i}"
     layer_stack = {"i": 0} if scan_layers else {}
@@ -82,7 +96,11 @@ def _decoder(config: Any, family: str, *, scan_layers: bool, dtype: Any, dequant
                        split={0: ("heads", "head_dim")}, **linear))
     if output_bias:
         rules.append(layer("self_attn.o_proj.bias", "self_attn.o_proj.bias"))
-    if moe is None:
+    if sinks:
+        rules.append(layer("self_attn.sinks", "self_attn.sinks"))
+    if fused_experts:
+        rules += _fused_experts(layer)
+    elif moe is None:
         rules += [layer(f"mlp.{p}.weight", f"mlp.{p}.kernel", **linear) for p in ("gate_proj", "up_proj", "down_proj")]
     else:
         router, experts, projections = moe
@@ -91,6 +109,17 @@ def _decoder(config: Any, family: str, *, scan_layers: bool, dtype: Any, dequant
                   for p in projections]
     return quantized_mapping(rules, config, dequantize=dequantize,
                              dims=attention_dims(config, f"ost.mappings.{family}"))
+
+
+def _fused_experts(layer: Any) -> list[Rule]:
+    """gpt-oss's MoE: a router with a bias, and the experts fused per layer, ``[experts, ...]``
+    tensors used as ``x @ w`` (kept as stored), each with its bias."""
+    rules = [layer("mlp.router.weight", "mlp.router.kernel", transpose=(1, 0)),
+             layer("mlp.router.bias", "mlp.router.bias")]
+    for projection in ("gate_up_proj", "down_proj"):
+        rules += [layer(f"mlp.experts.{projection}", f"mlp.experts.{projection}.kernel"),
+                  layer(f"mlp.experts.{projection}_bias", f"mlp.experts.{projection}.bias")]
+    return rules
 
 
 def llama(config: Any = None, *, scan_layers: bool = False, dtype: Any = None,
@@ -148,8 +177,19 @@ def qwen3_moe(config: Any = None, *, scan_layers: bool = False, dtype: Any = Non
                     moe=("mlp.gate", "mlp.experts", ("gate_proj", "up_proj", "down_proj")))
 
 
+def gpt_oss(config: Any = None, *, scan_layers: bool = False, dtype: Any = None,
+            dequantize: bool = True) -> Mapping:
+    """``GptOssForCausalLM``: biases on q/k/v/o, attention sinks, a router with a bias and
+    fused experts (``gate_up_proj`` one leaf, gate and up interleaved as stored). The MXFP4
+    release (``quantization_config``) is read dequantized into the same tree; it cannot be
+    kept quantized (``dequantize=False`` is refused for it)."""
+    return _decoder(config, "gpt_oss", scan_layers=scan_layers, dtype=dtype, attention_bias=True, output_bias=True,
+                    sinks=True, fused_experts=True, dequantize=dequantize)
+
+
 FAMILIES = {"llama": llama, "mistral": mistral, "qwen2": qwen2, "qwen3": qwen3, "gemma2": gemma2,
-            "gemma3_text": gemma3, "mixtral": mixtral, "qwen3_moe": qwen3_moe}
+            "gemma3_text": gemma3, "mixtral": mixtral, "qwen3_moe": qwen3_moe, "deepseek_v3": deepseek_v3,
+            "gpt_oss": gpt_oss}
 
 
 def for_config(config: Any, *, scan_layers: bool = False, dtype: Any = None,

@@ -49,6 +49,26 @@ are ``pre_self_attention_norm``, ``post_self_attention_norm``,
 ``pre_ffw_norm``, ``post_ffw_norm`` and the q/k norms, and its embedding is
 tied.
 
+DeepSeek-V3 (``"deepseek3"``: MLA attention, dense then MoE layers) has a tree
+of its own, ``decoder.dense_layers_{k}`` / ``decoder.moe_layers_{k}``: its
+rules, and what is exact, are ``mappings.deepseek``'s.
+
+gpt-oss (``gpt-oss-20b``, ``gpt-oss-120b``; ``GPT_OSS_MAXTEXT_TO_HF_PARAM_MAPPING``
+and its hooks) scans pairs of layers the same way (a sliding-window layer,
+then a global one: ``decoder.layers.layers_{0,1}.…``, layer ``2 * n + k``
+at index ``n``). Its attention is ``GptOssAttention`` with q/k/v/o biases
+(``query.bias`` (heads, [layers,] head_dim), ``out.bias`` (embed, [layers]))
+and ``sinks`` (heads, [layers]); its MoE ``GptOssMlp``: ``gate.kernel``,
+``gate.bias`` (experts, [layers]), and ``wi_0``, ``wi_1`` (experts, [layers,]
+embed, mlp), ``wo`` with biases ``wi_0_bias``, ``wi_1_bias``, ``wo_bias``,
+experts at axis 0. Hugging Face stores each layer's experts fused, gate and
+up interleaved in one ``gate_up_proj`` (gate at even columns): ``wi_0`` and
+``wi_1`` are its even and odd columns (``Rule.take``), each device reading
+only the column pairs it holds. Since two leaves come from one stored
+tensor, this mapping loads (and ``ost.convert`` writes MaxText's checkpoint)
+but cannot save: a save through it is refused while it is planned
+(``MappingError``).
+
 Values follow MaxText's converter: Llama 3.1's, Mixtral's and Mistral's query
 kernel is scaled by ``1/sqrt(head_dim)`` (in float32; their MaxText attention
 does not scale), Llama 3.1's query and key heads are reordered from Hugging
@@ -80,6 +100,7 @@ from typing import Any
 import ml_dtypes
 
 from orbax_safetensors.errors import ArgumentError
+from orbax_safetensors.mappings import deepseek
 from orbax_safetensors.mappings._config import attention_dims, config_value
 from orbax_safetensors.mappings._quantized import quantized_mapping
 from orbax_safetensors.planning.rules import Mapping, Rule, Strided
@@ -105,6 +126,9 @@ class _Family:
     norm_offset: float | None = None  # MaxText's norm scales are HF's plus this (Gemma: 1 + w)
     embedding_scale: bool = False  # embedding times sqrt(hidden_size) rounded to bfloat16 (Gemma)
     pattern: int | None = None  # scanned layers in blocks of this many (Gemma 3's attention pattern)
+    attention: str = "self_attention"  # the attention module's name
+    attention_bias: bool = False  # q/k/v/o biases and attention sinks (gpt-oss)
+    fused_experts: bool = False  # gpt-oss's MoE: router bias, experts stored fused, gate/up interleaved
 
 
 # MaxText model_name prefixes: those with a converter in MaxText, and mistral, which has the
@@ -120,7 +144,13 @@ FAMILIES = {
     # The query is scaled by MaxText's attention (query_pre_attn_scalar), after the q/k norms.
     "gemma3": _Family(query_scale=False, rope_interleave=False, qk_norm=True, norms=_GEMMA3_NORMS, norm_offset=1.0,
                       embedding_scale=True, pattern=6),
+    # The query is scaled by MaxText's attention (query_pre_attn_scalar); layers scanned in pairs
+    # (inhomogeneous_layer_cycle_interval 2: a sliding-window layer, then a global one).
+    "gpt-oss": _Family(query_scale=False, rope_interleave=False, moe="GptOssMlp", attention="GptOssAttention",
+                       attention_bias=True, fused_experts=True, pattern=2),
 }
+# MaxText families whose tree is not the Llama-like one above: their own rules.
+OWN_RULES: dict[str, Callable[..., Mapping]] = {"deepseek3": deepseek.maxtext_deepseek3}
 
 
 def maxtext(family: str, config: Any, scan_layers: bool = True, *, dtype: Any = None,
@@ -138,11 +168,16 @@ def maxtext(family: str, config: Any, scan_layers: bool = True, *, dtype: Any = 
     release (the config's ``quantization_config``) is read: dequantized (the default;
     MaxText's tree holds the values) or, FP8, kept (``mappings._quantized``). Qwen3 is MoE when the
     config has ``num_experts > 1`` (``moe_block``, experts stacked at axis 0,
-    layers then at 1).
+    layers then at 1). ``"deepseek3"`` (``deepseek3-671b``, ``deepseek3-tiny``) is
+    ``mappings.deepseek``'s. gpt-oss's ``wi_0``/``wi_1`` are read from one stored
+    ``gate_up_proj`` (``Rule.take``), so a save through its mapping is refused while
+    it is planned.
     """
-    name = next((f for f in FAMILIES if family == f or family.startswith(f + "-")), None)
+    name = next((f for f in (*FAMILIES, *OWN_RULES) if family == f or family.startswith(f + "-")), None)
     if name is None:
-        raise ArgumentError(f"no MaxText mapping for {family!r}; available: {', '.join(FAMILIES)}")
+        raise ArgumentError(f"no MaxText mapping for {family!r}; available: {', '.join((*FAMILIES, *OWN_RULES))}")
+    if name in OWN_RULES:
+        return OWN_RULES[name](config, scan_layers, dtype=dtype, dequantize=dequantize)
     spec = FAMILIES[name]
     if config is None:  # the query scale and the head split need the head sizes
         raise ArgumentError(f"maxtext({family!r}, config): config is None; pass the checkpoint's Hugging "
@@ -156,24 +191,18 @@ def maxtext(family: str, config: Any, scan_layers: bool = True, *, dtype: Any = 
                              _num_layers(config, family) if spec.pattern else 0)
     linear = {"transpose": (1, 0), "dtype": dtype}
     norm = {"offset": spec.norm_offset, "dtype": dtype}
-    rope = {"permute": {-1: "halves_to_interleaved"}} if spec.rope_interleave else {}
-    scale = {"scale": 1 / math.sqrt(dims["head_dim"])} if spec.query_scale else {}
     rules = [
         Rule(f"{prefix}embed_tokens.weight", "token_embedder.embedding", dtype=dtype,
              scale=_embedding_scale(config, family) if spec.embedding_scale else None),
         Rule(f"{prefix}norm.weight", "decoder.decoder_norm.scale", **norm),
-        *per_layer("self_attn.q_proj.weight", "self_attention.query.kernel",
-                   split={1: ("heads", "head_dim")}, **rope, **scale, **linear),
-        *per_layer("self_attn.k_proj.weight", "self_attention.key.kernel",
-                   split={1: ("kv_heads", "head_dim")}, **rope, **linear),
-        *per_layer("self_attn.v_proj.weight", "self_attention.value.kernel",
-                   split={1: ("kv_heads", "head_dim")}, **linear),
-        *per_layer("self_attn.o_proj.weight", "self_attention.out.kernel", split={0: ("heads", "head_dim")}, **linear),
+        *_attention(spec, per_layer, dims, dtype),
     ]
-    for hf, mt in spec.norms + ((("self_attn.q_norm", "self_attention.query_norm"),
-                                 ("self_attn.k_norm", "self_attention.key_norm")) if spec.qk_norm else ()):
+    for hf, mt in spec.norms + ((("self_attn.q_norm", f"{spec.attention}.query_norm"),
+                                 ("self_attn.k_norm", f"{spec.attention}.key_norm")) if spec.qk_norm else ()):
         rules += per_layer(f"{hf}.weight", f"{mt}.scale", **norm)
-    if spec.moe is not None and config_value(config, "num_experts", config_value(config, "num_local_experts", 0)) > 1:
+    if spec.fused_experts:
+        rules += _fused_experts(spec.moe, per_layer, dtype)
+    elif spec.moe is not None and config_value(config, "num_experts", config_value(config, "num_local_experts", 0)) > 1:
         rules += per_layer(f"{spec.router}.weight", f"{spec.moe}.gate.kernel", **linear)
         for hf, mt in zip(spec.experts, ("wi_0", "wi_1", "wo")):
             rules += per_layer(f"{spec.experts_module}.{{e}}.{hf}.weight", f"{spec.moe}.{mt}", experts=True, **linear)
@@ -183,6 +212,46 @@ def maxtext(family: str, config: Any, scan_layers: bool = True, *, dtype: Any = 
     if not config_value(config, "tie_word_embeddings", False):  # tied: MaxText's logits_via_embedding
         rules.append(Rule("lm_head.weight", "decoder.logits_dense.kernel", **linear))
     return quantized_mapping(rules, release, dequantize=dequantize, dims=dims, checkpoint_form="maxtext")
+
+
+def _attention(spec: _Family, per_layer: Callable[..., list[Rule]], dims: dict[str, int], dtype: Any) -> list[Rule]:
+    """The attention's kernels (and gpt-oss's biases and sinks): heads split out, the query
+    scaled and query/key heads reordered where ``spec`` says."""
+    linear = {"transpose": (1, 0), "dtype": dtype}
+    rope = {"permute": {-1: "halves_to_interleaved"}} if spec.rope_interleave else {}
+    scale = {"scale": 1 / math.sqrt(dims["head_dim"])} if spec.query_scale else {}
+    module = spec.attention
+    rules = [
+        *per_layer("self_attn.q_proj.weight", f"{module}.query.kernel",
+                   split={1: ("heads", "head_dim")}, **rope, **scale, **linear),
+        *per_layer("self_attn.k_proj.weight", f"{module}.key.kernel",
+                   split={1: ("kv_heads", "head_dim")}, **rope, **linear),
+        *per_layer("self_attn.v_proj.weight", f"{module}.value.kernel",
+                   split={1: ("kv_heads", "head_dim")}, **linear),
+        *per_layer("self_attn.o_proj.weight", f"{module}.out.kernel", split={0: ("heads", "head_dim")}, **linear),
+    ]
+    if spec.attention_bias:
+        for hf, mt, heads in (("q_proj", "query", "heads"), ("k_proj", "key", "kv_heads"), ("v_proj", "value", "kv_heads")):
+            rules += per_layer(f"self_attn.{hf}.bias", f"{module}.{mt}.bias", split={0: (heads, "head_dim")}, dtype=dtype)
+        rules += per_layer("self_attn.o_proj.bias", f"{module}.out.bias", dtype=dtype)
+        rules += per_layer("self_attn.sinks", f"{module}.sinks", dtype=dtype)
+    return rules
+
+
+def _fused_experts(moe: str, per_layer: Callable[..., list[Rule]], dtype: Any) -> list[Rule]:
+    """gpt-oss's MoE, its experts stored fused per layer (``[experts, ...]``, used as ``x @ w``):
+    the router and its bias; ``gate_up_proj`` ``[experts, embed, 2 * mlp]``, gate and up
+    interleaved, is MaxText's ``wi_0`` (its even columns) and ``wi_1`` (its odd ones), its bias
+    ``wi_0_bias``/``wi_1_bias``, as MaxText's converter's ``interleave`` hook splits them
+    (``Rule.take``: each device reads only its columns' pairs); ``down_proj`` is ``wo``."""
+    rules = [*per_layer("mlp.router.weight", f"{moe}.gate.kernel", transpose=(1, 0), dtype=dtype),
+             *per_layer("mlp.router.bias", f"{moe}.gate.bias", dtype=dtype),
+             *per_layer("mlp.experts.down_proj", f"{moe}.wo", dtype=dtype),
+             *per_layer("mlp.experts.down_proj_bias", f"{moe}.wo_bias", dtype=dtype)]
+    for index, leaf in enumerate(("wi_0", "wi_1")):
+        rules += per_layer("mlp.experts.gate_up_proj", f"{moe}.{leaf}", split={2: (-1, 2)}, take={3: index})
+        rules += per_layer("mlp.experts.gate_up_proj_bias", f"{moe}.{leaf}_bias", split={1: (-1, 2)}, take={2: index})
+    return rules
 
 
 def _layer_rules(stored_prefix: str, scan_layers: bool, pattern: int | None, num_layers: int

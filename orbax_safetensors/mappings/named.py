@@ -11,7 +11,8 @@ from orbax_safetensors.planning.rules import Mapping
 
 _FLAX = {"llama": huggingface.llama, "mistral": huggingface.mistral, "qwen2": huggingface.qwen2,
          "qwen3": huggingface.qwen3, "gemma2": huggingface.gemma2, "gemma3": huggingface.gemma3,
-         "mixtral": huggingface.mixtral, "qwen3_moe": huggingface.qwen3_moe}
+         "mixtral": huggingface.mixtral, "qwen3_moe": huggingface.qwen3_moe, "deepseek_v3": huggingface.deepseek_v3,
+         "gpt_oss": huggingface.gpt_oss}
 
 
 def by_name(name: str, config: Any, *, scan_layers: bool | None = None, dtype: Any = None) -> Mapping:

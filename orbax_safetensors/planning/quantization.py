@@ -34,10 +34,12 @@ Pure: no devices, no files.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping as MappingABC
 from collections.abc import Sequence
 
+import ml_dtypes
 import numpy as np
 
 from orbax_safetensors.errors import MappingError
@@ -46,12 +48,24 @@ from orbax_safetensors.planning.boxes import Box, box_shape
 # e2m1: sign, 2 exponent bits, 1 mantissa bit; nibble → value.
 _E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
                  np.float32)
+# byte → its two values (low nibble first) as one 8-byte item: one gather decodes a byte.
+_E2M1_PAIRS = np.stack([_E2M1[np.arange(256) & 0x0F], _E2M1[np.arange(256) >> 4]], -1).view(np.uint64)[:, 0]
 
 
 @dataclasses.dataclass(frozen=True)
 class FP8:
-    """FP8 weights (``F8_E4M3``) with float32 scales in blocks of ``block`` (``None``:
-    per tensor or per channel), stored as ``<weight name><scale_suffix>``."""
+    """FP8 weights (``F8_E4M3``) with float32 scales, stored as ``<weight><scale_suffix>``:
+    one per block of ``block`` (a config's ``weight_block_size``, e.g. ``(128, 128)``;
+    the last axes of the weight, a partial last block included), or with ``None`` one per
+    tensor or per channel (each scale axis 1 or the weight's own size).
+
+    ``ost.Mapping(rules, quantization=ost.FP8((128, 128)))`` reads each such weight as
+    ``float32(fp8) * scale``, rounded once more into the target's dtype: what MaxText's
+    ``dequantize_fp8`` computes. The block is never inferred from the shapes: transformers
+    infers it from ``weight.shape / scale.shape``, which fails on DeepSeek-V3's own
+    ``kv_a_proj_with_mqa`` ([576, 7168], scales [5, 56]) and is silently wrong where the
+    division works with another block. ``ost.mappings.for_config`` builds it from the config.
+    """
 
     block: tuple[int, ...] | None = None
     scale_suffix: str = "_scale_inv"
@@ -79,9 +93,12 @@ class FP8:
 
 @dataclasses.dataclass(frozen=True)
 class MXFP4:
-    """MXFP4 (OCP microscaling): ``<name>_blocks`` (U8, ``[..., groups, group // 2]``)
-    and ``<name>_scales`` (U8 exponents, ``[..., groups]``); ``swap_last``: the twin's
-    last two axes are swapped (gpt-oss: ``[experts, hidden, 2 * intermediate]``)."""
+    """MXFP4 (OCP microscaling), as gpt-oss stores its experts: ``<name>_blocks`` (U8,
+    ``[..., groups, group // 2]``, two e2m1 values a byte, the even one in the low nibble)
+    and ``<name>_scales`` (U8 exponents, ``[..., groups]``: ``2 ** (byte - 127)``), read as
+    ``<name>``. Exact in float32 (an e2m1 value times a power of two). ``swap_last``: the
+    tensor read has its last two axes swapped, as transformers' dequantization returns
+    gpt-oss's ``gate_up_proj`` (``[experts, hidden, 2 * intermediate]``) and ``down_proj``."""
 
     group: int = 32
     swap_last: bool = True
@@ -213,39 +230,72 @@ class Quantized:
 
     def dequantize(self, weight: np.ndarray, scales: np.ndarray, box: Box) -> np.ndarray:
         """Twin box ``box`` in float32, from the values and scales ``boxes(box)`` names."""
+        if any(c == a for a, c in box):
+            return np.zeros(box_shape(box), np.float32)
         weight_box, scale_box = self.boxes(box)
         values = self._unswapped(box)
         if isinstance(self.scheme, MXFP4):
             out = self._mxfp4(weight.reshape(box_shape(weight_box)), scales.reshape(box_shape(scale_box)), values)
             return np.swapaxes(out, -1, -2) if self.scheme.swap_last else out
-        x = weight.reshape(box_shape(weight_box)).astype(np.float32)
+        x = _as_float32(weight.reshape(box_shape(weight_box)))
         grid = self._grid(values)
         s = np.asarray(scales).astype(np.float32, copy=False).reshape(box_shape(grid) if math.prod(
             self.scale_shape) != 1 else (1,) * x.ndim)
         # Every axis but the last: each index's scale row (a few rows per block; cheap).
         for axis in range(x.ndim - 1):
-            if s.shape[axis] > 1:
+            if s.shape[axis] > 1 and self._blocks[axis] > 1:
                 (a, c), b, (g, _) = values[axis], self._blocks[axis], grid[axis]
                 s = np.take(s, np.arange(a, c) // b - g, axis=axis)
-        # The last axis: one in-place product per scale block it touches.
-        (a, c), b, (g0, g1) = values[-1], self._blocks[-1], grid[-1]
-        for k in range(g1 - g0 if s.shape[-1] > 1 else 1):
-            lo, hi = max(a, (g0 + k) * b) - a, min(c, (g0 + k + 1) * b) - a
-            if s.shape[-1] == 1:
-                lo, hi = 0, c - a
-            x[..., lo:hi] *= s[..., k:k + 1]
+        if s.shape[-1] == 1 or self._blocks[-1] == 1:
+            x *= s
+            return x
+        # The last axis: its whole blocks as one broadcast product, a cut block at either end apart.
+        (a, c), b, g = values[-1], self._blocks[-1], grid[-1][0]
+        head, tail = min(-(-a // b) * b, c) - a, max(c // b * b, a) - a
+        if head:
+            x[..., :head] *= s[..., :1]
+        if tail > head:
+            whole = x[..., head:tail]
+            whole.shape = whole.shape[:-1] + ((tail - head) // b, b)
+            first = (a + head) // b - g
+            whole *= s[..., first:first + whole.shape[-2], None]
+        if c - a > tail >= head:
+            x[..., tail:] *= s[..., -1:]
         return x
 
     def _mxfp4(self, raw: np.ndarray, exponents: np.ndarray, values: Box) -> np.ndarray:
         """The e2m1 pairs of ``raw`` times ``2 ** (exponent - 127)``, cut to ``values``'s last axis."""
-        raw = raw.view(np.uint8)
-        decoded = np.empty(raw.shape[:-1] + (raw.shape[-1] * 2,), np.float32)
-        decoded[..., 0::2] = _E2M1[raw & 0x0F]
-        decoded[..., 1::2] = _E2M1[raw >> 4]
+        pairs = _E2M1_PAIRS[raw.view(np.uint8)]
+        decoded = pairs.view(np.float32)  # [..., group // 2 * 2]: low nibble, high nibble, ...
         decoded *= np.ldexp(np.float32(1), exponents.view(np.uint8).astype(np.int32) - 127)[..., None]
         flat = decoded.reshape(decoded.shape[:-2] + (-1,))
         (a, c), first = values[-1], (values[-1][0] // self.scheme.group) * self.scheme.group
         return flat[..., a - first:c - first]
+
+
+_FP8_VALUES = {np.dtype(t): np.arange(256, dtype=np.uint8).view(t).astype(np.float32)
+               for t in (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2)}
+
+
+@functools.cache
+def _fp8_pairs(dtype: np.dtype) -> np.ndarray:
+    """Two FP8 codes (one uint16) → their two float32 values (one uint64): 512 KB, built once."""
+    codes = np.arange(1 << 16)
+    values = _FP8_VALUES[dtype]
+    return np.stack([values[codes & 0xFF], values[codes >> 8]], -1).view(np.uint64)[:, 0]
+
+
+def _as_float32(values: np.ndarray) -> np.ndarray:
+    """``values`` as a new float32 array: FP8 through a table of its values, two codes a
+    lookup where the bytes allow (exact; 10x faster than ml_dtypes' cast)."""
+    table = _FP8_VALUES.get(values.dtype)
+    if table is None:
+        return values.astype(np.float32)
+    codes = values.view(np.uint8)
+    if (codes.ndim and codes.shape[-1] % 2 == 0 and codes.strides[-1] == 1 and codes.ctypes.data % 2 == 0
+            and all(stride % 2 == 0 for stride in codes.strides[:-1])):
+        return _fp8_pairs(values.dtype)[codes.view(np.uint16)].view(np.float32)
+    return table[codes]
 
 
 def _swapped(seq: Sequence) -> tuple:

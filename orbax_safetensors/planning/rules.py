@@ -94,9 +94,18 @@ class Strided:
              stack={"i": 1}, strided={"i": Strided("k", 6, stop=R)})
         Rule("model.layers.{i}.mlp.up_proj.weight", "decoder.layers_remainder.layers_{k}.mlp.wi_1.kernel",
              strided={"i": Strided("k", 6, start=R)})
+
+    ``within=None``: ``k`` is 0 and the tree side has no placeholder for it, so a
+    stack can start or stop at any layer: DeepSeek-V3's first ``K`` layers are dense
+    and the rest MoE, stacked apart (``decoder.dense_layers`` holds layers ``[0, K)``,
+    ``decoder.moe_layers`` the rest)::
+
+        Rule("model.layers.{i}.self_attn.kv_a_layernorm.weight",
+             "decoder.moe_layers.self_attention.kv_norm.scale", stack={"i": 1},
+             strided={"i": Strided(None, 1, start=K)})
     """
 
-    within: str
+    within: str | None
     step: int
     start: int = 0
     stop: int | None = None
@@ -116,6 +125,10 @@ class Strided:
         if number is None or number < self.start or (self.stop is not None and number >= self.stop):
             return None
         return divmod(number - self.start, self.step)
+
+    def k(self, tree: MappingABC[str, str]) -> int:
+        """``k`` of the leaf whose tree placeholders are ``tree`` (0 without ``within``)."""
+        return 0 if self.within is None else int(tree[self.within])
 
     def count(self, k: int) -> int | None:
         """How many stored values the leaf ``within=k`` stacks (``None``: no ``stop``, so the
@@ -153,7 +166,13 @@ class Rule:
     ``PERMUTATIONS`` or a function of the axis size ``n``), ``scale`` multiplies
     and then ``offset`` adds (in float32, float64 for float64 tensors; undone
     on save, exactly where ``planning.transforms`` says), and ``dtype`` is the
-    dtype saved (a float32 tree saved as ``"bfloat16"``).
+    dtype saved (a float32 tree saved as ``"bfloat16"``). ``take={axis: k}``
+    keeps index ``k`` of an axis of the reshaped piece and drops the axis:
+    one stored tensor read as several leaves, e.g. gpt-oss's interleaved
+    ``gate_up_proj`` ``[E, D, 2F]`` as MaxText's ``wi_0`` (``split={2: ("mlp",
+    2)}, take={3: 0}``) and ``wi_1`` (``take={3: 1}``). Such a leaf is read
+    only: a save through the rule is refused while it is planned, since the
+    leaf cannot write the stored tensor alone.
 
     Pieces form the leaf: ``stack={placeholder: axis}`` names placeholders of
     the stored side only, each a leaf axis whose index is the placeholder's
@@ -181,6 +200,7 @@ class Rule:
     stack: MappingABC[str, int] = dataclasses.field(default_factory=dict)
     concat: MappingABC[int, Sequence[Size]] = dataclasses.field(default_factory=dict)
     strided: MappingABC[str, Strided] = dataclasses.field(default_factory=dict)
+    take: MappingABC[int, int] = dataclasses.field(default_factory=dict)
 
     @property
     def stored_patterns(self) -> tuple[str, ...]:
@@ -208,12 +228,12 @@ class Rule:
         side's only) and the strided ones' ``within`` (the tree side's only)."""
         _, tree_names = _pattern(self.tree, "tree")
         stored_only = set(self.stack) | set(self.strided)
-        tree_only = {s.within for s in self.strided.values()}
+        tree_only = {s.within for s in self.strided.values() if s.within is not None}
         for pattern in self.stored_patterns:
             _, stored_names = _pattern(pattern, "stored")
             if (set(stored_names) - stored_only != set(tree_names) - tree_only or not stored_only <= set(stored_names)
                     or not tree_only <= set(tree_names) - set(stored_names)
-                    or len(tree_only) != len(self.strided)):
+                    or len(tree_only) != sum(s.within is not None for s in self.strided.values())):
                 raise MappingError(
                     f"rule {pattern!r} ↔ {self.tree!r}: both sides need the same placeholders, "
                     "except the stacked and strided ones, which only the stored side has, and each "
@@ -243,6 +263,8 @@ class Rule:
         merged = {a + k for a, sizes in self.merge.items() for k in range(len(sizes))}
         if merged & set(self.split) or len(merged) != sum(len(s) for s in self.merge.values()):
             raise MappingError(f"{where}: split and merge axes overlap")
+        if any(not isinstance(v, int) or v < 0 for item in self.take.items() for v in item):
+            raise MappingError(f"{where}: take {dict(self.take)}: axes and indices must be ints >= 0")
 
     def _check_values(self, where: str) -> None:
         for permutation in self.permute.values():
@@ -273,28 +295,43 @@ class Rule:
         if stored_shape is None and tree_shape is None:
             raise MappingError(f"{where}: needs the stored or the tree shape")
         stored, tree = _shape(stored_shape), _shape(tree_shape)
-        layout = self._layout(self._transposed(stored), tree, dims or {})
-        if tree is not None and layout.tree_shape != tree:
-            raise MappingError(
-                f"{where}: stored shape {stored} maps to {layout.tree_shape}, not the tree's {tree}")
-        return dataclasses.replace(layout, permutes=self._permutes(layout.tree_shape),
+        if self.take and stored is None:  # the tree's shape lacks the taken axes
+            raise MappingError(f"{where}: takes one index {dict(self.take)} of a stored tensor that holds "
+                               "other leaves too, so it is read only: a save cannot write the stored tensor "
+                               "from it, and a load needs the stored shape")
+        layout = self._layout(self._transposed(stored), None if self.take else tree, dims or {})
+        takes = self._takes(layout.tree_shape)
+        shape = dataclasses.replace(layout, takes=takes).tree_shape
+        if tree is not None and shape != tree:
+            raise MappingError(f"{where}: stored shape {stored} maps to {shape}, not the tree's {tree}")
+        return dataclasses.replace(layout, permutes=self._permutes(layout.tree_shape), takes=takes,
                                    scale=self.scale, offset=self.offset, dtype=self.dtype)
+
+    def _takes(self, reshaped: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+        """``take`` as the transform's ``(axis, index)`` pairs of the ``reshaped`` piece (a rule
+        that takes is resolved from the stored shape alone: the tree's lacks the taken axes;
+        without one, as when a save is planned, it is refused)."""
+        for axis, index in self.take.items():
+            if axis >= len(reshaped) or index >= reshaped[axis]:
+                raise MappingError(f"{self._where}: take {axis}: index {index} of a piece of shape {reshaped}")
+        return tuple(sorted(self.take.items()))
 
     def _accepts(self, values: MappingABC[str, str], side: str) -> bool:
         """Whether a name whose pattern gave placeholder ``values`` on ``side`` is this
         rule's: every value a ``Strided`` placeholder computes is in its range."""
         if side == "tree":
-            return all(s.holds(values[s.within]) for s in self.strided.values())
+            return all(s.within is None or s.holds(values[s.within]) for s in self.strided.values())
         for placeholder, strided in self.strided.items():
             split = strided.split(values[placeholder])
-            if split is None or (placeholder not in self.stack and split[0] != 0):
+            if split is None or (placeholder not in self.stack and split[0] != 0) or (
+                    strided.within is None and split[1] != 0):
                 return False
         return True
 
     def _tree_values(self, stored: MappingABC[str, str]) -> dict[str, str]:
         """The tree's placeholder values of a stored name's (that ``_accepts``)."""
         values = {p: v for p, v in stored.items() if p not in self.stack and p not in self.strided}
-        values.update({s.within: str(s.split(stored[p])[1]) for p, s in self.strided.items()})
+        values.update({s.within: str(s.split(stored[p])[1]) for p, s in self.strided.items() if s.within is not None})
         return values
 
     def _stored_values(self, tree: MappingABC[str, str], index: Sequence[int]) -> dict[str, str]:
@@ -302,7 +339,7 @@ class Rule:
         stack axes) of the leaf whose tree placeholders are ``tree``."""
         stacked = dict(zip(self._stacked_placeholders, index))
         values = {**tree, **{p: str(i) for p, i in stacked.items()}}
-        values.update({p: str(s.value(stacked.get(p, 0), int(tree[s.within]))) for p, s in self.strided.items()})
+        values.update({p: str(s.value(stacked.get(p, 0), s.k(tree))) for p, s in self.strided.items()})
         return values
 
     def _stack_index(self, stored: MappingABC[str, str], tree: MappingABC[str, str]) -> tuple[str, ...] | None:
@@ -315,7 +352,7 @@ class Rule:
                 index.append(stored[placeholder])
                 continue
             split = strided.split(stored[placeholder])
-            if split is None or str(split[1]) != tree[strided.within]:
+            if split is None or split[1] != strided.k(tree):
                 return None
             index.append(str(split[0]))
         return tuple(index)
@@ -442,27 +479,46 @@ class Mapping:
     ``quantization`` (``FP8``, ``MXFP4``): the checkpoint may store tensors
     quantized so; each is read as its dequantized twin, the tensor the rules
     name (``planning.quantization``), dequantized box by box as it is read.
+    ``ignore``: prefixes of stored names the tree does not hold (DeepSeek-V3's
+    multi-token-prediction layer, which transformers skips too): left out of
+    a load or a conversion, and never reported as unmapped or unexpected.
     """
 
     def __init__(self, rules: Iterable[Rule], *, dims: MappingABC[str, int] | None = None,
-                 checkpoint_form: str | None = None, quantization: Quantization | None = None):
+                 checkpoint_form: str | None = None, quantization: Quantization | None = None,
+                 ignore: Iterable[str] = ()):
         self.rules = tuple(rules)
         self.dims = dict(dims or {})
         self.checkpoint_form = checkpoint_form
         self.quantization = quantization
+        self.ignore = tuple(ignore)
         self._stored = [(rule, _pattern(p, "stored")[0]) for rule in self.rules for p in rule.stored_patterns]
         self._tree = [(rule, _pattern(rule.tree, "tree")[0]) for rule in self.rules]
 
     def __repr__(self) -> str:
         return f"Mapping({len(self.rules)} rules, dims={self.dims})"
 
-    def stored_view(self, stored_shapes: MappingABC[str, Sequence[int]]) -> MappingABC[str, Sequence[int]]:
+    def stored_view(self, stored_shapes: MappingABC[str, Sequence[int]],
+                    dtypes: MappingABC[str, str] | None = None) -> MappingABC[str, Sequence[int]]:
         """A checkpoint's tensors (name → shape) as the rules see them: with a
         ``quantization``, each quantized tensor as its dequantized twin (pass this to
-        ``assembly``, which then reads the twins' pieces from the quantized tensors)."""
-        if self.quantization is None or hasattr(stored_shapes, "quantized"):
+        ``assembly``, which then reads the twins' pieces from the quantized tensors).
+        ``dtypes`` (name → dtype code), when known, check that no FP8 tensor lacks its
+        scales: read without them its values would be off by the scale, silently. Names
+        the mapping ``ignore``s are left out."""
+        if hasattr(stored_shapes, "quantized"):
             return stored_shapes
-        return dequantized(self.quantization, stored_shapes)
+        if self.ignore:
+            stored_shapes = {n: shape for n, shape in stored_shapes.items() if not self.ignores(n)}
+        if self.quantization is None:
+            return stored_shapes
+        view = dequantized(self.quantization, stored_shapes)
+        unscaled = [name for name, code in (dtypes or {}).items()
+                    if code.startswith("F8_") and name in view and name not in view.quantized]
+        if unscaled:
+            raise MappingError(f"{len(unscaled)} FP8 tensors have no scales ({self.quantization}): "
+                               + ", ".join(sorted(unscaled)[:5]) + (" ..." if len(unscaled) > 5 else ""))
+        return view
 
     def _hits(self, name: str, side: str) -> list[tuple[Rule, dict[str, str]]]:
         """The rules that map ``name`` on ``side``, each with its placeholder values."""
@@ -495,15 +551,30 @@ class Mapping:
         rule, values = self._find(stored_name, "stored")
         return _fill(rule.tree, rule._tree_values(values))
 
+    def tree_names(self, stored_name: str) -> list[str]:
+        """The tree leaves a stored tensor is (part of): one, or each that ``take``s a part of
+        it (gpt-oss's ``gate_up_proj``: MaxText's ``wi_0`` and ``wi_1``)."""
+        hits = self._hits(stored_name, "stored")
+        if not _one_tensor_per_leaf(hits):
+            self._find(stored_name, "stored")  # raises, naming the rules
+        return [_fill(rule.tree, rule._tree_values(values)) for rule, values in hits]
+
     def transform(self, tree_name: str, *, stored_shape: Sequence[int] | None = None,
                   tree_shape: Sequence[int] | None = None) -> Transform:
         """The transform of a tree leaf that is one stored tensor, between the shapes given."""
         _, rule = self.stored_rule(tree_name)
         return rule.resolve(stored_shape=stored_shape, tree_shape=tree_shape, dims=self.dims)
 
+    def ignores(self, stored_name: str) -> bool:
+        """Whether the tree leaves a stored tensor out (``ignore``)."""
+        return bool(self.ignore) and stored_name.startswith(self.ignore)
+
     def unmapped(self, names: Iterable[str], side: str = "tree") -> list[str]:
-        """The names no rule or several rules map (to report them all at once)."""
-        return [n for n in names if len(self._hits(n, side)) != 1]
+        """The names no rule or several rules map (to report them all at once); a stored name
+        several rules each ``take`` a part of is mapped."""
+        if side == "tree":
+            return [n for n in names if len(self._hits(n, side)) != 1]
+        return [n for n in names if not _one_tensor_per_leaf(self._hits(n, side))]
 
     def idle_rules(self, stored_names: Iterable[str]) -> list[Rule]:
         """The rules no stored name matches: a checkpoint of another family, or one missing
@@ -568,7 +639,7 @@ class Mapping:
         counts = []
         for placeholder, found in seen.items():
             strided = rule.strided.get(placeholder)
-            known = None if strided is None else strided.count(int(values[strided.within]))
+            known = None if strided is None else strided.count(strided.k(values))
             expected = {str(i) for i in range(len(found) if known is None else known)}
             if found != expected:
                 raise MappingError(f"{where}: stacked {{{placeholder}}} takes the values "
@@ -600,7 +671,7 @@ class Mapping:
         bad = self.unmapped(stored_shapes, "stored")
         if bad:
             raise MappingError(f"no single rule maps the stored names: {', '.join(sorted(bad))}")
-        leaves = dict.fromkeys(self.tree_name(name) for name in stored_shapes)
+        leaves = dict.fromkeys(leaf for name in stored_shapes for leaf in self.tree_names(name))
         return {leaf: self.assembly(leaf, stored_shapes=stored_shapes).shape for leaf in leaves}
 
     def map_specs(self, specs: Sequence[TensorSpec]) -> tuple[list[TensorSpec], dict[str, Assembly]]:
@@ -624,6 +695,12 @@ class Mapping:
                 dtype = spec.dtype if piece.transform.dtype is None else dtype_for_numpy(piece.transform.dtype)
                 stored_specs.append(TensorSpec(piece.stored, dtype, piece.transform.stored_shape))
         return stored_specs, assemblies
+
+
+def _one_tensor_per_leaf(hits: Sequence[tuple[Rule, Any]]) -> bool:
+    """Whether the rules that map a stored name agree: one rule, or several that each take a
+    part of it into a leaf of its own."""
+    return len(hits) == 1 or (len(hits) > 1 and all(rule.take for rule, _ in hits))
 
 
 def _piece_names(rule: Rule, values: MappingABC[str, str], index: Sequence[int]) -> list[str]:

@@ -9,14 +9,22 @@ A stored tensor and the tree piece it becomes differ by a layout and by values:
 2. values: ``permutes`` reorder single axes (RoPE halves ↔ interleaved,
    ``PERMUTATIONS``), ``scale`` multiplies and then ``offset`` adds (both in
    float32, float64 for float64: Gemma's norms are stored as ``w`` and used
-   as ``1 + w``), ``dtype`` is the dtype saved.
+   as ``1 + w``), ``dtype`` is the dtype saved;
+3. ``takes`` keep one index of an axis and drop it: gpt-oss stores gate and
+   up interleaved in one ``gate_up_proj`` (``[..., 2 * F]``, gate at even
+   columns), MaxText holds them as two leaves; split into ``(F, 2)``, ``wi_0``
+   takes index 0 of the new axis and ``wi_1`` index 1. A piece that takes is
+   read only: its stored tensor holds other leaves too, so no save writes it
+   from this piece (``tree_box``/``to_stored`` refuse).
 
 Everything applies to a box, never to a whole tensor, so a sharded load still
 reads only the bytes each device holds: ``stored_box`` turns the box a device
 wants into the stored box holding it (a transpose permutes the box; a split
 axis becomes the enclosing range of the merged stored axis, exact when the
 inner axes are whole; a permuted axis the range its indices span, exact when
-the axis is whole), ``to_tree`` the bytes read into the box's values. On save
+the axis is whole; a taken axis its one index, so a box of ``wi_0``'s columns
+``[a, b)`` reads the interleaved columns ``[2a, 2b)``, gate and up together as
+they are stored), ``to_tree`` the bytes read into the box's values. On save
 ``to_stored`` turns a shard into stored boxes and their bytes, cutting it
 where it is not one stored box (the C-order box helpers are in
 ``planning.boxes``). A save applies the inverse value transforms, ``(x -
@@ -86,7 +94,8 @@ PERMUTATIONS: dict[str, Callable[[int], tuple[int, ...]]] = {
 class Transform:
     """Stored tensor → tree piece: ``np.transpose(stored, perm)``, a grouped reshape, then
     the value transforms (``permutes`` of single axes, ``scale``, then ``offset``); ``dtype``:
-    saved as.
+    saved as; ``takes``: ``(axis, index)`` pairs, ascending, of the reshaped piece's axes
+    that the tree piece holds one index of, and lacks (read only).
 
     ``groups`` cover the transposed axes and the tree axes in order: each is
     ``(transposed sizes, tree sizes)`` with equal products, so the reshape only
@@ -100,9 +109,19 @@ class Transform:
     scale: float | None = None
     offset: float | None = None
     dtype: np.dtype | None = None
+    takes: tuple[tuple[int, int], ...] = ()
 
     @property
     def tree_shape(self) -> tuple[int, ...]:
+        shape = self._reshaped_shape
+        if not self.takes:
+            return shape
+        taken = dict(self.takes)
+        return tuple(s for axis, s in enumerate(shape) if axis not in taken)
+
+    @property
+    def _reshaped_shape(self) -> tuple[int, ...]:
+        """The piece after the reshape, before ``takes`` drop their axes."""
         return tuple(s for _, tree in self.groups for s in tree)
 
     @property
@@ -119,7 +138,7 @@ class Transform:
     @property
     def _same_layout(self) -> bool:
         """Whether the layout is the stored one (no transpose, no split or merge)."""
-        return self.perm == tuple(range(len(self.perm))) and all(
+        return not self.takes and self.perm == tuple(range(len(self.perm))) and all(
             len(src) == len(tree) == 1 for src, tree in self.groups)
 
     @property
@@ -140,10 +159,11 @@ class Transform:
 
     def apply(self, stored: np.ndarray) -> np.ndarray:
         """The whole tree value of a whole stored value."""
-        x = np.transpose(stored, self.perm).reshape(self.tree_shape)
+        x = np.transpose(stored, self.perm).reshape(self._reshaped_shape)
         for axis, order in self.permutes:
             x = np.take(x, order, axis=axis)
-        return self._scaled(x)
+        taken = dict(self.takes)
+        return self._scaled(x[tuple(taken.get(axis, slice(None)) for axis in range(x.ndim))])
 
     def _scaled(self, x: np.ndarray, inverse: bool = False) -> np.ndarray:
         """``x * scale + offset`` in the tree's precision (``inverse``: ``(x - offset) / scale``,
@@ -187,7 +207,21 @@ class Transform:
         """The smallest stored box whose values give ``tree_box`` (exact where possible)."""
         if box_size(tree_box) == 0:
             return tuple((0, 0) for _ in self.perm)
-        return self._unpermute(tuple(self._regrouped(self._unpermuted(tree_box), to_tree=False)))
+        return self._unpermute(tuple(self._regrouped(self._unpermuted(self._with_taken(tree_box)), to_tree=False)))
+
+    def _with_taken(self, tree_box: Box) -> Box:
+        """A tree box as a box of the reshaped piece: each taken axis back, at its one index."""
+        box = list(tree_box)
+        for axis, index in self.takes:
+            box.insert(axis, (index, index + 1))
+        return tuple(box)
+
+    def _read_only(self) -> None:
+        """Refuses to write a piece that takes one index of a stored axis: the stored tensor
+        holds the other indices' leaves too, which this piece cannot write."""
+        if self.takes:
+            raise MappingError(f"a piece that takes (axis, index) {self.takes} of its stored tensor is "
+                               "read only: the stored tensor holds other leaves too")
 
     def _regrouped(self, box: Box, *, to_tree: bool) -> list[tuple[int, int]]:
         """``box`` of the transposed axes as the smallest box of the tree axes holding it
@@ -208,6 +242,7 @@ class Transform:
         of the piece a streamed save must hold to write that box of the stored tensor (a
         split axis cut inside its inner sizes takes their enclosing range, a permuted axis
         the range of tree indices its stored indices go to)."""
+        self._read_only()
         if box_size(stored_box) == 0:
             return tuple((0, 0) for _ in self.tree_shape)
         tree = self._regrouped(tuple(stored_box[p] for p in self.perm), to_tree=True)
@@ -225,12 +260,13 @@ class Transform:
         if box_size(tree_box) == 0:
             x = self._scaled(np.zeros(box_shape(tree_box), data.dtype))
         else:
-            reshaped = self._unpermuted(tree_box)
+            box = self._with_taken(tree_box)
+            reshaped = self._unpermuted(box)
             x = self._layout_to_tree(data, stored_box, reshaped)
             for axis, order in self.permutes:
-                a, b = tree_box[axis]
+                a, b = box[axis]
                 x = np.take(x, np.asarray(order[a:b]) - reshaped[axis][0], axis=axis)
-            x = self._scaled(x)
+            x = self._scaled(np.squeeze(x, tuple(axis for axis, _ in self.takes)) if self.takes else x)
         if out is None:
             return x
         copy_into(out, x)
@@ -264,6 +300,7 @@ class Transform:
         permuted axis into parts whose indices are not one range); otherwise
         the shard is cut into the fewest stored boxes it spans.
         """
+        self._read_only()
         data = np.asarray(data).reshape(box_shape(tree_box))
         dtype = data.dtype if self.dtype is None else self.dtype
         stored = [item for box, values in self._unpermuted_parts(tree_box, self._scaled(data, inverse=True))
@@ -342,15 +379,22 @@ def copy_into(out: np.ndarray, x: np.ndarray) -> None:
     matrix here (1.2 vs 0.6 GB/s), which is most of a transposing load's time on the host.
     """
     if x.ndim >= 2 and not x.flags.c_contiguous and x.size >= _TILE * _TILE:
-        flat_out, flat_x = out.view(), x.view()
-        try:  # as 2-D views, axis 0 and the rest (a reshape that would copy raises here)
-            flat_out.shape = flat_x.shape = (x.shape[0], -1)
-        except AttributeError:
+        try:  # as 2-D views, axis 0 and the rest (a reshape that would copy raises here, having
+            # copied nothing: numpy's shape setter copies the whole array before it refuses)
+            flat_out, flat_x = (a.reshape((x.shape[0], -1), copy=False) for a in (out, x))
+        except ValueError:
+            if x.ndim > 2 and x[0].size >= _TILE * _TILE:  # one slab of axis 0 at a time (experts)
+                for part_out, part in zip(out, x):
+                    copy_into(part_out, part)
+                return
             flat_out, flat_x = out, x
         rows, cols = flat_x.shape[0], flat_x.shape[-1]
+        # A cast reads its source element by element where it is strided (8 ns each for
+        # ml_dtypes' bfloat16): each tile is gathered first (in cache), then cast, 3x faster.
+        gather = np.ascontiguousarray if out.dtype != x.dtype and flat_x.ndim == 2 else (lambda tile: tile)
         for i in range(0, rows, _TILE):
             for j in range(0, cols, _TILE):
-                flat_out[i:i + _TILE, ..., j:j + _TILE] = flat_x[i:i + _TILE, ..., j:j + _TILE]
+                flat_out[i:i + _TILE, ..., j:j + _TILE] = gather(flat_x[i:i + _TILE, ..., j:j + _TILE])
         return
     out[...] = x
 

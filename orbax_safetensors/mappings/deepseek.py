@@ -1,0 +1,227 @@
+"""DeepSeek-V3 (and V2, R1, V3.1: ``model_type`` ``deepseek_v3``) ↔ a Flax-style tree and
+↔ MaxText 0.2.5's tree, from one table of its tensors.
+
+DeepSeek's attention is MLA: the query through a low-rank ``q_a_proj`` (its
+RMS norm ``q_a_layernorm``) and ``q_b_proj`` (or one ``q_proj`` when the
+config's ``q_lora_rank`` is ``None``, V2-Lite), keys and values through
+``kv_a_proj_with_mqa`` (the ``kv_lora_rank`` latent and the shared RoPE key,
+side by side) and, after ``kv_a_layernorm``, ``kv_b_proj`` (each head's
+non-RoPE key and value, side by side). The first ``first_k_dense_replace``
+layers have a dense MLP; the others are MoE: a router ``mlp.gate`` with its
+``e_score_correction_bias``, routed experts and ``shared_experts``. Dense and
+MoE layers have different leaves, so a scanned tree would hold them as two
+stacks (``dense_layers``, ``moe_layers``), as MaxText does.
+
+Flax-style tree (``deepseek_v3``; huggingface.py's conventions: HF module
+names, Flax leaf names, kernels transposed, heads an axis of their own)::
+
+    model.layers_{i}.<leaf>                                     i = 0 .. num_hidden_layers - 1
+      self_attn.q_a_proj.kernel (hidden, q_lora)                self_attn.q_a_layernorm.scale (q_lora,)
+      self_attn.q_b_proj.kernel (q_lora, heads, qk_head_dim)    or self_attn.q_proj.kernel (hidden, heads, qk_head_dim)
+      self_attn.kv_a_proj_with_mqa.kernel (hidden, kv_lora + qk_rope_head_dim)
+      self_attn.kv_a_layernorm.scale (kv_lora,)
+      self_attn.kv_b_proj.kernel (kv_lora, heads, qk_nope_head_dim + v_head_dim)
+      self_attn.o_proj.kernel (heads, v_head_dim, hidden)
+      input_layernorm.scale, post_attention_layernorm.scale (hidden,)
+      mlp.{gate,up}_proj.kernel (hidden, intermediate), mlp.down_proj.kernel      dense layers
+      mlp.gate.kernel (hidden, experts), mlp.gate.e_score_correction_bias (experts,)   MoE layers
+      mlp.experts.{gate,up}_proj.kernel (experts, hidden, moe_intermediate), .down_proj.kernel
+      mlp.shared_experts.{gate,up,down}_proj.kernel (as the dense MLP's)
+
+(``qk_head_dim`` is ``qk_nope_head_dim + qk_rope_head_dim``.)
+
+MaxText's tree (``maxtext("deepseek3", ...)``), as MaxText 0.2.5's converter
+(``checkpoint_conversion/utils/param_mapping.py``, ``DEEPSEEK_MAXTEXT_TO_HF_*``)
+and ``layers/attention_mla.py`` have it: ``decoder.dense_layers_{k}.…`` for
+layer ``k < first_k_dense_replace`` and ``decoder.moe_layers_{k}.…`` for layer
+``first_k_dense_replace + k``, the same layouts under MaxText's names
+(``self_attention.wq_a``, ``q_norm``, ``wq_b``/``query``, ``wkv_a``,
+``kv_norm``, ``wkv_b``, ``out``; ``pre_``/``post_self_attention_layer_norm``;
+``mlp.wi_0``/``wi_1``/``wo``; ``DeepSeekMoeBlock_0.MoeBlock_0.gate.kernel``,
+``.gate.bias``, ``.wi_0``/``wi_1``/``wo`` (experts stacked at axis 0, no
+``kernel``), ``DeepSeekMoeBlock_0.shared_experts.wi_0.kernel`` …), plus
+``token_embedder.embedding``, ``decoder.decoder_norm.scale`` and
+``decoder.logits_dense.kernel``. MaxText's converter changes no value (its MLA
+scales the query itself, and reads HF's interleaved RoPE layout as it is), so
+neither do these rules: a load is the checkpoint's values, and a save gives back
+a bfloat16 or float32 checkpoint bit for bit.
+
+Scanned (``scan_layers=True``), dense and MoE layers are two stacks, as
+MaxText scans them: ``model.dense_layers.<leaf>`` / ``model.moe_layers.<leaf>``
+here (layers at axis 0, experts then at 1), ``decoder.dense_layers.…`` /
+``decoder.moe_layers.…`` in MaxText (layers at axis 1, experts at 0; the router
+bias, which MaxText keeps in its ``MoEBiasVar`` collection, at axis 0); index
+``n`` of the MoE stack is layer ``first_k_dense_replace + n``
+(``Strided(None, 1, start=...)``).
+
+The multi-token-prediction layers stored after the last one (V3's
+``model.layers.61.``: ``num_nextn_predict_layers``) are left out (``Mapping.ignore``),
+as transformers leaves them out.
+
+A quantized release (``quantization_config``: DeepSeek-V3's FP8 weights with
+``weight_scale_inv`` per 128×128 block) reads through the same rules:
+``dequantize=True`` gives each FP8 weight as its bfloat16 release's tensor,
+``dequantize=False`` keeps it (``mappings._quantized``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from orbax_safetensors.errors import ArgumentError
+from orbax_safetensors.mappings._config import config_value
+from orbax_safetensors.mappings._quantized import quantized_mapping
+from orbax_safetensors.planning.rules import Mapping, Rule, Strided
+
+# Per-layer tensors: (HF name without ".weight", MaxText name, the transposed kernel's head split).
+_QUERY_LORA = (("self_attn.q_a_proj", "self_attention.wq_a", {}),
+               ("self_attn.q_b_proj", "self_attention.wq_b", {1: ("heads", "qk_head_dim")}))
+_QUERY = (("self_attn.q_proj", "self_attention.query", {1: ("heads", "qk_head_dim")}),)
+_KEY_VALUE = (("self_attn.kv_a_proj_with_mqa", "self_attention.wkv_a", {}),
+              ("self_attn.kv_b_proj", "self_attention.wkv_b", {1: ("heads", "kv_head_dim")}),
+              ("self_attn.o_proj", "self_attention.out", {0: ("heads", "v_head_dim")}))
+_NORMS = (("input_layernorm", "pre_self_attention_layer_norm"),
+          ("post_attention_layernorm", "post_self_attention_layer_norm"),
+          ("self_attn.kv_a_layernorm", "self_attention.kv_norm"))
+_QUERY_NORM = (("self_attn.q_a_layernorm", "self_attention.q_norm"),)
+_MLP = (("gate_proj", "wi_0"), ("up_proj", "wi_1"), ("down_proj", "wo"))
+_MOE = "DeepSeekMoeBlock_0"
+
+# per_layer(stored, tree, dense, *, experts=False, **layout) -> rules; dense: True / False for
+# a dense / MoE layer's own tensor, None for one every layer has.
+PerLayer = Callable[..., list[Rule]]
+
+
+def _dims(config: Any) -> dict[str, int]:
+    """The MLA head sizes the rules split by (empty without a config: the target's shapes)."""
+    if config is None:
+        return {}
+    sizes = {key: config_value(config, key) for key in
+             ("num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
+    missing = [key for key, value in sizes.items() if value is None]
+    if missing:
+        raise ArgumentError(f"deepseek_v3: the config has no {', '.join(missing)}, which give the MLA head sizes")
+    return {"heads": sizes["num_attention_heads"], "v_head_dim": sizes["v_head_dim"],
+            "qk_head_dim": sizes["qk_nope_head_dim"] + sizes["qk_rope_head_dim"],
+            "kv_head_dim": sizes["qk_nope_head_dim"] + sizes["v_head_dim"]}
+
+
+def _rules(config: Any, per_layer: PerLayer, *, maxtext: bool, dtype: Any) -> list[Rule]:
+    """Every per-layer rule, named in the Flax-style tree or (``maxtext``) in MaxText's."""
+    low_rank_query = config is None or config_value(config, "q_lora_rank") is not None
+    attention = (_QUERY_LORA if low_rank_query else _QUERY) + _KEY_VALUE
+    norms = _NORMS + (_QUERY_NORM if low_rank_query else ())
+    linear = {"transpose": (1, 0), "dtype": dtype}
+    rules = []
+    for hf, mt, split in attention:
+        rules += per_layer(f"{hf}.weight", f"{mt if maxtext else hf}.kernel", None, split=split, **linear)
+    for hf, mt in norms:
+        rules += per_layer(f"{hf}.weight", f"{mt if maxtext else hf}.scale", None, dtype=dtype)
+    for hf, mt in _MLP:
+        rules += per_layer(f"mlp.{hf}.weight", f"mlp.{mt if maxtext else hf}.kernel", True, **linear)
+        rules += per_layer(f"mlp.shared_experts.{hf}.weight",
+                           f"{_MOE}.shared_experts.{mt}.kernel" if maxtext else f"mlp.shared_experts.{hf}.kernel",
+                           False, **linear)
+        rules += per_layer(f"mlp.experts.{{e}}.{hf}.weight",
+                           f"{_MOE}.MoeBlock_0.{mt}" if maxtext else f"mlp.experts.{hf}.kernel",
+                           False, experts=True, **linear)
+    router = f"{_MOE}.MoeBlock_0.gate" if maxtext else "mlp.gate"
+    rules += per_layer("mlp.gate.weight", f"{router}.kernel", False, **linear)
+    # MaxText keeps the router bias in its MoEBiasVar collection, which nn.scan stacks at axis 0.
+    rules += per_layer("mlp.gate.e_score_correction_bias",
+                       f"{router}.bias" if maxtext else f"{router}.e_score_correction_bias", False, dtype=dtype,
+                       scan_axis=0)
+    return rules
+
+
+def _outer(config: Any, tree: tuple[str, str, str], dtype: Any) -> list[Rule]:
+    """The embedding, the final norm and (untied) the head, named ``tree``."""
+    embedding, norm, head = tree
+    rules = [Rule("model.embed_tokens.weight", embedding, dtype=dtype), Rule("model.norm.weight", norm, dtype=dtype)]
+    if not (config is not None and config_value(config, "tie_word_embeddings", False)):
+        rules.append(Rule("lm_head.weight", head, transpose=(1, 0), dtype=dtype))
+    return rules
+
+
+def _prediction_layers(config: Any) -> tuple[str, ...]:
+    """The stored prefixes of the multi-token-prediction layers after the last layer (V3's
+    ``model.layers.61.``), which the tree leaves out, as transformers does."""
+    layers = None if config is None else config_value(config, "num_hidden_layers")
+    if layers is None:
+        return ()
+    extra = config_value(config, "num_nextn_predict_layers", config_value(config, "num_mtp_layers", 0))
+    return tuple(f"model.layers.{int(layers) + k}." for k in range(int(extra)))
+
+
+def _first_dense(config: Any, where: str) -> tuple[int, int]:
+    """(first_k_dense_replace, num_hidden_layers), which place each layer in MaxText's tree."""
+    if config is None:
+        raise ArgumentError(f"{where}: config is None; pass the checkpoint's Hugging Face config "
+                            "(first_k_dense_replace, num_hidden_layers and the MLA head sizes)")
+    dense, layers = config_value(config, "first_k_dense_replace"), config_value(config, "num_hidden_layers")
+    if dense is None or layers is None:
+        raise ArgumentError(f"{where}: the config needs first_k_dense_replace and num_hidden_layers")
+    return int(dense), int(layers)
+
+
+def _by_block(config: Any, where: str, *, scan_layers: bool, root: str, layer_axis: int,
+              expert_axis: int) -> PerLayer:
+    """``per_layer`` for a tree that holds dense and MoE layers apart (MaxText's, and any
+    scanned one): dense layer ``k`` under ``<root>.dense_layers_{k}``, MoE layer
+    ``first_k_dense_replace + k`` under ``<root>.moe_layers_{k}``; scanned, stacked at
+    ``layer_axis`` of ``<root>.dense_layers`` / ``<root>.moe_layers`` (``Strided(None, ...)``:
+    the MoE stack's index ``n`` is layer ``first_k_dense_replace + n``)."""
+    dense_layers, layers = _first_dense(config, where)
+    blocks = {True: ("dense_layers", 0, dense_layers), False: ("moe_layers", dense_layers, layers)}
+
+    def per_layer(stored: str, tree: str, dense: bool | None, *, experts: bool = False, scan_axis: int | None = None,
+                  **layout: Any) -> list[Rule]:
+        rules = []
+        for block, start, stop in (blocks.values() if dense is None else [blocks[dense]]):
+            if start >= stop:
+                continue
+            stack = {"e": expert_axis} if experts else {}
+            if scan_layers:
+                name, strided = f"{root}.{block}", Strided(None, 1, start=start, stop=stop)
+                stack["i"] = layer_axis if scan_axis is None else scan_axis
+            else:
+                name, strided = f"{root}.{block}_{{k}}", Strided("k", stop - start, start=start, stop=stop)
+            rules.append(Rule(f"model.layers.{{i}}.{stored}", f"{name}.{tree}", stack=stack,
+                              strided={"i": strided}, **layout))
+        return rules
+
+    return per_layer
+
+
+def _every_layer(stored: str, tree: str, dense: bool | None, *, experts: bool = False, scan_axis: int | None = None,
+                 **layout: Any) -> list[Rule]:
+    """``per_layer`` of the unscanned Flax-style tree: layer ``i`` under ``model.layers_{i}``."""
+    del dense, scan_axis  # a layer's own names say whether it is dense; nothing is scanned
+    return [Rule(f"model.layers.{{i}}.{stored}", f"model.layers_{{i}}.{tree}", stack={"e": 0} if experts else {},
+                 **layout)]
+
+
+def deepseek_v3(config: Any = None, *, scan_layers: bool = False, dtype: Any = None,
+                dequantize: bool = True) -> Mapping:
+    """``DeepseekV3ForCausalLM`` ↔ ``mappings.deepseek``'s Flax-style tree. ``config`` pins the
+    MLA head sizes, says whether the query is low-rank (``q_lora_rank``; without a config it
+    is, as in V3) and, scanned (where it is needed), which layers are dense; ``dequantize`` as
+    in ``mappings._quantized`` for an FP8 release."""
+    per_layer = _by_block(config, "ost.mappings.deepseek_v3 (scanned)", scan_layers=True, root="model",
+                          layer_axis=0, expert_axis=1) if scan_layers else _every_layer
+    rules = _outer(config, ("model.embed_tokens.embedding", "model.norm.scale", "lm_head.kernel"), dtype)
+    rules += _rules(config, per_layer, maxtext=False, dtype=dtype)
+    return quantized_mapping(rules, config, dequantize=dequantize, dims=_dims(config),
+                             ignore=_prediction_layers(config))
+
+
+def maxtext_deepseek3(config: Any, scan_layers: bool, *, dtype: Any, dequantize: bool) -> Mapping:
+    """HF DeepSeek-V3 ↔ MaxText's ``deepseek3-*`` tree, for ``mappings.maxtext``."""
+    where = "maxtext('deepseek3')"
+    per_layer = _by_block(config, where, scan_layers=scan_layers, root="decoder", layer_axis=1, expert_axis=0)
+    rules = _outer(config, ("token_embedder.embedding", "decoder.decoder_norm.scale", "decoder.logits_dense.kernel"),
+                   dtype)
+    rules += _rules(config, per_layer, maxtext=True, dtype=dtype)
+    return quantized_mapping(rules, config, dequantize=dequantize, dims=_dims(config), checkpoint_form="maxtext",
+                             ignore=_prediction_layers(config))

@@ -1,0 +1,188 @@
+"""The box math of quantized tensors (``planning.quantization``) against the numpy reference
+(``tests/quantized_reference.py``): any box of a dequantized twin, from the stored values and
+only the scale blocks that cover it, is the reference's box bit for bit; and the errors."""
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import orbax_safetensors as ost
+from orbax_safetensors.planning.quantization import FP8, MXFP4, Quantized
+from tests.quantized_reference import bits, fp8_reference, mxfp4_reference, random_fp8, random_mxfp4
+from tests.test_mapping import box_in  # a non-empty box (empty ones: test_empty_boxes_are_empty)
+
+
+def _slice(array, box):
+    return array[tuple(slice(a, c) for a, c in box)]
+
+
+def _check_box(q, weight, scales, reference, box):
+    """``q`` reads ``box`` of ``reference`` from the boxes it names, and those scale boxes
+    are exactly the scale blocks the box touches (never a block it does not)."""
+    weight_box, scale_box = q.boxes(box)
+    got = q.dequantize(_slice(weight, weight_box), _slice(scales, scale_box), box)
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(bits(got), bits(_slice(reference, box)))
+    return weight_box, scale_box
+
+
+# Shapes and blocks: aligned, partial last blocks (DeepSeek-V3's kv_a_proj_with_mqa [576, 7168]
+# with scales [5, 56], scaled down), blocks that are not square, a stacked leading axis.
+FP8_CASES = [((64, 96), (32, 32)), ((72, 200), (32, 32)), ((24, 40), (16, 16)), ((48, 60), (16, 32)),
+             ((3, 40, 36), (16, 16)), ((3, 40, 36), (1, 16, 16))]
+
+
+@pytest.mark.parametrize("shape,block", FP8_CASES, ids=[f"{s}-{b}" for s, b in FP8_CASES])
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_fp8_block_boxes_are_the_reference_and_read_only_the_blocks_they_touch(shape, block, data):
+    grid = tuple(shape[:len(shape) - len(block)]) + tuple(-(-n // b) for n, b in zip(shape[-len(block):], block))
+    weight, scales = random_fp8(np.random.default_rng(len(shape) + block[-1]), shape, grid)
+    q = Quantized(FP8(block), "w", "w_scale_inv", shape, grid)
+    assert q.shape == shape
+    box = data.draw(box_in(shape))
+    weight_box, scale_box = _check_box(q, weight, scales, fp8_reference(weight, scales, block), box)
+    assert weight_box == box
+    blocks = (1,) * (len(shape) - len(block)) + tuple(block)
+    assert scale_box == tuple((a // b, -(-c // b)) for (a, c), b in zip(box, blocks))
+
+
+def test_a_box_cutting_a_partial_block_reads_that_block_s_scale_once():
+    """Rows 64..72 of [72, 200] (block 32): the box cuts the partial last row block (rows 64..71)
+    and the middle of column block 1; it needs scale row 2 and columns 1..3, nothing more."""
+    weight, scales = random_fp8(np.random.default_rng(1), (72, 200), (3, 7))
+    q = Quantized(FP8((32, 32)), "w", "s", (72, 200), (3, 7))
+    box = ((60, 72), (40, 70))
+    _, scale_box = _check_box(q, weight, scales, fp8_reference(weight, scales, (32, 32)), box)
+    assert scale_box == ((1, 3), (1, 3))
+
+
+@pytest.mark.parametrize("scale_shape", [(), (1,), (1, 1)], ids=["scalar", "one", "one-by-one"])
+def test_fp8_per_tensor_scale_every_box_reads_the_one_scale(scale_shape):
+    rng = np.random.default_rng(2)
+    weight, scales = random_fp8(rng, (40, 24), scale_shape)
+    q = Quantized(FP8(None), "w", "s", (40, 24), scale_shape)
+    reference = fp8_reference(weight, scales, None)
+    for box in [((0, 40), (0, 24)), ((3, 17), (5, 6)), ((39, 40), (0, 24))]:
+        _, scale_box = _check_box(q, weight, scales, reference, box)
+        assert scale_box == tuple((0, 1) for _ in scale_shape)
+
+
+@pytest.mark.parametrize("scale_shape", [(40,), (40, 1), (1, 24)], ids=["rows", "rows-column", "columns"])
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_fp8_per_channel_scales_read_the_channels_of_the_box(scale_shape, data):
+    weight, scales = random_fp8(np.random.default_rng(3), (40, 24), scale_shape)
+    q = Quantized(FP8(None), "w", "s", (40, 24), scale_shape)
+    reference = (weight.astype(np.float64) * scales.reshape(scale_shape + (1,) * (2 - len(scale_shape)))
+                 ).astype(np.float32)
+    np.testing.assert_array_equal(bits(reference), bits(fp8_reference(weight, scales, None)))
+    box = data.draw(box_in((40, 24)))
+    _, scale_box = _check_box(q, weight, scales, reference, box)
+    axis = 0 if scale_shape[0] == 40 else 1
+    assert scale_box[axis] == box[axis]
+
+
+@pytest.mark.parametrize("swap_last", [True, False])
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_mxfp4_boxes_cut_groups_and_are_the_reference(swap_last, data):
+    """gpt-oss's layout: blocks [experts, rows, groups, 16] are twin [experts, groups * 32, rows]
+    (``swap_last``); a box may start and stop inside a group of 32."""
+    blocks, scales = random_mxfp4(np.random.default_rng(4), (3, 10), groups=4, exponents=(0, 255))
+    q = Quantized(MXFP4(swap_last=swap_last), "x_blocks", "x_scales", blocks.shape, scales.shape)
+    reference = mxfp4_reference(blocks, scales, swap_last=swap_last)
+    assert q.shape == reference.shape
+    box = data.draw(box_in(reference.shape))
+    weight_box, scale_box = _check_box(q, blocks, scales, reference, box)
+    values = box[:-2] + (box[-1], box[-2]) if swap_last else box
+    groups = (values[-1][0] // 32, -(-values[-1][1] // 32))
+    assert scale_box == values[:-1] + (groups,)
+    assert weight_box == scale_box + ((0, 16),)
+
+
+@pytest.mark.parametrize("scheme,weight_shape,scale_shape,box", [
+    (FP8(None), (40, 24), (40,), ((0, 1), (5, 5))),
+    (MXFP4(), (3, 10, 4, 16), (3, 10, 4), ((0, 0), (0, 128), (0, 10))),
+], ids=["fp8-per-row-empty-columns", "mxfp4-empty-experts"])
+def test_empty_boxes_are_empty(scheme, weight_shape, scale_shape, box):
+    q = Quantized(scheme, "w", "s", weight_shape, scale_shape)
+    weight_box, scale_box = q.boxes(box)
+    weight, scales = np.zeros(weight_shape, np.uint8), np.zeros(scale_shape, np.float32)
+    got = q.dequantize(_slice(weight, weight_box), _slice(scales, scale_box), box)
+    assert got.shape == tuple(c - a for a, c in box)
+
+
+def test_mxfp4_every_exponent_and_nibble():
+    """Exponent bytes 0..254 (2**-127 .. 2**127; 255 is E8M0's NaN) times every e2m1 code,
+    the extremes included (6 * 2**127 overflows float32 to inf, as the reference's rounding does)."""
+    nibbles = np.arange(16, dtype=np.uint8)
+    blocks = np.broadcast_to(nibbles[0::2] | (nibbles[1::2] << 4), (255, 1, 2, 8)).reshape(255, 1, 1, 16)
+    scales = np.arange(255, dtype=np.uint8).reshape(255, 1, 1)
+    q = Quantized(MXFP4(group=32), "x_blocks", "x_scales", blocks.shape, scales.shape)
+    reference = mxfp4_reference(blocks, scales)
+    _check_box(q, blocks, scales, reference, tuple((0, n) for n in reference.shape))
+    assert np.isinf(reference).any() and (reference[1:] != 0).any()
+
+
+def test_mxfp4_low_nibble_is_the_even_element():
+    blocks = np.zeros((1, 1, 1, 16), np.uint8)
+    blocks[..., 0] = 0x72  # low nibble 2 (1.0) first, high nibble 7 (6.0) second
+    scales = np.full((1, 1, 1), 128, np.uint8)  # 2 ** 1
+    q = Quantized(MXFP4(swap_last=False), "x_blocks", "x_scales", blocks.shape, scales.shape)
+    got = q.dequantize(blocks, scales, ((0, 1), (0, 1), (0, 2)))
+    assert got.tolist() == [[[2.0, 12.0]]]
+
+
+@pytest.mark.parametrize("scheme,weight_shape,scale_shape,needs", [
+    (FP8((128, 128)), (576, 7168), (4, 56), r"block \(128, 128\) needs scales \(5, 56\)"),
+    (FP8((16, 16)), (24, 64), (2, 4, 1), "more axes than the weight"),
+    (FP8(None), (24, 64), (2, 4), "each scale axis is 1 or the weight's"),
+    (FP8((16, 16, 16)), (24, 64), (2, 4), "more axes than the weight"),
+    (MXFP4(), (2, 8, 4, 16), (2, 8, 3), r"scales \[..., groups\]"),
+    (MXFP4(), (2, 8, 4, 8), (2, 8, 4), r"blocks \[..., groups, 16\]"),
+    (MXFP4(), (4, 16), (4,), "at least 2 axes before the groups"),
+])
+def test_scales_that_do_not_fit_name_both_tensors(scheme, weight_shape, scale_shape, needs):
+    with pytest.raises(ost.MappingError, match=needs) as raised:
+        Quantized(scheme, "layer.weight", "layer.weight_scale_inv", weight_shape, scale_shape)
+    assert "'layer.weight'" in str(raised.value) and "'layer.weight_scale_inv'" in str(raised.value)
+
+
+def test_scales_that_do_not_fit_are_refused_by_a_load_before_reading(tmp_path):
+    from safetensors.numpy import save_file
+
+    weight, _ = random_fp8(np.random.default_rng(5), (72, 64), (5, 4))
+    save_file({"a.weight": weight, "a.weight_scale_inv": np.ones((4, 4), np.float32)},
+              str(tmp_path / "model.safetensors"))
+    mapping = ost.Mapping([ost.Rule("a.weight", "a")], quantization=ost.FP8((16, 16)))
+    with pytest.raises(ost.MappingError, match=r"'a\.weight'.*'a\.weight_scale_inv'.*needs scales \(5, 4\)"):
+        ost.load(str(tmp_path), mapping=mapping)
+
+
+@pytest.mark.parametrize("spec,error", [
+    ({"quant_method": "awq", "bits": 4}, "quant_method 'awq' is not read"),
+    ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}, "only e4m3"),
+])
+def test_a_quantization_config_we_do_not_read_is_an_argument_error(spec, error):
+    config = {"model_type": "qwen3", "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+              "hidden_size": 8, "head_dim": 4, "quantization_config": spec}
+    with pytest.raises(ost.ArgumentError, match=error):
+        ost.mappings.for_config(json.loads(json.dumps(config)))
+
+
+def test_an_mxfp4_release_cannot_be_kept_quantized():
+    config = {"model_type": "qwen3", "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+              "hidden_size": 8, "head_dim": 4, "quantization_config": {"quant_method": "mxfp4"}}
+    with pytest.raises(ost.ArgumentError, match="read dequantized"):
+        ost.mappings.for_config(config, dequantize=False)
+
+
+@pytest.mark.parametrize("make", [lambda: FP8((0, 128)), lambda: FP8(()), lambda: FP8((128,), scale_suffix=""),
+                                  lambda: MXFP4(group=31), lambda: MXFP4(group=0)])
+def test_a_scheme_with_impossible_parameters_is_refused(make):
+    with pytest.raises(ost.MappingError):
+        make()
