@@ -402,3 +402,16 @@ def cached(home: Path, spec: dict, *also: str) -> bool:
         shutil.rmtree(home)
     home.mkdir(parents=True)
     return False
+
+
+def dispatch(children: dict, arguments, run_all, render, name: str) -> None:
+    """A bench's ``main``: ``argv[1]`` naming one of ``children`` (``"--worker"``: the child
+    that runs one measurement) hands it the rest of argv; otherwise every measurement runs
+    and its table is published as ``name`` (``<name>-quick.md`` with ``--quick``)."""
+    if sys.argv[1:2] and sys.argv[1] in children:
+        children[sys.argv[1]](*sys.argv[2:])
+        return
+    args = arguments()
+    started = time.perf_counter()
+    measured = run_all(args)
+    publish(render(args, measured, time.perf_counter() - started), f"{name}-quick.md" if args.quick else f"{name}.md")

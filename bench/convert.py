@@ -86,7 +86,6 @@ from common import (
     CONDITIONS,
     fmt_gb,
     machine_line,
-    publish,
     run_undisturbed,
     spread,
 )
@@ -463,16 +462,8 @@ def arguments() -> argparse.Namespace:
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["--worker"]:
-        common.report_result(convert_share(json.loads(sys.argv[2])))
-        return
-    if sys.argv[1:2] == ["--check"]:
-        check_hf(Path(sys.argv[2]), Path(sys.argv[3]))
-        return
-    args = arguments()
-    started = time.perf_counter()
-    measured = run_all(args)
-    publish(render(args, measured, time.perf_counter() - started), "convert-quick.md" if args.quick else "convert.md")
+    common.dispatch({"--worker": lambda payload: common.report_result(convert_share(json.loads(payload))),
+                     "--check": lambda src, dst: check_hf(Path(src), Path(dst))}, arguments, run_all, render, "convert")
 
 
 if __name__ == "__main__":

@@ -93,7 +93,6 @@ from common import (
     CONDITIONS,
     fmt_gb,
     machine_line,
-    publish,
     run_undisturbed,
 )
 from convert import GNU_TIME, run_commands
@@ -444,16 +443,9 @@ def arguments() -> argparse.Namespace:
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["--worker"]:
-        common.report_result(worker(json.loads(sys.argv[2])))
-        return
-    if sys.argv[1:2] == ["--check-written"]:
-        check_written_here(Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4])
-        return
-    args = arguments()
-    started = time.perf_counter()
-    measured = run_all(args)
-    publish(render(args, measured, time.perf_counter() - started), "quantized-quick.md" if args.quick else "quantized.md")
+    common.dispatch({"--worker": lambda payload: common.report_result(worker(json.loads(payload))),
+                     "--check-written": lambda home, written, check: check_written_here(Path(home), Path(written), check)},
+                    arguments, run_all, render, "quantized")
 
 
 if __name__ == "__main__":
