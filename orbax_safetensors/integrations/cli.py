@@ -54,6 +54,8 @@ _CONVERT_EXAMPLES = """examples:
       # MaxText: load_parameters_path=./maxtext-ckpt/0/items
   orbax-safetensors convert ./maxtext-ckpt ./hf-out --mapping maxtext:llama3.1 \
       --hf-config ./Llama-3.1-8B/config.json --dtype bfloat16   # then copy config.json in
+  orbax-safetensors convert ./DeepSeek-V3 ./deepseek-mt --mapping maxtext:deepseek3 --dtype bfloat16
+      # an FP8 (or MXFP4: gpt-oss) release, dequantized on the way
 
 The direction follows SRC: an Orbax PyTree checkpoint (a directory with
 Orbax's _METADATA, or a CheckpointManager step with one item) becomes a
@@ -66,10 +68,12 @@ nests them back into dicts ("model.layers.0.w" -> model/layers/0/w) unless
 --flat, and converting back gives the same names and bytes.
 
 With --mapping the Orbax side is a mapped tree: maxtext:FAMILY is MaxText's
-params (llama3.1, qwen3, mixtral, ...; scanned unless --no-scan-layers),
-written as MaxText's to_maxtext.py writes it; llama, qwen3, ... (or auto) our
-Flax-style trees. The mapping reads the Hugging Face config: --hf-config, or
-SRC/config.json. Memory stays within --memory-budget whatever the model size.
+params (llama3.1, qwen3, mixtral, deepseek3, gpt-oss, ...; scanned unless
+--no-scan-layers), written as MaxText's to_maxtext.py writes it; llama, qwen3,
+deepseek_v3, gpt_oss, ... (or auto) our Flax-style trees. The mapping reads the
+Hugging Face config: --hf-config, or SRC/config.json; a quantized release (its
+quantization_config: FP8 block-scaled, MXFP4) is dequantized as it is read.
+Memory stays within --memory-budget whatever the model size.
 Under jax.distributed (several processes) each converts its share.
 """
 _EXAMPLES = ("examples:\n" + "".join(
