@@ -95,16 +95,42 @@ def hasher() -> str:
 # Devices and shardings (in the workers).
 
 
+# The JAX platform the workers run on: "cpu" (8 host devices, the default) or an accelerator's
+# ("cuda", "tpu"), whose devices the mesh then spans (one GPU: a mesh of 1).
+PLATFORM = os.environ.get("OST_BENCH_PLATFORM", "cpu")
+
+
 def mesh_1d():
-    """A 1-D mesh ``("x",)`` over the 8 host CPU devices the workers are started with."""
+    """A 1-D mesh ``("x",)`` over the workers' devices: the 8 host CPU devices they are started
+    with, or every device of ``PLATFORM``."""
     import jax
     import numpy as np
     from jax.sharding import Mesh
 
     devices = jax.devices()
-    if len(devices) != 8:
+    if PLATFORM == "cpu" and len(devices) != 8:
         raise RuntimeError(f"expected 8 CPU devices, got {len(devices)}: {devices}")
     return Mesh(np.array(devices), ("x",))
+
+
+def drop_page_cache() -> None:
+    """Empties the page cache (root only), so that the next read comes from the disk."""
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+def disk_read_gbps(files: list[Path]) -> float:
+    """The disk's own sequential read bandwidth over ``files`` (GB/s), page cache dropped first:
+    what any loader is bounded by on a cold cache (dd with a 64 MB block, in Python)."""
+    drop_page_cache()
+    buffer = memoryview(bytearray(64 << 20))
+    total, started = 0, time.perf_counter()
+    for path in files:
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(buffer):
+                total += n
+    return total / (time.perf_counter() - started) / 1e9
 
 
 def partition_spec(sharding_name: str, ndim: int):
@@ -318,10 +344,12 @@ def progress(result: dict, measured) -> str:
 
 
 def run_worker(script: Path, arguments: list[str]) -> dict:
-    """Runs ``script --worker *arguments`` on 8 host CPU devices; its result, or why it failed."""
+    """Runs ``script --worker *arguments`` on ``PLATFORM`` (8 host CPU devices by default); its
+    result, or why it failed."""
     env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    env["JAX_PLATFORMS"] = "cpu"
+    if PLATFORM == "cpu":
+        env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    env["JAX_PLATFORMS"] = PLATFORM
     command = [sys.executable, str(script), "--worker", *arguments]
     try:
         done = subprocess.run(command, check=False, env=env, capture_output=True, text=True,

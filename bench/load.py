@@ -358,7 +358,8 @@ def run_worker(home: Path, contender: str, sharding: str, condition: str) -> dic
 def render(spec: dict, files: list[Path], results: dict, args, wall: float) -> str:
     total = sum(p.stat().st_size for p in files)
     lines = [
-        f"### `ost.load` vs peers: {spec['bytes'] / 1e9:.2f} GB bf16 checkpoint, 8 CPU devices, cold and warm",
+        f"### `ost.load` vs peers: {spec['bytes'] / 1e9:.2f} GB bf16 checkpoint, "
+        f"{'8 CPU devices' if common.PLATFORM == 'cpu' else common.PLATFORM + ' devices'}, cold and warm",
         "",
         f"- command: `{shlex.join(sys.orig_argv)}` ({time.strftime('%Y-%m-%d %H:%M %Z')}, "
         f"whole benchmark {wall:.0f} s)",
@@ -368,9 +369,12 @@ def render(spec: dict, files: list[Path], results: dict, args, wall: float) -> s
         f"{spec['bytes'] / 1e9:.3f} GB of tensor data in {len(files)} files ({total / 1e9:.3f} GB), "
         f"llama-like (layers {spec['layers']}, hidden {spec['hidden']}, ffn {spec['ffn']}, "
         f"vocab {spec['vocab']}), HF sharded dir, `max_shard_size=\"{spec['max_shard_size']}\"`, "
-        "in the page cache (the parent reads every file right before each run)",
+        + ("in the page cache (the parent reads every file right before each run)" if args.page_cache == "warm"
+           else f"read from the disk: the page cache dropped right before each run (the disk's own sequential "
+                f"read: {args.disk_gbps:.2f} GB/s)"),
+        f"- devices: {common.PLATFORM} (`OST_BENCH_PLATFORM`; the workers' mesh spans its devices)",
         f"- **cold**: {CONDITION_NOTES['cold']}; **warm**: {CONDITION_NOTES['warm']}. "
-        f"Every run is a fresh Python process (`JAX_PLATFORMS=cpu`, 8 host devices, 1-D mesh); "
+        f"Every run is a fresh Python process (`JAX_PLATFORMS={common.PLATFORM}`, 1-D mesh over its devices); "
         f"runs alternate contender by contender and cold/warm (which goes first alternates), "
         f"{args.repeats} of each; cells give `median [min–max]` seconds. Timed: the load call + "
         "`block_until_ready`. A run during which other processes used more than 0.05 s + 10% of "
@@ -448,6 +452,9 @@ def main() -> None:
     parser.add_argument("--conditions", default=",".join(CONDITIONS))
     parser.add_argument("--size-gb", type=float, default=None, help="checkpoint size (1.1)")
     parser.add_argument("--quick", action="store_true", help="~0.1 GB model, 1 repeat: a smoke test")
+    parser.add_argument("--page-cache", choices=("warm", "cold"), default="warm",
+                        help="warm: every file read right before each run; cold: the page cache dropped "
+                             "instead (root), and the disk's own read bandwidth measured once")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--home", help=argparse.SUPPRESS)
     parser.add_argument("--contender", help=argparse.SUPPRESS)
@@ -472,6 +479,8 @@ def main() -> None:
     spec = model_spec(args.size_gb, QUICK_MAX_SHARD_SIZE if args.quick else MAX_SHARD_SIZE)
     home = ensure_checkpoint(Path(args.dir), spec)
     files = checkpoint_files(home / "checkpoint")
+    args.disk_gbps = common.disk_read_gbps(files) if args.page_cache == "cold" else None
+    page_cache = warm_page_cache if args.page_cache == "warm" else lambda files: common.drop_page_cache()
     results = {s: {c: {k: [] for k in CONDITIONS} for c in args.contenders} for s in args.shardings}
     for repeat in range(args.repeats):
         order = conditions if repeat % 2 == 0 else conditions[::-1]
@@ -479,7 +488,7 @@ def main() -> None:
             for contender in args.contenders:
                 for condition in order:
                     def run() -> dict:
-                        warm_page_cache(files)
+                        page_cache(files)
                         return run_worker(home, contender, sharding, condition)
                     result = run_undisturbed(run)
                     results[sharding][contender][condition].append(result)
