@@ -49,7 +49,7 @@ import numpy as np
 from orbax_safetensors.errors import MappingError
 from orbax_safetensors.format.dtypes import dtype_for_numpy
 from orbax_safetensors.planning.assembly import Assembly, Tiling, assemble
-from orbax_safetensors.planning.quantization import Quantization, dequantized
+from orbax_safetensors.planning.quantization import FP8, Quantization, dequantized
 from orbax_safetensors.planning.transforms import PERMUTATIONS, Permutation, Transform
 from orbax_safetensors.planning.write_plan import TensorSpec
 
@@ -513,8 +513,8 @@ class Mapping:
         if self.quantization is None:
             return stored_shapes
         view = dequantized(self.quantization, stored_shapes)
-        unscaled = [name for name, code in (dtypes or {}).items()
-                    if code.startswith("F8_") and name in view and name not in view.quantized]
+        unscaled = [name for name, code in (dtypes or {}).items() if isinstance(self.quantization, FP8)
+                    and code.startswith("F8_") and name in view and name not in view.quantized]
         if unscaled:
             raise MappingError(f"{len(unscaled)} FP8 tensors have no scales ({self.quantization}): "
                                + ", ".join(sorted(unscaled)[:5]) + (" ..." if len(unscaled) > 5 else ""))
