@@ -16,7 +16,6 @@ from orbax_safetensors.engine.host_work import host_array, host_map
 from orbax_safetensors.engine.read_jobs import Job, Staging, local_boxes, planned_reads
 from orbax_safetensors.engine.read_policy import ReadPolicy
 from orbax_safetensors.errors import SafetensorsError
-from orbax_safetensors.format import DTYPES
 from orbax_safetensors.planning import Box, TensorSource, box_shape, box_size, full_box, relative_slices
 from orbax_safetensors.planning.assembly import Assembly, Piece
 from orbax_safetensors.planning.transforms import Transform
@@ -148,7 +147,7 @@ def _read_as(piece: Piece, tensors: Mapping[str, TensorSource]) -> TensorSource:
     float32 twin (in the values' file, for messages)."""
     if piece.quantized is None:
         return tensors[piece.stored]
-    return TensorSource(DTYPES["F32"], piece.quantized.shape, tensors[piece.quantized.weight].slices)
+    return TensorSource(piece.quantized.dtype, piece.quantized.shape, tensors[piece.quantized.weight].slices)
 
 
 def leaf_dtype(assembly: Assembly, tensors: Mapping[str, TensorSource]) -> np.dtype:

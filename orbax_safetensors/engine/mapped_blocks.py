@@ -30,7 +30,7 @@ import numpy as np
 
 from orbax_safetensors.engine.consolidate import BlockSource
 from orbax_safetensors.errors import ArgumentError, MappingError
-from orbax_safetensors.format import DTYPES, DType, TensorInfo, dtype_for_numpy, from_bytes, to_bytes
+from orbax_safetensors.format import DType, TensorInfo, dtype_for_numpy, from_bytes, to_bytes
 from orbax_safetensors.index import natural_key
 from orbax_safetensors.planning import Assembly, Box, Mapping, Piece, TensorSpec, box_shape, intersect, relative_slices
 
@@ -81,7 +81,7 @@ class TreeBlocks:
 
     def _leaf_dtype(self, assembly: Assembly, wanted: np.dtype | None) -> DType:
         first = assembly.pieces[0]
-        stored = DTYPES["F32"] if first.quantized is not None else self._stored[first.stored].dtype
+        stored = first.quantized.dtype if first.quantized is not None else self._stored[first.stored].dtype
         return _output_dtype(dtype_for_numpy(first.transform.tree_dtype(stored.numpy)), wanted)
 
     def stacked(self, leaf: str) -> tuple[int, ...]:

@@ -43,6 +43,7 @@ import ml_dtypes
 import numpy as np
 
 from orbax_safetensors.errors import MappingError
+from orbax_safetensors.format import DTYPES, DType
 from orbax_safetensors.planning.boxes import Box, box_shape
 
 # e2m1: sign, 2 exponent bits, 1 mantissa bit; nibble → value.
@@ -157,6 +158,11 @@ class Quantized:
     @property
     def stored(self) -> tuple[str, str]:
         return self.weight, self.scales
+
+    @property
+    def dtype(self) -> DType:
+        """The twin's dtype: what ``dequantize`` computes in (the target's rounds once more)."""
+        return DTYPES["F32"]
 
     @property
     def shape(self) -> tuple[int, ...]:
