@@ -50,8 +50,9 @@ are ``pre_self_attention_norm``, ``post_self_attention_norm``,
 tied.
 
 DeepSeek-V3 (``"deepseek3"``: MLA attention, dense then MoE layers) has a tree
-of its own, ``decoder.dense_layers_{k}`` / ``decoder.moe_layers_{k}``: its
-rules, and what is exact, are ``mappings.deepseek``'s.
+of its own, ``decoder.dense_layers_{k}`` / ``decoder.moe_layers_{k}`` (scanned:
+the stacks ``decoder.dense_layers`` / ``decoder.moe_layers``): its rules, and
+what is exact, are ``mappings.deepseek``'s.
 
 gpt-oss (``gpt-oss-20b``, ``gpt-oss-120b``; ``GPT_OSS_MAXTEXT_TO_HF_PARAM_MAPPING``
 and its hooks) scans pairs of layers the same way (a sliding-window layer,
