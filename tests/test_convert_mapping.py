@@ -153,6 +153,14 @@ def test_clear_errors_and_nothing_left_behind(hf_dir, tmp_path):
     after = _restored(tmp_path / "mt" / "0" / "items")
     assert all(np.array_equal(after[n], v) for n, v in before.items())
 
+    # A directory of the user's own files is never replaced, even with overwrite; the error says
+    # what makes it no MaxText checkpoint (a file of theirs, no step 0/), and the file stays.
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("my notes")
+    with pytest.raises(FileExistsError, match=r"is not an Orbax checkpoint \('notes.txt', 'no 0/'\)"):
+        ost.convert(hf_dir, tmp_path / "mine", mapping=mapping, overwrite=True, progress=False)
+    assert os.listdir(tmp_path / "mine") == ["notes.txt"]
+
 
 @pytest.mark.parametrize("seed", range(3))
 def test_tree_box_covers_the_stored_box(seed):

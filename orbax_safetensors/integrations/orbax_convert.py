@@ -314,8 +314,8 @@ def _check_destination(target: Location, source_format: str, form: OrbaxForm, *,
     foreign = _not_orbax(target.url, form.item) if source_format == SAFETENSORS else []
     if foreign:  # replacing an Orbax checkpoint replaces the directory: only if it is one
         raise LocationTakenError(
-            f"is not an Orbax checkpoint (it holds "
-            f"{', '.join(repr(n) for n in foreign[:5])}{', ...' if len(foreign) > 5 else ''}); "
+            f"is not an Orbax checkpoint ({', '.join(repr(n) for n in foreign[:5])}"
+            f"{', ...' if len(foreign) > 5 else ''}); "
             "convert replaces only an Orbax checkpoint, even with overwrite: choose another "
             "destination", target.url)
 
@@ -334,7 +334,8 @@ _STEP_ENTRY = re.compile(r"^(_CHECKPOINT_METADATA|commit_success\.txt)$")
 
 def _not_orbax(path: str, item: tuple[str, ...] = ()) -> list[str]:
     """The entries of directory ``path`` that are not an Orbax PyTree checkpoint's own (all of
-    them where it is not one), the checkpoint being at ``path``/``item`` (MaxText's ``0/items``)."""
+    them where it is not one), the checkpoint being at ``path``/``item`` (MaxText's ``0/items``;
+    ``"no 0/"`` where that is missing)."""
     root = epath.Path(path)
     if not root.is_dir():
         return [root.name]
@@ -342,7 +343,7 @@ def _not_orbax(path: str, item: tuple[str, ...] = ()) -> list[str]:
     if item:
         inner = item[0]
         foreign = [n for n in names if n != inner and not (len(item) == 1 and _STEP_ENTRY.match(n))]
-        return foreign + ([inner] if inner not in names else
+        return foreign + ([f"no {inner}/"] if inner not in names else
                           [f"{inner}/{n}" for n in _not_orbax(os.fspath(root / inner), item[1:])])
     if _TREE_METADATA_FILE not in names:
         return names
