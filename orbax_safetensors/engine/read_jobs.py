@@ -318,9 +318,11 @@ def _mapped_job(tensor: _Shards, policy: ReadPolicy) -> Job:
 
     def finish(buffers: list[np.ndarray]) -> jax.Array:
         views = staged.views(buffers, cast.check)
-        return device_array(tensor.shape, tensor.sharding, cast, tensor.local, lambda box: transform.to_tree(
+        boxes = list(tensor.local)
+        shards = dict(zip(boxes, host_map(lambda box: transform.to_tree(
             views(transform.stored_box(box)), transform.stored_box(box), box,
-            out=host_array(box_shape(box), cast.to)))
+            out=host_array(box_shape(box), cast.to)), boxes)))
+        return device_array(tensor.shape, tensor.sharding, cast, tensor.local, shards.__getitem__)
 
     return Job(planned_reads(tensor.source, staged.boxes, tensor.needed, policy), finish, scratch=True)
 
