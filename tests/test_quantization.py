@@ -4,6 +4,7 @@ only the scale blocks that cover it, is the reference's box bit for bit; and the
 
 import json
 
+import jax
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 
 import orbax_safetensors as ost
 from orbax_safetensors.planning.quantization import FP8, MXFP4, Quantized
-from tests.quantized_reference import bits, fp8_reference, mxfp4_reference, random_fp8, random_mxfp4
+from tests.quantized_reference import BF16, bits, fp8_reference, mxfp4_reference, random_fp8, random_mxfp4
 from tests.test_mapping import box_in  # a non-empty box (empty ones: test_empty_boxes_are_empty)
 
 
@@ -84,6 +85,58 @@ def test_fp8_per_channel_scales_read_the_channels_of_the_box(scale_shape, data):
     _, scale_box = _check_box(q, weight, scales, reference, box)
     axis = 0 if scale_shape[0] == 40 else 1
     assert scale_box[axis] == box[axis]
+
+
+@pytest.mark.parametrize("shape,block", FP8_CASES[:3] + [((300, 520), (128, 128))],
+                         ids=[f"{s}-{b}" for s, b in FP8_CASES[:3]] + ["chunks-cut-blocks"])
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), strided=st.booleans())
+def test_fp8_into_a_bfloat16_buffer_rounds_the_float32_product_once(shape, block, data, strided):
+    """``dequantize(..., out=)``, what a load does into a bfloat16 leaf: the bits of the float32
+    box cast once, into a strided view as well as a whole buffer; 300 x 520 is dequantized in
+    chunks of rows that end inside a block (the chunk is 2 ** 16 values: 126 rows)."""
+    grid = tuple(-(-n // b) for n, b in zip(shape, block))
+    weight, scales = random_fp8(np.random.default_rng(shape[-1]), shape, grid)
+    q = Quantized(FP8(block), "w", "w_scale_inv", shape, grid)
+    box = data.draw(st.one_of(st.just(tuple((0, n) for n in shape)), box_in(shape)))
+    weight_box, scale_box = q.boxes(box)
+    want = fp8_reference(weight, scales, block)[tuple(slice(a, c) for a, c in box)].astype(BF16)
+    buffer = np.full(tuple(2 * (c - a) if strided else c - a for a, c in box), np.nan, BF16)
+    into = buffer[tuple(slice(None, None, 2 if strided else 1) for _ in box)]
+    assert q.dequantize(_slice(weight, weight_box), _slice(scales, scale_box), box, out=into) is into
+    np.testing.assert_array_equal(bits(into), bits(want))
+    if strided:  # nothing written between the view's elements
+        assert np.isnan(buffer[tuple(slice(1, None, 2) for _ in box)].astype(np.float32)).all()
+
+
+def test_mxfp4_into_a_bfloat16_buffer():
+    blocks, scales = random_mxfp4(np.random.default_rng(6), (2, 6), groups=3)
+    q = Quantized(MXFP4(), "x_blocks", "x_scales", blocks.shape, scales.shape)
+    box = ((1, 2), (5, 70), (1, 6))
+    weight_box, scale_box = q.boxes(box)
+    into = np.empty((1, 65, 5), BF16)
+    q.dequantize(_slice(blocks, weight_box), _slice(scales, scale_box), box, out=into)
+    want = mxfp4_reference(blocks, scales)[1:2, 5:70, 1:6].astype(BF16)
+    np.testing.assert_array_equal(bits(into), bits(want))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["float32", "bfloat16"])
+def test_a_scaled_transposed_fp8_leaf_scales_the_float32_values(tmp_path, dtype):
+    """A rule that transposes and scales (MaxText's query kernels): the load scales the float32
+    twin, then rounds once to the target; the twin is never rounded to the target first."""
+    from safetensors.numpy import save_file
+
+    weight, scales = random_fp8(np.random.default_rng(7), (72, 40), (5, 3))
+    save_file({"q.weight": weight, "q.weight_scale_inv": scales}, str(tmp_path / "model.safetensors"))
+    scale = 1 / np.sqrt(24)  # not a power of two: rounding the twin first would show
+    mapping = ost.Mapping([ost.Rule("q.weight", "q", transpose=(1, 0), scale=scale)],
+                          quantization=ost.FP8((16, 16)))
+    mesh = jax.make_mesh((len(jax.devices()),), ("x",))
+    target = {"q": jax.ShapeDtypeStruct((40, 72), dtype, sharding=jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec(None, "x" if 72 % len(jax.devices()) == 0 else None)))}
+    got = np.asarray(ost.load(str(tmp_path), target, mapping=mapping)["q"])
+    want = (fp8_reference(weight, scales, (16, 16)).T * np.float32(scale)).astype(dtype)
+    np.testing.assert_array_equal(bits(got), bits(want))
 
 
 @pytest.mark.parametrize("swap_last", [True, False])

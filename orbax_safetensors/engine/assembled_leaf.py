@@ -72,8 +72,12 @@ class AssembledLeaf:
         transform = piece.transform
         staged = Staging(source, piece.stored, [transform.stored_box(own) for _, own in parts.values()])
         needed = sum(box_size(inside) for inside, _ in parts.values()) * source.dtype.bits // 8
-        return Job(planned_reads(source, staged.boxes, needed, policy),
-                   self._fill(transform, parts, lambda buffers: staged.views(buffers, cast.check)), scratch=True)
+        def values(buffers: list[np.ndarray]) -> Callable[[Box, Box, np.ndarray], Any]:
+            views = staged.views(buffers, cast.check)
+            return lambda stored, own, into: transform.to_tree(views(stored), stored, own, out=into)
+
+        return Job(planned_reads(source, staged.boxes, needed, policy), self._fill(transform, parts, values),
+                   scratch=True, prepare=self._prepare(parts))
 
     def _quantized_jobs(self, piece: Piece, parts: dict[Box, tuple[Box, Box]], tensors: Mapping[str, TensorSource],
                         policy: ReadPolicy) -> list[Job]:
@@ -90,9 +94,20 @@ class AssembledLeaf:
             views = staged_scales.views(buffers)
             held.update((twin, np.array(views(s))) for twin, (_, s) in boxes.items())
 
-        def values(buffers: list[np.ndarray]) -> Callable[[Box], np.ndarray]:
+        def values(buffers: list[np.ndarray]) -> Callable[[Box, Box, np.ndarray], Any]:
             views = staged_weight.views(buffers)
-            return lambda twin: quantized.dequantize(views(boxes[twin][0]), held[twin], twin)
+
+            def write(twin: Box, own: Box, into: np.ndarray) -> None:
+                """Dequantized straight into the leaf's buffer where the layout is the stored
+                one, else rounded to its dtype first unless the transform computes with them."""
+                if transform.is_identity:
+                    quantized.dequantize(views(boxes[twin][0]), held[twin], twin, out=into)
+                    return
+                staged = np.empty(box_shape(twin), np.float32 if transform.changes_values else into.dtype)
+                transform.to_tree(quantized.dequantize(views(boxes[twin][0]), held[twin], twin, out=staged),
+                                  twin, own, out=into)
+
+            return write
 
         def nbytes(source: TensorSource, which: int) -> int:
             return sum(box_size(b[which]) for b in boxes.values()) * source.dtype.bits // 8
@@ -100,24 +115,25 @@ class AssembledLeaf:
         scale_reads = planned_reads(scales, staged_scales.boxes, nbytes(scales, 1), policy)
         return [Job(dataclasses.replace(scale_reads, first=True), keep, scratch=True),
                 Job(planned_reads(weight, staged_weight.boxes, nbytes(weight, 0), policy),
-                    self._fill(transform, parts, values), scratch=True)]
+                    self._fill(transform, parts, values), scratch=True, prepare=self._prepare(parts))]
 
     def _fill(self, transform: Transform, parts: dict[Box, tuple[Box, Box]],
-              values: Callable[[list[np.ndarray]], Callable[[Box], np.ndarray]]) -> Callable[[list[np.ndarray]], Any]:
-        """A finish that copies the piece's ``parts`` into the leaf's buffers: ``values`` of
-        the filled buffers gives each stored box's values, which ``transform`` makes the part."""
+              values: Callable[[list[np.ndarray]], Callable[[Box, Box, np.ndarray], Any]],
+              ) -> Callable[[list[np.ndarray]], Any]:
+        """A finish that fills the piece's ``parts`` of the leaf's buffers: ``values`` of the
+        read buffers writes the part of each stored box (``transform.stored_box`` of its tree
+        box) into the view of the leaf's buffer it gets."""
 
         def finish(buffers: list[np.ndarray]) -> Any:
-            stored_values = values(buffers)
+            write = values(buffers)
             for box in parts:  # allocated here, in turn; filled below, in parallel
                 self._buffer(box)
 
             def fill(part: tuple[Box, tuple[Box, Box]]) -> None:
                 box, (inside, own) = part
-                stored = transform.stored_box(own)
                 into = self.buffers[box][relative_slices(inside, box)].view()
                 into.shape = box_shape(own)  # drops the stacked axes; never a copy (raises instead)
-                transform.to_tree(stored_values(stored), stored, own, out=into)
+                write(transform.stored_box(own), own, into)
 
             host_map(fill, list(parts.items()))
             self._remaining -= 1  # finishes run on the one transfer thread, in turn
@@ -128,10 +144,16 @@ class AssembledLeaf:
 
         return finish
 
+    def _prepare(self, parts: dict[Box, tuple[Box, Box]]) -> Callable[[], None]:
+        """A job's ``prepare``: the buffers of the boxes it fills, faulted in before its reads
+        are done (on the thread that starts batches, while the previous batch finishes)."""
+        return lambda: [self._buffer(box) for box in parts] and None
+
     def _buffer(self, box: Box) -> np.ndarray:
-        if box not in self.buffers:
-            self.buffers[box] = host_array(box_shape(box), self.dtype)
-        return self.buffers[box]
+        """The leaf's buffer of ``box``, allocated by whichever of a job's ``prepare`` and an
+        earlier job's finish (two threads) asks first."""
+        buffer = self.buffers.get(box)
+        return self.buffers.setdefault(box, host_array(box_shape(box), self.dtype)) if buffer is None else buffer
 
     def _result(self) -> Any:
         buffers, self.buffers = self.buffers, {}

@@ -149,6 +149,9 @@ class _Run:
         reads = [self.pool.submit(self.bounce, b, by_tensor[b.tensor]) for b in batch.bounced]
         reads += [self.pool.submit(self.read, file, request, flat)
                   for file, transfers in batch.transfers for request in transfers]
+        for i in batch.tensors:
+            if self.jobs[i].prepare is not None:
+                self.jobs[i].prepare()
         return buffers, reads, reserved
 
     def read(self, file: str, request: Transfer, buffers: Sequence[np.ndarray]) -> None:

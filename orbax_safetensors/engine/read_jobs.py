@@ -68,6 +68,8 @@ class Job:
     ``collective``: ``finish`` runs a device collective (an all-gather of a tensor read
     once, an all-to-all of row blocks) that every process must enter.
     ``tensors``: how many tensors it reads (a ``group_job``'s members, else one).
+    ``prepare``: run as its batch's reads start, on another thread than ``finish``: the
+    result's buffers allocated and faulted in while earlier batches finish.
     """
 
     reads: TensorReads
@@ -76,6 +78,7 @@ class Job:
     refused: str | None = None
     collective: bool = False
     tensors: int = 1
+    prepare: Callable[[], None] | None = None
 
 
 def planned_reads(source: TensorSource, boxes: Sequence[Box], needed: int, policy: ReadPolicy) -> TensorReads:

@@ -44,7 +44,7 @@ import numpy as np
 
 from orbax_safetensors.errors import MappingError
 from orbax_safetensors.format import DTYPES, DType
-from orbax_safetensors.planning.boxes import Box, box_shape
+from orbax_safetensors.planning.boxes import Box, box_shape, box_size
 
 # e2m1: sign, 2 exponent bits, 1 mantissa bit; nibble → value.
 _E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
@@ -234,40 +234,67 @@ class Quantized:
         """The scale blocks (one range per value axis) a box of the values touches."""
         return tuple((a // b, -(-c // b)) if c > a else (0, 0) for (a, c), b in zip(values, self._blocks))
 
-    def dequantize(self, weight: np.ndarray, scales: np.ndarray, box: Box) -> np.ndarray:
-        """Twin box ``box`` in float32, from the values and scales ``boxes(box)`` names."""
-        if any(c == a for a, c in box):
-            return np.zeros(box_shape(box), np.float32)
+    def dequantize(self, weight: np.ndarray, scales: np.ndarray, box: Box,
+                   out: np.ndarray | None = None) -> np.ndarray:
+        """Twin box ``box`` from the values and scales ``boxes(box)`` names: each value the
+        float32 product, written into ``out`` (rounded once more to its dtype) when given,
+        else a new float32 array. FP8 goes a cache-sized chunk at a time, so a load writes a
+        bfloat16 leaf's buffer directly: the bits of casting the float32 box, without that box
+        (a device's share of a DeepSeek-V3 expert stack is gigabytes of it)."""
+        if box_size(box) == 0:
+            return np.zeros(box_shape(box), np.float32) if out is None else out
         weight_box, scale_box = self.boxes(box)
         values = self._unswapped(box)
         if isinstance(self.scheme, MXFP4):
-            out = self._mxfp4(weight.reshape(box_shape(weight_box)), scales.reshape(box_shape(scale_box)), values)
-            return np.swapaxes(out, -1, -2) if self.scheme.swap_last else out
-        x = _as_float32(weight.reshape(box_shape(weight_box)))
+            decoded = self._mxfp4(weight.reshape(box_shape(weight_box)), scales.reshape(box_shape(scale_box)), values)
+            decoded = np.swapaxes(decoded, -1, -2) if self.scheme.swap_last else decoded
+            if out is None:
+                return decoded
+            out[...] = decoded
+            return out
+        out = np.empty(box_shape(box), np.float32) if out is None else out
         grid = self._grid(values)
-        s = np.asarray(scales).astype(np.float32, copy=False).reshape(box_shape(grid) if math.prod(
-            self.scale_shape) != 1 else (1,) * x.ndim)
+        s = np.asarray(scales).astype(np.float32, copy=False).reshape(
+            box_shape(grid) if math.prod(self.scale_shape) != 1 else (1,) * len(values))
         # Every axis but the last: each index's scale row (a few rows per block; cheap).
-        for axis in range(x.ndim - 1):
+        for axis in range(len(values) - 1):
             if s.shape[axis] > 1 and self._blocks[axis] > 1:
                 (a, c), b, (g, _) = values[axis], self._blocks[axis], grid[axis]
                 s = np.take(s, np.arange(a, c) // b - g, axis=axis)
-        if s.shape[-1] == 1 or self._blocks[-1] == 1:
+        last = box_shape(values)[-1]
+        rows = box_size(values) // last
+        codes = weight.reshape(rows, last)
+        s = s.reshape(1, -1) if math.prod(s.shape[:-1]) == 1 else np.broadcast_to(
+            s, box_shape(values)[:-1] + s.shape[-1:]).reshape(rows, -1)
+        target = out if out.flags.c_contiguous else np.empty(out.shape, out.dtype)
+        flat = target.reshape(rows, last)
+        step = max(1, _CHUNK // last)
+        for i in range(0, rows, step):  # in cache-sized chunks: a box's float32 is never whole
+            x = _as_float32(codes[i:i + step])
+            self._scale_last_axis(x, s[i:i + step] if s.shape[0] > 1 else s, values[-1], grid[-1][0])
+            flat[i:i + step] = x
+        if target is not out:
+            out[...] = target
+        return out
+
+    def _scale_last_axis(self, x: np.ndarray, s: np.ndarray, columns: tuple[int, int], first_block: int) -> None:
+        """``x *= s`` in place, ``s`` holding a scale per block of the last axis: its whole
+        blocks as one broadcast product, a cut block at either end apart."""
+        b = self._blocks[-1]
+        if s.shape[-1] == 1 or b == 1:
             x *= s
-            return x
-        # The last axis: its whole blocks as one broadcast product, a cut block at either end apart.
-        (a, c), b, g = values[-1], self._blocks[-1], grid[-1][0]
+            return
+        a, c = columns
         head, tail = min(-(-a // b) * b, c) - a, max(c // b * b, a) - a
         if head:
             x[..., :head] *= s[..., :1]
         if tail > head:
             whole = x[..., head:tail]
             whole.shape = whole.shape[:-1] + ((tail - head) // b, b)
-            first = (a + head) // b - g
+            first = (a + head) // b - first_block
             whole *= s[..., first:first + whole.shape[-2], None]
         if c - a > tail >= head:
             x[..., tail:] *= s[..., -1:]
-        return x
 
     def _mxfp4(self, raw: np.ndarray, exponents: np.ndarray, values: Box) -> np.ndarray:
         """The e2m1 pairs of ``raw`` times ``2 ** (exponent - 127)``, cut to ``values``'s last axis."""
@@ -281,6 +308,7 @@ class Quantized:
 
 _FP8_VALUES = {np.dtype(t): np.arange(256, dtype=np.uint8).view(t).astype(np.float32)
                for t in (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2)}
+_CHUNK = 1 << 16  # values dequantized at once: their float32 (256 KiB) stays in cache
 
 
 @functools.cache

@@ -144,16 +144,18 @@ class Transform:
     @property
     def is_identity(self) -> bool:
         """Whether the tree piece is the stored tensor, bytes and all (``dtype`` aside)."""
-        return self._same_layout and not self.permutes and not self._changes_values
+        return self._same_layout and not self.permutes and not self.changes_values
 
     @property
-    def _changes_values(self) -> bool:
+    def changes_values(self) -> bool:
+        """Whether values are scaled or offset: computed in their own precision, so a
+        producer must hand them over unrounded (a dequantized box in float32)."""
         return self.scale is not None or self.offset is not None
 
     def tree_dtype(self, stored: np.dtype) -> np.dtype:
         """The dtype of the tree values of a ``stored`` tensor: widened to float32 (float64
         for float64) where scaled or offset, so they are computed in that precision."""
-        if not self._changes_values:
+        if not self.changes_values:
             return np.dtype(stored)
         return np.dtype(np.float64 if stored == np.float64 else np.float32)
 
@@ -168,7 +170,7 @@ class Transform:
     def _scaled(self, x: np.ndarray, inverse: bool = False) -> np.ndarray:
         """``x * scale + offset`` in the tree's precision (``inverse``: ``(x - offset) / scale``,
         as a product with ``1 / scale``)."""
-        if not self._changes_values:
+        if not self.changes_values:
             return x
         wide = self.tree_dtype(x.dtype).type
         x = x.astype(wide)
