@@ -45,6 +45,7 @@ import numpy as np
 from orbax_safetensors.errors import MappingError
 from orbax_safetensors.format import DTYPES, DType
 from orbax_safetensors.planning.boxes import Box, box_shape, box_size
+from orbax_safetensors.planning.transforms import copy_into
 
 # e2m1: sign, 2 exponent bits, 1 mantissa bit; nibble → value.
 _E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
@@ -250,7 +251,7 @@ class Quantized:
             decoded = np.swapaxes(decoded, -1, -2) if self.scheme.swap_last else decoded
             if out is None:
                 return decoded
-            out[...] = decoded
+            copy_into(out, decoded)  # a swapped view: cast in cache-sized tiles
             return out
         out = np.empty(box_shape(box), np.float32) if out is None else out
         grid = self._grid(values)
