@@ -72,6 +72,7 @@ class AssembledLeaf:
         transform = piece.transform
         staged = Staging(source, piece.stored, [transform.stored_box(own) for _, own in parts.values()])
         needed = sum(box_size(inside) for inside, _ in parts.values()) * source.dtype.bits // 8
+
         def values(buffers: list[np.ndarray]) -> Callable[[Box, Box, np.ndarray], Any]:
             views = staged.views(buffers, cast.check)
             return lambda stored, own, into: transform.to_tree(views(stored), stored, own, out=into)
@@ -126,8 +127,6 @@ class AssembledLeaf:
 
         def finish(buffers: list[np.ndarray]) -> Any:
             write = values(buffers)
-            for box in parts:  # allocated here, in turn; filled below, in parallel
-                self._buffer(box)
 
             def fill(part: tuple[Box, tuple[Box, Box]]) -> None:
                 box, (inside, own) = part
@@ -145,15 +144,16 @@ class AssembledLeaf:
         return finish
 
     def _prepare(self, parts: dict[Box, tuple[Box, Box]]) -> Callable[[], None]:
-        """A job's ``prepare``: the buffers of the boxes it fills, faulted in before its reads
-        are done (on the thread that starts batches, while the previous batch finishes)."""
-        return lambda: [self._buffer(box) for box in parts] and None
+        """A job's ``prepare``: the leaf's buffers of the boxes it fills that no earlier job
+        made, faulted in before its reads are done, by the one thread that starts batches
+        (while the previous batch finishes on another)."""
 
-    def _buffer(self, box: Box) -> np.ndarray:
-        """The leaf's buffer of ``box``, allocated by whichever of a job's ``prepare`` and an
-        earlier job's finish (two threads) asks first."""
-        buffer = self.buffers.get(box)
-        return self.buffers.setdefault(box, host_array(box_shape(box), self.dtype)) if buffer is None else buffer
+        def prepare() -> None:
+            for box in parts:
+                if box not in self.buffers:
+                    self.buffers[box] = host_array(box_shape(box), self.dtype)
+
+        return prepare
 
     def _result(self) -> Any:
         buffers, self.buffers = self.buffers, {}
