@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 import time
 
@@ -63,6 +64,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--vocab", type=int, default=32000)
     args = parser.parse_args()
+    sys.stdout.reconfigure(line_buffering=True)  # each step as it happens, through a pipe too
 
     devices = jax.devices()
     mesh = Mesh(np.array(devices), ("devices",))
