@@ -17,6 +17,7 @@ budget, with every request already decided. ``execute`` runs them:
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import threading
 from collections.abc import Callable, Sequence
@@ -33,6 +34,9 @@ from orbax_safetensors.engine.read_policy import ReadPolicy
 from orbax_safetensors.planning import GAP, Batch, BounceRead, ReadPlan, Transfer, box_shape
 from orbax_safetensors.storage import Storage
 from orbax_safetensors.storage.executor import Executor
+
+
+STOP_WAIT_S = 60.0  # the longest a failed or interrupted load waits for the job finishing then
 
 
 @dataclasses.dataclass
@@ -114,12 +118,16 @@ def execute(storage: Storage, plan: ReadPlan, jobs: Sequence[Job], policy: ReadP
     with Executor(policy.threads, name="orbax_safetensors-read", cancelled=cancelled) as run.pool, \
             Executor(1, name="orbax_safetensors-transfer", cancelled=cancelled) as transferring:
         finishing = []
-        for batch in plan.batches:
-            if any(f.done() and f.exception() for f in finishing):
-                break
-            run.pool.check_cancelled()
-            finishing.append(transferring.submit(run.finish, batch, *run.start(batch)))
-        transferring.wait(finishing)
+        try:
+            for batch in plan.batches:
+                if any(f.done() and f.exception() for f in finishing):
+                    break
+                run.pool.check_cancelled()
+                finishing.append(transferring.submit(run.finish, batch, *run.start(batch)))
+            transferring.wait(finishing)
+        except BaseException:
+            run.stop(finishing)
+            raise
     run.verifier.finish()
     stats.bytes_verified += run.verifier.bytes_verified
     return run.results
@@ -137,6 +145,7 @@ class _Run:
         self.scratch = _Scratch()
         self.verifier = Verifier(policy.checksums)
         self.results: list[Any] = [None] * len(jobs)
+        self.stopped = threading.Event()  # set: no further job finishes
         self._lock = threading.Lock()
         self._bounce = threading.local()
 
@@ -181,8 +190,12 @@ class _Run:
         """Once the batch's reads are done, its jobs' results; then its bytes go back."""
         try:
             for future in reads:
+                if self.stopped.is_set():
+                    return
                 future.result()
             for i, job_buffers in zip(batch.tensors, buffers):
+                if self.stopped.is_set():
+                    return
                 job = self.jobs[i]
                 if job.collective:
                     self.meet(f"job/{i}")
@@ -194,6 +207,16 @@ class _Run:
             buffers.clear()
         finally:
             self.budget.release(reserved)
+
+
+    def stop(self, finishing: list[concurrent.futures.Future]) -> None:
+        """After a failure or Ctrl-C: no further job finishes, and the one finishing now is
+        waited for (up to ``STOP_WAIT_S``), so that no thread is inside a device transfer
+        when the error reaches the caller. One that is when the interpreter exits (a script
+        ended by its Ctrl-C) takes the process down with SIGABRT from inside jaxlib
+        ("terminate called ...") instead of a ``KeyboardInterrupt``."""
+        self.stopped.set()
+        concurrent.futures.wait(finishing, timeout=STOP_WAIT_S)
 
 
 class _Budget:
