@@ -5,11 +5,21 @@ so single-process tests exercise real multi-device shardings. ``OST_TEST_DEVICE_
 picks another count, to move XLA's reduction orders the way another CPU does when checking
 that a computed value's tolerance holds (``tests/tolerances.py``); tests that build an
 8-device mesh need the default.
+
+A suite started in the background (``cmd &`` in a script, as CI may) inherits SIGINT ignored,
+and so would every child it starts: a child that ignores Ctrl-C makes the tests of what Ctrl-C
+does fail (the demo ran to its end) or pass without looking (a load finished before its
+interrupt). Python's own handler is put back here, so children start with a terminal user's
+SIGINT.
 """
 
 import functools
 import os
 import re
+import signal
+
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 os.environ["XLA_FLAGS"] = " ".join(
     [re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", "")),

@@ -124,6 +124,7 @@ def test_ctrl_c_during_a_load_ends_the_script_by_its_interrupt(tmp_path):
     then aborted the process ("terminate called ... FATAL: exception not rethrown") in 5 of 6
     tries. Three interrupts, at different points of the load."""
     ost.save(tmp_path / "ckpt", {f"t{i}": np.full((64, 256), i, np.float32) for i in range(2000)})
+    interrupted = 0
     for delay in (0.2, 0.5, 0.8):
         child = subprocess.Popen([sys.executable, "-c", _LOAD_CHILD, str(tmp_path / "ckpt")], cwd=REPO_ROOT,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -140,3 +141,5 @@ def test_ctrl_c_during_a_load_ends_the_script_by_its_interrupt(tmp_path):
             continue
         assert child.returncode == -signal.SIGINT and "terminate called" not in err, (delay, child.returncode, err)
         assert "KeyboardInterrupt" in err and time.monotonic() - sent < 10, (delay, err)
+        interrupted += 1
+    assert interrupted, "every load ended before its interrupt: nothing was tested"
