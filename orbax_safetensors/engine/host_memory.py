@@ -32,7 +32,7 @@ import numpy as np
 # buffer instead of copying it (and copies rather than writes it when donated), so
 # on CPU a shard read into an aligned buffer costs no second copy and no memory.
 XLA_ALIGNMENT = 64
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _MADV_NOHUGEPAGE = 15
 _MADV_POPULATE_WRITE = 23  # Linux 5.14; older kernels answer EINVAL and pages fault as usual
 
@@ -81,10 +81,10 @@ def host_buffers(sizes: Sequence[int]) -> list[np.ndarray]:
     """Uninitialised byte buffers, each 64-byte aligned, carved from one allocation of small
     pages (one allocation per tensor rather than per shard)."""
     total = footprint(sizes)
-    raw = np.empty(total + _PAGE, np.uint8)
-    base = -raw.ctypes.data % _PAGE  # page-aligned, hence 64-byte aligned
-    if _advise is not None and total >= _PAGE:
-        _advise(raw.ctypes.data + base, total - total % _PAGE, _MADV_NOHUGEPAGE)
+    raw = np.empty(total + PAGE, np.uint8)
+    base = -raw.ctypes.data % PAGE  # page-aligned, hence 64-byte aligned
+    if _advise is not None and total >= PAGE:
+        _advise(raw.ctypes.data + base, total - total % PAGE, _MADV_NOHUGEPAGE)
     return carve(raw[base:base + total], sizes)
 
 
@@ -128,8 +128,8 @@ def tensor_buffers(sizes: Sequence[Sequence[int]]) -> list[list[np.ndarray]]:
 def populate(view: np.ndarray) -> None:
     """Faults in the pages ``view`` spans, in one system call, before something is written
     there (a no-op for pages already there, and where the kernel cannot)."""
-    if _advise is None or view.nbytes < _PAGE:
+    if _advise is None or view.nbytes < PAGE:
         return
     low, high = _byte_bounds(view)
-    start = low - low % _PAGE
+    start = low - low % PAGE
     _advise(start, high - start, _MADV_POPULATE_WRITE)

@@ -222,10 +222,13 @@ class _Loading:
     background: bool = False
     started: float = dataclasses.field(default_factory=time.perf_counter)
     peers: Peers = dataclasses.field(init=False)
+    accelerated: bool = dataclasses.field(init=False)  # a target leaf on a device not a CPU
     abandoned: threading.Event | None = dataclasses.field(init=False)  # set: the reads stop
 
     def __post_init__(self) -> None:
-        self.peers = _peers(self.target.tree, self.location)
+        devices = _target_devices(self.target.tree)
+        self.peers = _peers(devices, self.location)
+        self.accelerated = any(d.platform != "cpu" for held in devices for d in held or ())
         self.abandoned = _Abandoned() if self.background else None
 
     def plan(self) -> _Planned:
@@ -243,7 +246,8 @@ class _Loading:
         collectives, and one issued from a background thread can deadlock against
         collectives the caller issues meanwhile on the other processes."""
         return resolve_policy(self.options, checkpoint,
-                              collectives=self.peers.is_collective and not self.background)
+                              collectives=self.peers.is_collective and not self.background,
+                              accelerated=self.accelerated)
 
     def _plan(self, first: int) -> _Planned:
         """Plans on one version of the checkpoint, opened from attempt ``first`` on. Where a
@@ -335,31 +339,37 @@ class _Loading:
                     or checkpoint.unchanged())
 
 
-def _peers(target: Any, location: Location) -> Peers:
+def _peers(shardings: list[frozenset | None], location: Location) -> Peers:
     """Who takes part in a load: every process when a target leaf is sharded over devices of
     another process (they read their own shards of one global array, and must agree on the
     version they read); otherwise this process alone (no target, host arrays, arrays on its
-    own devices), which then needs nobody else to call ``load``."""
+    own devices), which then needs nobody else to call ``load``. ``shardings``: the devices of
+    each (``_target_devices``)."""
     me = jax.process_index()
+    spans = any(jax.process_count() > 1 if devices is None else any(d.process_index != me for d in devices)
+                for devices in shardings)
+    return Peers.collective("load", location.url) if spans else Peers.local(location.url)
 
-    def spans(leaf: Any) -> bool:
-        sharding = getattr(leaf, "sharding", None)
-        if sharding is None or not isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
-            return False
-        try:
-            devices = concrete_sharding("", sharding).device_set
-        except Exception:  # an abstract mesh with none set: reported when planned, everywhere
-            return jax.process_count() > 1
-        return any(d.process_index != me for d in devices)
 
-    leaves = jax.tree_util.tree_leaves(target) if target is not None else []
-    distinct: dict[Any, Any] = {}  # one check per distinct sharding (100 000 leaves hold a few)
-    for leaf in leaves:
+def _target_devices(target: Any) -> list[frozenset | None]:
+    """The devices of each distinct sharding of the target's array leaves (100 000 leaves hold
+    a few); ``None`` for an abstract mesh with none set (reported when planned, everywhere)."""
+    distinct: dict[Any, Any] = {}
+    for leaf in jax.tree_util.tree_leaves(target) if target is not None else []:
+        if getattr(leaf, "sharding", None) is None or not isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
+            continue
         try:
-            distinct.setdefault(getattr(leaf, "sharding", None), leaf)
+            distinct.setdefault(leaf.sharding, leaf.sharding)
         except TypeError:  # a sharding that cannot be hashed
-            distinct[object()] = leaf
-    return Peers.collective("load", location.url) if any(map(spans, distinct.values())) else Peers.local(location.url)
+            distinct[object()] = leaf.sharding
+
+    def devices(sharding: Any) -> frozenset | None:
+        try:
+            return frozenset(concrete_sharding("", sharding).device_set)
+        except Exception:  # an abstract mesh with none set: reported when planned, everywhere
+            return None
+
+    return [devices(sharding) for sharding in distinct.values()]
 
 
 def _describe_target(loading: _Loading) -> list[str]:

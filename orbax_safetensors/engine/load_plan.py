@@ -131,7 +131,7 @@ def _jobs(checkpoint: Checkpoint, chosen: Selection, policy: ReadPolicy) -> tupl
         outputs.append(len(jobs))
         jobs.append(_job(stored, checkpoint.tensors[stored], request, policy, transform))
     for job, members in group_jobs([(stored, checkpoint.tensors[stored], sharding)
-                                    for _, stored, sharding in grouped]):
+                                    for _, stored, sharding in grouped], policy.pooled):
         for k, member in enumerate(members):
             outputs[grouped[member][0]] = (len(jobs), k)
         jobs.append(job)

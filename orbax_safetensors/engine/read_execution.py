@@ -5,7 +5,8 @@ budget, with every request already decided. ``execute`` runs them:
 
 1. a batch takes its bytes from the budget (``_Budget``: a batch waits until
    earlier ones gave theirs back) and its buffers: fresh pages, or recycled
-   staging for jobs that only copy from them (``_Scratch``);
+   staging for jobs that only copy from them (``staging.StagingPool``: page-locked
+   for accelerators where the platform allows);
 2. the read threads (an ``Executor``) fetch its requests (``transfer``: one
    ranged read scattered into the buffers, checked against the files' block
    checksums) and its bounce reads (strided boxes, cut into shards);
@@ -26,11 +27,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from orbax_safetensors.engine.host_memory import carve, footprint, host_buffers, populate, tensor_buffers
+from orbax_safetensors.engine.host_memory import populate, tensor_buffers
 from orbax_safetensors.engine.integrity import Verifier
 from orbax_safetensors.engine.progress import Progress
 from orbax_safetensors.engine.read_jobs import Job
 from orbax_safetensors.engine.read_policy import ReadPolicy
+from orbax_safetensors.engine.staging import StagingPool, accelerator_clients
 from orbax_safetensors.planning import GAP, Batch, BounceRead, ReadPlan, Transfer, box_shape
 from orbax_safetensors.storage import Storage
 from orbax_safetensors.storage.executor import Executor
@@ -54,7 +56,9 @@ class LoadStats:
     ``bytes_read`` read only to complete blocks needed in part (less than two
     blocks per contiguous run: 512 KiB at the default block size).
     ``skipped`` names the target leaves a ``strict=False`` load left out
-    (absent from the checkpoint, or of another shape).
+    (absent from the checkpoint, or of another shape). ``staging_peak``: the
+    most bytes of recycled staging held at once (``ReadOptions.staging``), of
+    which ``staging_pinned`` were registered for DMA with an accelerator.
     """
 
     bytes_needed: int = 0
@@ -67,6 +71,8 @@ class LoadStats:
     bytes_verified: int = 0
     checksum_overread: int = 0
     seconds: float = 0.0
+    staging_peak: int = 0
+    staging_pinned: int = 0
     skipped: list[str] = dataclasses.field(default_factory=list)
 
 
@@ -115,19 +121,22 @@ def execute(storage: Storage, plan: ReadPlan, jobs: Sequence[Job], policy: ReadP
     stats.files += len(plan.files)
     stats.checksum_overread += plan.padding
     run = _Run(storage, jobs, policy, stats, progress, meet)
-    with Executor(policy.threads, name="orbax_safetensors-read", cancelled=cancelled) as run.pool, \
+    with Executor(policy.threads, name="orbax_safetensors-read", cancelled=cancelled) as run.reading, \
             Executor(1, name="orbax_safetensors-transfer", cancelled=cancelled) as transferring:
         finishing = []
         try:
             for batch in plan.batches:
                 if any(f.done() and f.exception() for f in finishing):
                     break
-                run.pool.check_cancelled()
+                run.reading.check_cancelled()
                 finishing.append(transferring.submit(run.finish, batch, *run.start(batch)))
             transferring.wait(finishing)
         except BaseException:
-            run.stop(finishing)
+            run.pool.close(lent_done=run.stop(finishing))
             raise
+    run.pool.close(lent_done=True)
+    stats.staging_peak = max(stats.staging_peak, run.pool.peak)
+    stats.staging_pinned = max(stats.staging_pinned, run.pool.pinned)
     run.verifier.finish()
     stats.bytes_verified += run.verifier.bytes_verified
     return run.results
@@ -136,13 +145,14 @@ def execute(storage: Storage, plan: ReadPlan, jobs: Sequence[Job], policy: ReadP
 class _Run:
     """One execution's state: the budget, the buffers, the checks, the results so far."""
 
-    pool: Executor  # the read threads, set by ``execute``
+    reading: Executor  # the read threads, set by ``execute``
 
     def __init__(self, storage: Storage, jobs: Sequence[Job], policy: ReadPolicy, stats: LoadStats,
                  progress: Progress | None, meet: Callable[[str], None]):
         self.storage, self.jobs, self.stats, self.progress, self.meet = storage, jobs, stats, progress, meet
         self.budget = _Budget(policy.profile.memory_budget)
-        self.scratch = _Scratch()
+        self.pool = StagingPool(policy.profile.memory_budget,
+                                accelerator_clients(jax.local_devices()) if policy.pooled else ())
         self.verifier = Verifier(policy.checksums)
         self.results: list[Any] = [None] * len(jobs)
         self.stopped = threading.Event()  # set: no further job finishes
@@ -152,11 +162,11 @@ class _Run:
     def start(self, batch: Batch) -> tuple[list[list[np.ndarray]], list[Any], int]:
         """Takes the batch's bytes from the budget and its buffers, and submits its reads."""
         reserved = self.budget.acquire(batch.nbytes)
-        buffers = _batch_buffers([self.jobs[i] for i in batch.tensors], self.scratch)
+        buffers = _batch_buffers([self.jobs[i] for i in batch.tensors], self.pool)
         flat = [b for job_buffers in buffers for b in job_buffers]
         by_tensor = dict(zip(batch.tensors, buffers))
-        reads = [self.pool.submit(self.bounce, b, by_tensor[b.tensor]) for b in batch.bounced]
-        reads += [self.pool.submit(self.read, file, request, flat)
+        reads = [self.reading.submit(self.bounce, b, by_tensor[b.tensor]) for b in batch.bounced]
+        reads += [self.reading.submit(self.read, file, request, flat)
                   for file, transfers in batch.transfers for request in transfers]
         for i in batch.tensors:
             if self.jobs[i].prepare is not None:
@@ -164,7 +174,7 @@ class _Run:
         return buffers, reads, reserved
 
     def read(self, file: str, request: Transfer, buffers: Sequence[np.ndarray]) -> None:
-        self.pool.check_cancelled()  # queued reads of a cancelled load end here, unread
+        self.reading.check_cancelled()  # queued reads of a cancelled load end here, unread
         transfer(self.storage, file, request, buffers, self.verifier)
         with self._lock:
             self.stats.bytes_read += request.length
@@ -203,20 +213,20 @@ class _Run:
                 if isinstance(self.results[i], jax.Array):
                     self.results[i].block_until_ready()  # host buffers may go only once copied
                 if job.scratch:
-                    self.scratch.give(job_buffers)
+                    self.pool.give(job_buffers)
             buffers.clear()
         finally:
             self.budget.release(reserved)
 
 
-    def stop(self, finishing: list[concurrent.futures.Future]) -> None:
+    def stop(self, finishing: list[concurrent.futures.Future]) -> bool:
         """After a failure or Ctrl-C: no further job finishes, and the one finishing now is
         waited for (up to ``STOP_WAIT_S``), so that no thread is inside a device transfer
         when the error reaches the caller. One that is when the interpreter exits (a script
         ended by its Ctrl-C) takes the process down with SIGABRT from inside jaxlib
-        ("terminate called ...") instead of a ``KeyboardInterrupt``."""
+        ("terminate called ...") instead of a ``KeyboardInterrupt``. Whether it ended."""
         self.stopped.set()
-        concurrent.futures.wait(finishing, timeout=STOP_WAIT_S)
+        return not concurrent.futures.wait(finishing, timeout=STOP_WAIT_S).not_done
 
 
 class _Budget:
@@ -239,38 +249,8 @@ class _Budget:
             self._cond.notify_all()
 
 
-class _Scratch:
-    """Staging buffers of ``Job.scratch`` jobs, recycled: a batch takes memory a finished
-    batch gave back (its pages already faulted in) before it allocates fresh pages."""
-
-    def __init__(self):
-        self._free: list[np.ndarray] = []
-        self._lent: dict[int, np.ndarray] = {}  # id of the list handed out → its arena
-        self._lock = threading.Lock()
-
-    def take(self, sizes: Sequence[int]) -> list[np.ndarray]:
-        total = footprint(sizes)
-        with self._lock:
-            fits = [arena for arena in self._free if arena.size >= total]
-            if fits:
-                arena = min(fits, key=lambda a: a.size)
-                self._free = [a for a in self._free if a is not arena]
-            else:
-                arena = None
-        if arena is None:
-            arena = host_buffers([total])[0]
-        views = carve(arena, sizes)
-        with self._lock:
-            self._lent[id(views)] = arena
-        return views
-
-    def give(self, views: list[np.ndarray]) -> None:
-        with self._lock:
-            self._free.append(self._lent.pop(id(views)))
-
-
-def _batch_buffers(jobs: Sequence[Job], scratch: _Scratch) -> list[list[np.ndarray]]:
+def _batch_buffers(jobs: Sequence[Job], pool: StagingPool) -> list[list[np.ndarray]]:
     """Each job's shard buffers: recycled staging for ``scratch`` jobs, fresh pages for the
     others (small tensors sharing allocations: ``host_memory.tensor_buffers``)."""
     fresh = iter(tensor_buffers([job.reads.shard_nbytes for job in jobs if not job.scratch]))
-    return [scratch.take(job.reads.shard_nbytes) if job.scratch else next(fresh) for job in jobs]
+    return [pool.take(job.reads.shard_nbytes) if job.scratch else next(fresh) for job in jobs]

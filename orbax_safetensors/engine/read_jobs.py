@@ -28,7 +28,7 @@ import jax
 import numpy as np
 
 from orbax_safetensors.engine.casting import Cast, apply_cast, cast_rule, device_dtype
-from orbax_safetensors.engine.device_assembly import bitcastable, bytes_to_array, device_array
+from orbax_safetensors.engine.device_assembly import bitcastable, bytes_to_array, device_array, off_staging
 from orbax_safetensors.engine.host_work import host_array, host_map, view
 from orbax_safetensors.engine.read_policy import ReadPolicy
 from orbax_safetensors.engine.resharding import (
@@ -60,9 +60,10 @@ from orbax_safetensors.planning.transforms import Transform
 class Job:
     """One tensor: what to read (planned) and how its filled buffers become the result.
 
-    ``scratch``: the result is a copy (transformed by a mapping), so the buffers
-    are only staging and come from memory recycled between batches rather than
-    fresh pages (which cost most of a load here; see ``host_memory``).
+    ``scratch``: the result is a copy (transformed by a mapping, or on devices that copy
+    out of host memory: ``ReadPolicy.pooled``), so the buffers are only staging and come
+    from memory recycled between batches (``staging``) rather than fresh pages (which
+    cost most of a load here; see ``host_memory``).
     ``refused``: the cast to the result's dtype ``ReadOptions.casting`` refuses (float →
     int), described; ``casting.refuse_casts`` raises them all before anything is read.
     ``collective``: ``finish`` runs a device collective (an all-gather of a tensor read
@@ -149,13 +150,15 @@ def groupable(source: TensorSource, dtype: np.dtype | None,
     return list(local) == [full_box(source.shape)]
 
 
-def group_job(members: Sequence[tuple[str, TensorSource, jax.sharding.Sharding | None]]) -> Job:
+def group_job(members: Sequence[tuple[str, TensorSource, jax.sharding.Sharding | None]],
+              staged: bool = False) -> Job:
     """Several ``groupable`` tensors of one file as one job: their reads planned as one
     (``plan_whole_reads``), their arrays made by one ``finish``, which returns them in order
     (host arrays, or, with shardings, ``jax.Array``s put on their devices by one
     ``device_put``). A job of its own per tensor costs more than its read: 100 000 tiny
     tensors spent most of a load planning and finishing jobs, and a ``device_put`` per
-    tensor costs more than one for many."""
+    tensor costs more than one for many. ``staged``: device arrays stage in the recycled
+    pool (``ReadPolicy.pooled``), copied out of it."""
     slices = [source.whole for _, source, _ in members]
     shardings = [sharding for _, _, sharding in members]
 
@@ -164,13 +167,16 @@ def group_job(members: Sequence[tuple[str, TensorSource, jax.sharding.Sharding |
                   for buffer, stored, (name, source, _) in zip(buffers, slices, members)]
         if shardings[0] is None:
             return arrays
+        if staged:
+            arrays = [off_staging(a, s.device_set) for a, s in zip(arrays, shardings)]
         return jax.block_until_ready(jax.device_put(arrays, shardings))  # host buffers go once copied
 
-    return Job(plan_whole_reads(slices), finish, tensors=len(members))
+    on_devices = staged and shardings[0] is not None
+    return Job(plan_whole_reads(slices), finish, tensors=len(members), scratch=on_devices)
 
 
-def group_jobs(members: Sequence[tuple[str, TensorSource, jax.sharding.Sharding | None]]
-               ) -> list[tuple[Job, list[int]]]:
+def group_jobs(members: Sequence[tuple[str, TensorSource, jax.sharding.Sharding | None]],
+               staged: bool = False) -> list[tuple[Job, list[int]]]:
     """``groupable`` tensors, as few ``group_job``s as they make (per file, host arrays and
     device arrays apart, in file order, up to ``GROUP_BYTES`` each), each with the indices
     into ``members`` of its members."""
@@ -186,7 +192,7 @@ def group_jobs(members: Sequence[tuple[str, TensorSource, jax.sharding.Sharding 
             size = 0
         groups[-1].append(k)
         size += nbytes
-    return [(group_job([members[k] for k in group]), group) for group in groups]
+    return [(group_job([members[k] for k in group], staged), group) for group in groups]
 
 
 class _Shards(NamedTuple):
@@ -201,6 +207,7 @@ class _Shards(NamedTuple):
     sharding: jax.sharding.Sharding
     local: dict[Box, list[jax.Device]]  # this process's boxes, with the devices holding each
     needed: int  # the bytes of the local boxes
+    staged: bool  # read into the recycled pool, copied out of it (``ReadPolicy.pooled``)
 
     @property
     def itemsize(self) -> int:
@@ -225,7 +232,8 @@ def sharded_job(name: str, source: TensorSource, dtype: np.dtype, sharding: jax.
     shape = source.shape if transform is None else transform.tree_shape
     local = local_boxes(name, shape, sharding)
     needed = sum(box_size(b) for b in local) * source.dtype.bits // 8
-    job = _sharded_job(_Shards(name, source, transform, cast, shape, sharding, local, needed), policy)
+    job = _sharded_job(_Shards(name, source, transform, cast, shape, sharding, local, needed, policy.pooled),
+                       policy)
     return job if cast.refused is None else dataclasses.replace(job, refused=cast.refused)
 
 
@@ -276,7 +284,7 @@ def _read_once_job(tensor: _Shards) -> Job:
         return result
 
     return Job(plan_byte_reads(stored, [byte_boxes[k] for k in mine], tensor.needed, read_once=True),
-               finish, collective=True)
+               finish, collective=True, scratch=tensor.staged)
 
 
 def _resharded_job(tensor: _Shards, rows: jax.sharding.Sharding, policy: ReadPolicy) -> Job:
@@ -285,7 +293,7 @@ def _resharded_job(tensor: _Shards, rows: jax.sharding.Sharding, policy: ReadPol
     inner = _direct_job(tensor._replace(sharding=rows, local=device_boxes(rows, tensor.shape)[0]), policy)
     move = resharding(rows, tensor.sharding)
     return Job(dataclasses.replace(inner.reads, needed=tensor.needed, resharded=True),
-               lambda buffers: move(inner.finish(buffers)), collective=True)
+               lambda buffers: move(inner.finish(buffers)), collective=True, scratch=inner.scratch)
 
 
 def _packed_job(tensor: _Shards) -> Job:
@@ -297,9 +305,10 @@ def _packed_job(tensor: _Shards) -> Job:
         host = view(buffers[0], stored, name, source.shape)
         host = host if transform is None else transform.apply(host)
         return device_array(tensor.shape, tensor.sharding, tensor.cast, tensor.local,
-                            lambda box: host[tuple(slice(a, b) for a, b in box)])
+                            lambda box: host[tuple(slice(a, b) for a, b in box)], staged=tensor.staged)
 
-    return Job(plan_byte_reads(stored, [((0, stored.info.nbytes),)], tensor.needed), finish)
+    return Job(plan_byte_reads(stored, [((0, stored.info.nbytes),)], tensor.needed), finish,
+               scratch=tensor.staged)
 
 
 def _direct_job(tensor: _Shards, policy: ReadPolicy) -> Job:
@@ -309,9 +318,10 @@ def _direct_job(tensor: _Shards, policy: ReadPolicy) -> Job:
 
     def finish(buffers: list[np.ndarray]) -> jax.Array:
         views = {box: view(buf, stored, tensor.name, box_shape(box)) for box, buf in zip(shards, buffers)}
-        return device_array(tensor.shape, tensor.sharding, tensor.cast, tensor.local, views.__getitem__)
+        return device_array(tensor.shape, tensor.sharding, tensor.cast, tensor.local, views.__getitem__,
+                            staged=tensor.staged)
 
-    return Job(planned_reads(tensor.source, shards, tensor.needed, policy), finish)
+    return Job(planned_reads(tensor.source, shards, tensor.needed, policy), finish, scratch=tensor.staged)
 
 
 def _mapped_job(tensor: _Shards, policy: ReadPolicy) -> Job:
