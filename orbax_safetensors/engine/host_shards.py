@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from orbax_safetensors.engine.coordination import Peers
+from orbax_safetensors.engine.device_copies import OnDevice, on_accelerator
 from orbax_safetensors.engine.resharding import resharding, row_sharding
 from orbax_safetensors.errors import ArgumentError
 from orbax_safetensors.format import to_bytes
@@ -42,7 +43,7 @@ class HostShard:
 
     name: str
     box: Box
-    data: np.ndarray | tuple[np.ndarray, ...] | _Gathered  # a tuple: row blocks of the box
+    data: np.ndarray | OnDevice | tuple[np.ndarray | OnDevice, ...] | _Gathered  # a tuple: row blocks
 
 
 def copy_to_host(
@@ -52,10 +53,12 @@ def copy_to_host(
     """Host values of the shards this process writes (``replica_id == 0``), and how many
     arrays were resharded into row blocks first (runs under ``reshard_below`` bytes).
 
-    All device→host transfers are started before the first is awaited. With
-    ``copy`` (``async_save``) the caller may donate or overwrite its arrays as
-    soon as we return, so accelerator shards are copied to host memory and
-    numpy leaves are copied. CPU shards are not: their immutable buffers
+    With ``copy`` (``async_save``) the caller may donate or overwrite its arrays
+    as soon as we return, so accelerator shards are copied to host memory (every
+    transfer started before the first is awaited) and numpy leaves are copied.
+    Without (a blocking ``save``), an accelerator shard stays there as an
+    ``OnDevice``, copied a window ahead of the writes (``device_copies``). CPU
+    shards are not copied either way: their immutable buffers
     already are host memory, and the view we keep is a reference XLA honours
     (a donation of a still-referenced buffer is skipped, not performed), so a
     gigabyte memcpy on the caller's critical path buys nothing there. A
@@ -76,14 +79,15 @@ def copy_to_host(
                 peers.meet(f"reshard/{name}")
                 array, resharded = resharding(array.sharding, rows)(array), resharded + 1
             mine = [shard for shard in array.addressable_shards if shard.replica_id == 0]
-            for shard in mine:
+            left = not copy and rows is None and on_accelerator(array)  # copied as the writes near
+            for shard in () if left else mine:
                 shard.data.copy_to_host_async()
             for shard in mine:  # a resharded array's shards come to the host now, not later
-                data = shard.data if rows is None else np.asarray(shard.data)
+                data = OnDevice(shard.data) if left else shard.data if rows is None else np.asarray(shard.data)
                 owned.append((name, normalize_index(shard.index, spec.shape), data, rows is not None))
         elif peers.is_primary:
             owned.append((name, full_box(spec.shape), array, False))
-    shards = [HostShard(name, box, np.array(
+    shards = [HostShard(name, box, data if isinstance(data, OnDevice) else np.array(
         data, copy=True if copy and not ours and _copied(data) else None))
               for name, box, data, ours in owned]
     for shard in shards:
@@ -170,17 +174,17 @@ class _Gathered:
         return data
 
 
-def payload(data: np.ndarray | tuple[np.ndarray, ...] | _Gathered) -> list[memoryview]:
+def payload(data: np.ndarray | OnDevice | tuple[np.ndarray | OnDevice, ...] | _Gathered) -> list[memoryview]:
     """The on-disk bytes of a slice: one array, row blocks back to back, or gathered shards."""
     if isinstance(data, _Gathered):
         return [to_bytes(data.array())]
-    return [to_bytes(a) for a in (data if isinstance(data, tuple) else (data,))]
+    return [to_bytes(np.asarray(a)) for a in (data if isinstance(data, tuple) else (data,))]
 
 
 def whole_tensor(shape: tuple[int, ...], shards: list[HostShard]) -> np.ndarray:
     """A whole tensor from the shards one process holds of it (all of them, here)."""
     if len(shards) == 1 and shards[0].box == full_box(shape):
-        return shards[0].data
+        return np.asarray(shards[0].data)
     whole = np.empty(shape, shards[0].data.dtype)
     for shard in shards:
         whole[tuple(slice(a, b) for a, b in shard.box)] = shard.data

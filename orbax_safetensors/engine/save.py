@@ -28,6 +28,7 @@ import numpy as np
 from orbax_safetensors.engine import write
 from orbax_safetensors.engine import host_shards
 from orbax_safetensors.engine.coordination import Peers, describe_sharding
+from orbax_safetensors.engine.device_copies import HostCopies, prefetch_all
 from orbax_safetensors.engine.gc_pause import gc_paused
 from orbax_safetensors.engine.host_shards import HostShard, merge_shards, payload, whole_tensor
 from orbax_safetensors.engine.operation import Operation
@@ -35,7 +36,7 @@ from orbax_safetensors.engine.pending import SaveFuture
 from orbax_safetensors.engine.progress import Progress
 from orbax_safetensors.engine.session import SaveStats, WriteSession, take_location
 from orbax_safetensors.engine.tree_names import flatten_with_names
-from orbax_safetensors.engine.write_options import SaveOptions
+from orbax_safetensors.engine.write_options import DEFAULT_SAVE_BUDGET, SaveOptions
 from orbax_safetensors.errors import ArgumentError, ArgumentTypeError
 from orbax_safetensors.format import check_name, dtype_for_numpy, to_bytes
 from orbax_safetensors.index import (
@@ -71,6 +72,7 @@ def save(
     mapping: mapping_rules.Mapping | None = None,
     checksums: bool = True,
     progress: bool = False,
+    memory_budget: int | str = DEFAULT_SAVE_BUDGET,
 ) -> SaveStats:
     """Saves the arrays of ``tree`` as safetensors, named by their key paths; blocks until committed.
 
@@ -115,10 +117,15 @@ def save(
       progress: report progress on stderr (this process's bytes written, rate,
         time left; process 0 only): one updating line on a terminal, as the CLI
         draws it, else a plain line every 10 s and one at the end.
+      memory_budget: host bytes of accelerator shards copied off the devices ahead of
+        the writes: the shards next in write order are copied while the writes go on,
+        and each copy is let go once written, so a model in HBM never sits in host
+        memory whole (``engine.device_copies``). Shards on CPU devices are written
+        from their own buffers; ``async_save`` copies every shard before it returns.
     """
     with gc_paused():
         session = prepare_save(Location.resolve(path, storage_options, filesystem), tree, SaveOptions(
-            layout, max_shard_size, metadata, overwrite, mapping, checksums, progress), copy=False)
+            layout, max_shard_size, metadata, overwrite, mapping, checksums, progress, memory_budget), copy=False)
         return session.wait(session.start())
 
 
@@ -183,7 +190,7 @@ def prepare_save(location: Location, tree: Any, options: SaveOptions, *, copy: b
     # different trees or options would write different files over each other.
     if peers.is_collective:  # a line per leaf: described only where there are others to compare
         peers.check_same("tree", [_describe(spec, arrays[spec.name]) for spec in tree_specs]
-                         + [f"options {dataclasses.replace(options, progress=False)!r}"], "the tree or options")
+                         + [f"options {dataclasses.replace(options, progress=False, memory_budget=DEFAULT_SAVE_BUDGET)!r}"], "the tree or options")
     commit = take_location(location, peers, overwrite=options.overwrite, fresh=new_directory)
     try:
         shards, resharded = host_shards.copy_to_host(
@@ -305,7 +312,7 @@ class HfLayout(_Layout):
         return write.for_storage(
             location.storage, plan,
             lambda: owned_ranges(plan.files, [(s.name, s.box) for s in shards], write.WRITE_CHUNK_BYTES),
-            lambda: [to_bytes(s.data) for s in shards], streamed)
+            HostCopies([s.data for s in shards], options.memory_budget), streamed)
 
 
 class DistributedLayout(_Layout):
@@ -314,6 +321,7 @@ class DistributedLayout(_Layout):
 
     def strategy(self) -> write.Strategy:
         specs = {s.name: s for s in self.specs}
+        prefetch_all(s.data for s in self.shards)  # files in turn, each streamed (and replayed if retried)
         merged = merge_shards(self.shards, specs)
         data = {(s.name, s.box): s.data for s in merged}
         files = plan_distributed_files(

@@ -56,7 +56,9 @@ class SaveStats:
     strips across processes, moved to row blocks on device before the copy
     (``planning.reshard_parts``), so each process writes contiguous rows.
     ``blocking_seconds`` is how long ``async_save`` held the caller (the
-    device→host copies); ``seconds`` runs until the commit.
+    device→host copies); ``seconds`` runs until the commit. ``copied_peak``: the
+    most bytes of a blocking save's accelerator shards copied to the host ahead
+    of their writes at once (``save``'s ``memory_budget``; 0 where none was).
     """
 
     bytes_written: int = 0
@@ -65,6 +67,7 @@ class SaveStats:
     tensors_resharded: int = 0
     blocking_seconds: float = 0.0
     seconds: float = 0.0
+    copied_peak: int = 0
 
 
 class Planner(Protocol):
@@ -162,7 +165,8 @@ class WriteSession:
                 op.progress.close()
         return dataclasses.replace(
             self.stats, bytes_written=written.bytes_written, requests=written.requests,
-            files=written.files_written, seconds=time.perf_counter() - self.started)
+            files=written.files_written, seconds=time.perf_counter() - self.started,
+            copied_peak=written.copied_peak)
 
     def start(self) -> SaveFuture:
         """``run`` on a background thread (not a daemon: the interpreter waits for it at

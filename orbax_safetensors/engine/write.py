@@ -44,6 +44,7 @@ import jax
 import numpy as np
 
 from orbax_safetensors.engine.coordination import Peers
+from orbax_safetensors.engine.device_copies import HostCopies
 from orbax_safetensors.storage.executor import Executor
 from orbax_safetensors.engine.operation import Operation
 from orbax_safetensors.errors import ProtocolError
@@ -154,6 +155,7 @@ class Written:
     requests: int = 0
     files_written: int = 0
     file_crcs: FileCrcs = dataclasses.field(default_factory=dict)  # to check before the commit
+    copied_peak: int = 0  # the most bytes copied off accelerators and not yet written, at once
 
 
 class Strategy(abc.ABC):
@@ -166,17 +168,21 @@ class Strategy(abc.ABC):
 
 def for_storage(storage: Storage, plan: WritePlan,
                 owned: Callable[[], Sequence[tuple[str, Transfers]]],
-                payloads: Callable[[], Payloads], streamed: Chunks) -> Strategy:
+                copies: HostCopies, streamed: Chunks) -> Strategy:
     """The strategy an hf save takes on ``storage``, from its declared capabilities.
 
     ``owned`` plans this process's byte ranges (``planning.owned_ranges``),
-    ``payloads`` gives its shards' bytes, ``streamed`` a whole file's data.
+    ``copies`` gives its shards' bytes, ``streamed`` a whole file's data (of the
+    same shards). Writes in place take the shards' bytes in order, each once: copies
+    off an accelerator follow a window ahead of them (``device_copies``); the others
+    may take them again (a retried upload replays), so every copy starts at once.
     """
     capabilities = storage.capabilities
     if capabilities.offset_writes:
-        return InPlace(plan, owned(), payloads)
+        return InPlace(plan, owned(), copies)
+    copies.prefetch_all()
     if capabilities.server_side_merge or jax.process_count() > 1:
-        return InParts(plan, owned(), payloads)
+        return InParts(plan, owned(), copies)
     return Streamed(plan.files, streamed, lambda op, crcs: ([f.name for f in plan.files], plan.index(crcs)))
 
 
@@ -210,9 +216,8 @@ def _gather_checksums(op: Operation, checksums: Checksums,
 class InPlace(Strategy):
     """Shared files created at their final size; every process fills its own ranges."""
 
-    def __init__(self, plan: WritePlan, owned: Sequence[tuple[str, Transfers]],
-                 payloads: Callable[[], Payloads]):
-        self.plan, self.owned, self.payloads = plan, owned, payloads
+    def __init__(self, plan: WritePlan, owned: Sequence[tuple[str, Transfers]], copies: HostCopies):
+        self.plan, self.owned, self.copies = plan, owned, copies
 
     def write(self, op: Operation, commit: Commit) -> Written:
         storage = commit.storage
@@ -226,10 +231,17 @@ class InPlace(Strategy):
                 storage.create_sized(commit.temporary(file.name), file.size, file.header)
 
         op.on_primary("created", create, lambda: commit.discard(names))
-        payloads = self.payloads()
+        payloads = self.copies.uses(t for _, transfers in self.owned for r in transfers
+                                    for t in r.targets.tolist() if t != HEADER)
         checksums = Checksums(self.plan.files)
 
         def write_range(file_name: str, request: Transfer) -> None:
+            try:
+                write_views(file_name, request)
+            finally:
+                payloads.finished()
+
+        def write_views(file_name: str, request: Transfer) -> None:
             # Views a batch at a time: a range of strided shards holds a run per row of each,
             # and a memoryview per run for a whole 64 MB range costs more than its bytes.
             offset, segments = request.offset, list(request.segments)
@@ -241,13 +253,19 @@ class InPlace(Strategy):
                 written = sum(len(view) for view in batch)
                 offset += written
                 op.wrote(written)
+                payloads.done(t for t, _, _ in segments[start:start + _VIEWS_PER_WRITE] if t != HEADER)
 
         files = sorted({name for name, _ in self.owned})
 
         def write_all() -> None:
             with op.executor(_WRITE_THREADS, "orbax_safetensors-write") as pool:
-                pool.wait([pool.submit(write_range, name, r)
-                           for name, transfers in self.owned for r in transfers])
+                writes = []
+                for name, request in ((n, r) for n, transfers in self.owned for r in transfers):
+                    if any(f.done() and f.exception() for f in writes):
+                        break  # the wait below raises it
+                    payloads.admit(t for t in request.targets.tolist() if t != HEADER)
+                    writes.append(pool.submit(write_range, name, request))
+                pool.wait(writes)
                 pool.wait([pool.submit(storage.sync, commit.temporary(name)) for name in files])
 
         discard = lambda: commit.discard(names) if op.is_primary else None  # noqa: E731
@@ -260,8 +278,8 @@ class InPlace(Strategy):
                            for name, header in headers.items()])
 
         op.on_primary("headers", rewrite_headers, discard)
-        return Written(names, self.plan.index(file_crcs), sum(len(p) for p in payloads),
-                       sum(len(transfers) for _, transfers in self.owned), len(files), file_crcs)
+        return Written(names, self.plan.index(file_crcs), payloads.nbytes,
+                       sum(len(transfers) for _, transfers in self.owned), len(files), file_crcs, payloads.peak)
 
     @staticmethod
     def _rewrite(storage: Storage, path: str, header: bytes) -> None:
@@ -276,8 +294,7 @@ class InParts(Strategy):
     0, once every process's checksums are in.
     """
 
-    def __init__(self, plan: WritePlan, owned: Sequence[tuple[str, Transfers]],
-                 payloads: Callable[[], Payloads]):
+    def __init__(self, plan: WritePlan, owned: Sequence[tuple[str, Transfers]], payloads: HostCopies):
         self.plan, self.payloads = plan, payloads
         headers = self.plan.files if jax.process_index() == 0 else ()
         self.uploads = plan_uploads(owned, headers, max_objects_per_file=_MAX_OBJECTS_PER_FILE,
@@ -287,7 +304,7 @@ class InParts(Strategy):
         storage = commit.storage
         names = [f.name for f in self.plan.files]
         headers = {f.name: f.header for f in self.plan.files}
-        payloads = self.payloads()
+        payloads = self.payloads
         checksums = Checksums(self.plan.files)
         _begin(op, commit, names)
         last, now = self._headers_last(checksums)

@@ -25,6 +25,7 @@ from orbax_safetensors.storage import Location
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # bytes per file of a checkpoint directory, as transformers
 DEFAULT_BLOCK_BYTES = "64MB"  # the most bytes of one tensor a block source hands over at once
 DEFAULT_MEMORY_BUDGET = "1GB"  # convert's buffers, all told
+DEFAULT_SAVE_BUDGET = "1GB"  # a blocking save's copies off accelerators, ahead of the writes
 _DEFAULT_MAX_SHARD_BYTES = parse_size(DEFAULT_MAX_SHARD_SIZE)
 
 
@@ -53,8 +54,10 @@ class SaveOptions:
     mapping: mapping_rules.Mapping | None = None
     checksums: bool = True
     progress: bool = False
+    memory_budget: int | str = DEFAULT_SAVE_BUDGET
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "memory_budget", option_checks.size("memory_budget", self.memory_budget))
         if self.max_shard_size is not None:
             object.__setattr__(self, "max_shard_size",
                                option_checks.size("max_shard_size", self.max_shard_size))
