@@ -98,11 +98,14 @@ def hasher() -> str:
 # The JAX platform the workers run on: "cpu" (8 host devices, the default) or an accelerator's
 # ("cuda", "tpu"), whose devices the mesh then spans (one GPU: a mesh of 1).
 PLATFORM = os.environ.get("OST_BENCH_PLATFORM", "cpu")
+# How many of them the mesh spans: all, or the first N with OST_BENCH_DEVICES=N
+# (bench/accelerator.py: 1, the whole model on one device).
+MESH_DEVICES = int(os.environ.get("OST_BENCH_DEVICES", "0")) or None
 
 
 def mesh_1d():
     """A 1-D mesh ``("x",)`` over the workers' devices: the 8 host CPU devices they are started
-    with, or every device of ``PLATFORM``."""
+    with, or every device of ``PLATFORM`` (the first ``MESH_DEVICES`` of them where set)."""
     import jax
     import numpy as np
     from jax.sharding import Mesh
@@ -110,7 +113,7 @@ def mesh_1d():
     devices = jax.devices()
     if PLATFORM == "cpu" and len(devices) != 8:
         raise RuntimeError(f"expected 8 CPU devices, got {len(devices)}: {devices}")
-    return Mesh(np.array(devices), ("x",))
+    return Mesh(np.array(devices[:MESH_DEVICES]), ("x",))
 
 
 def drop_page_cache() -> None:

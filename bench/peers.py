@@ -1,4 +1,5 @@
-"""Optional peers for ``bench/load.py`` and ``bench/object_store.py``: Run:ai Model Streamer and fastsafetensors.
+"""Optional peers for ``bench/load.py``, ``bench/object_store.py`` and ``bench/accelerator.py``: Run:ai Model
+Streamer, fastsafetensors and (CUDA only) InstantTensor.
 
     pip install -e '.[test,bench-peers]'      # torch==2.13.0, runai-model-streamer[s3]==0.17.0, fastsafetensors==0.5.0
     pytest tests/test_bench_peers.py          # every peer on a tiny checkpoint, bitwise (local and S3)
@@ -43,6 +44,23 @@ the library's default concurrency:
   file system is a network one (``FASTSAFETENSORS_ODIRECT``). The whole checkpoint is
   resident in host memory before the first ``device_put`` (its design: read
   everything, then instantiate lazily).
+* ``fastsafetensors_gpu`` (``bench/accelerator.py``): the same with
+  ``SafeTensorsFileLoader(None, "cuda:<i>", nogds=True)``: its ``pread`` workers fill a
+  pinned bounce buffer that it copies into one GPU buffer per file (GPUDirect Storage is
+  not tried: it needs cuFile and ``nvidia-fs``); ``get_tensor`` gives torch CUDA tensors
+  that own their memory, handed to JAX without a copy (``torch_to_jax``).
+* ``instanttensor`` (``bench/accelerator.py``; InstantTensor 0.2.x, ``pip install
+  instanttensor``, not in the ``bench-peers`` extra): ``safe_open(files,
+  framework="pt", device=<i>)`` over every file of the index, then ``tensors()``:
+  its own I/O backend (io_uring or AIO with O_DIRECT on a disk) into a GPU ring buffer,
+  each yielded tensor a torch CUDA clone that owns its memory (the default ``copy=True``),
+  handed to JAX by ``torch_to_jax``. CUDA devices only (its ``safe_open`` refuses any
+  other); it refuses files whose ``format`` metadata is not ``"pt"`` (ours write ``"pt"``).
+
+The two CUDA peers raise (in ``prepare`` or the loader) where torch sees no CUDA device or
+the target's device is not a CUDA one; ``bench/accelerator.py`` reports that as "n/a".
+Torch's caching allocator and XLA's share the GPU: a worker running them starts JAX with
+``XLA_PYTHON_CLIENT_PREALLOCATE=false`` (XLA would otherwise reserve 75 % of the memory).
 
 bf16 without copies: torch tensors cannot go through ``Tensor.numpy()`` as bf16
 (numpy has no bf16), so ``torch_to_numpy`` reinterprets the bits:
@@ -73,6 +91,12 @@ CONTENDER_NOTES = {
     "fastsafetensors": "fastsafetensors `SafeTensorsFileLoader(None, \"cpu\", nogds=True)` → "
                        "`copy_files_to_device()` → `get_tensor(name)` (torch view) → bf16 bit view as "
                        "numpy → `jax.device_put(x, sharding)`; library defaults (16 threads)",
+    "fastsafetensors_gpu": "fastsafetensors `SafeTensorsFileLoader(None, \"cuda:i\", nogds=True)` → "
+                           "`copy_files_to_device()` (pinned bounce buffer → GPU) → `get_tensor(name)` "
+                           "(torch CUDA tensor) → `jax.dlpack.from_dlpack` → `jax.device_put(x, sharding)`",
+    "instanttensor": "InstantTensor `safe_open(files, framework=\"pt\", device=i)` → `tensors()` (torch CUDA "
+                     "tensors, owning copies; its default backend and buffer) → `jax.dlpack.from_dlpack` → "
+                     "`jax.device_put(x, sharding)`",
 }
 # The module whose absence makes bench/load.py's available() skip the peer. runai_s3
 # needs the streamer too: runai-model-streamer[s3] installs both.
@@ -80,7 +104,11 @@ PACKAGES = {
     "runai": "runai_model_streamer",
     "runai_s3": "runai_model_streamer_s3",
     "fastsafetensors": "fastsafetensors",
+    "fastsafetensors_gpu": "fastsafetensors",
+    "instanttensor": "instanttensor",
 }
+# The peers that read into CUDA memory themselves.
+CUDA_PEERS = ("fastsafetensors_gpu", "instanttensor")
 
 
 # ---------------------------------------------------------------------------
@@ -126,6 +154,24 @@ def torch_to_numpy(tensor):
         carrier, dtype = by_bits[tensor.dtype]
         return tensor.view(carrier).numpy().view(dtype)
     return tensor.numpy()
+
+
+def torch_to_jax(tensor):
+    """A torch CUDA tensor as a ``jax.Array`` on the same GPU, sharing its memory (DLPack);
+    the array keeps the tensor alive."""
+    import jax.dlpack
+
+    return jax.dlpack.from_dlpack(tensor)
+
+
+def cuda_index(target: dict) -> int:
+    """Torch's index of the CUDA device the target's arrays start on (its lowest-numbered
+    device; ``device_put`` spreads them from there); raises unless that is a CUDA device."""
+    device = min((d for want in target.values() for d in want.sharding.device_set), key=lambda d: d.id)
+    if device.platform != "gpu" or "rocm" in device.client.platform_version.lower():
+        raise RuntimeError(f"needs a CUDA device; the target's is {device.platform} "
+                           f"({device.client.platform_version})")
+    return device.local_hardware_id
 
 
 # ---------------------------------------------------------------------------
@@ -225,14 +271,15 @@ def load_runai_s3(url_prefix: str, target: dict, extra: dict) -> dict:
 # fastsafetensors.
 
 
-def load_fastsafetensors(checkpoint: Path, target: dict, extra: dict) -> dict:
-    """``SafeTensorsFileLoader`` on the CPU without GDS; every file of the index in one ``copy_files_to_device``."""
+def load_fastsafetensors(checkpoint: Path, target: dict, extra: dict, device: str = "cpu") -> dict:
+    """``SafeTensorsFileLoader`` on ``device`` without GDS; every file of the index in one ``copy_files_to_device``."""
     import jax
     from fastsafetensors import SafeTensorsFileLoader
 
     checkpoint = Path(checkpoint)
     files, everything = _files_for(weight_map(checkpoint), target)
-    loader = SafeTensorsFileLoader(None, "cpu", nogds=True)
+    to_jax = torch_to_numpy if device == "cpu" else torch_to_jax  # CUDA tensors: handed over in place
+    loader = SafeTensorsFileLoader(None, device, nogds=True)
     try:
         loader.add_filenames({0: [str(checkpoint / f) for f in files]})
         if not everything:
@@ -240,7 +287,7 @@ def load_fastsafetensors(checkpoint: Path, target: dict, extra: dict) -> dict:
             loader.set_tensor_filter(lambda name: name in wanted)
         buffers = loader.copy_files_to_device()
         try:
-            result = {name: jax.device_put(torch_to_numpy(buffers.get_tensor(name)), want.sharding)
+            result = {name: jax.device_put(to_jax(buffers.get_tensor(name)), want.sharding)
                       for name, want in target.items()}
         finally:
             buffers.close()  # the tensors (and so the arrays viewing them) keep their memory alive
@@ -249,7 +296,32 @@ def load_fastsafetensors(checkpoint: Path, target: dict, extra: dict) -> dict:
     return result
 
 
-LOADERS = {"runai": load_runai, "runai_s3": load_runai_s3, "fastsafetensors": load_fastsafetensors}
+def load_fastsafetensors_gpu(checkpoint: Path, target: dict, extra: dict) -> dict:
+    """``load_fastsafetensors`` onto the target's CUDA device (its bounce buffer, then GPU buffers)."""
+    return load_fastsafetensors(checkpoint, target, extra, device=f"cuda:{cuda_index(target)}")
+
+
+def load_instanttensor(checkpoint: Path, target: dict, extra: dict) -> dict:
+    """InstantTensor's ``safe_open`` over every file of the index onto the target's CUDA device."""
+    import jax
+    from instanttensor import safe_open
+
+    checkpoint = Path(checkpoint)
+    files, everything = _files_for(weight_map(checkpoint), target)
+    result = {}
+    with safe_open([str(checkpoint / f) for f in files], framework="pt", device=cuda_index(target),
+                   tensor_filter=None if everything else sorted(target),
+                   tensor_name_match_mode="exact") as f:
+        for name, tensor in f.tensors():  # owning clones (copy=True, the default)
+            result[name] = jax.device_put(torch_to_jax(tensor), target[name].sharding)
+    missing = set(target) - set(result)
+    if missing:
+        raise KeyError(f"InstantTensor yielded no tensor named {sorted(missing)[:5]}")
+    return result
+
+
+LOADERS = {"runai": load_runai, "runai_s3": load_runai_s3, "fastsafetensors": load_fastsafetensors,
+           "fastsafetensors_gpu": load_fastsafetensors_gpu, "instanttensor": load_instanttensor}
 
 
 def installed(contender: str) -> bool:
@@ -268,15 +340,21 @@ def prepare(contender: str) -> None:
     timed region), and ``runai_model_streamer_s3`` does not import the streamer or torch.
     """
     import ml_dtypes  # noqa: F401
-    import torch  # noqa: F401
+    import torch
 
+    if contender in CUDA_PEERS:
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"torch {torch.__version__} sees no CUDA device")
+        torch.empty(1, device="cuda")  # torch's CUDA context, before the clock too
     if contender in ("runai", "runai_s3"):
         import runai_model_streamer  # noqa: F401
         if contender == "runai_s3":
             import runai_model_streamer_s3  # noqa: F401
-    elif contender == "fastsafetensors":
+    elif contender in ("fastsafetensors", "fastsafetensors_gpu"):
         from fastsafetensors.frameworks import get_framework_op
 
         get_framework_op("pytorch")  # the torch adapter, which the first loader would import
+    elif contender == "instanttensor":
+        import instanttensor  # noqa: F401
     else:
         raise KeyError(contender)

@@ -126,3 +126,19 @@ def test_thin_strips_are_read_in_row_blocks_and_resharded_on_device(multiprocess
         assert on["bytes_needed"] == off["bytes_needed"]
         assert on["requests"] * 20 < off["requests"], (on, off)
         assert _coalesced(on) <= _coalesced(off), (on, off)
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_a_pooled_load_across_processes_equals_the_source(multiprocess, checkpoint, scenario):
+    """Staging recycled from the pool (``ReadOptions(staging="pooled")``, what accelerators get)
+    through every way a sharded tensor is read across processes: shards read directly, read
+    once per cluster and all-gathered (replicated), row blocks resharded on device (thin
+    strips), each buffer given back only once its arrays exist; a 64 KB budget makes every
+    process reuse its arenas many times. Every child checks its shards against the source."""
+    results = multiprocess(
+        f"{_MODULE}:_child_load", num_processes=2, devices_per_process=4,
+        args={"path": checkpoint["path"], "scenario": scenario,
+              "options": {"staging": "pooled", "memory_budget": "64KB"}})
+    for stats in (r.value for r in results):
+        assert stats["tensors"] == len(sources())
+        assert stats["staging_peak"] > 0, stats  # it went through the pool
