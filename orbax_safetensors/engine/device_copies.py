@@ -55,8 +55,7 @@ class OnDevice:
             self._array = self._host = None
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
-        host = self.host()
-        return host if dtype is None else host.astype(dtype, copy=bool(copy))
+        return np.array(self.host(), dtype=dtype, copy=copy)
 
 
 def on_accelerator(data: Any) -> bool:

@@ -125,7 +125,7 @@ def _map_shards(shards: list[HostShard], assemblies: Mapping[str, Assembly],
 
 def _copied(data: Any) -> bool:
     """Whether ``async_save`` must copy this value (see ``copy_to_host``)."""
-    return not isinstance(data, jax.Array) or any(d.platform != "cpu" for d in data.devices())
+    return not isinstance(data, jax.Array) or on_accelerator(data)
 
 
 def merge_shards(shards: list[HostShard], specs: Mapping[str, TensorSpec]) -> list[HostShard]:

@@ -218,7 +218,6 @@ class _Run:
         finally:
             self.budget.release(reserved)
 
-
     def stop(self, finishing: list[concurrent.futures.Future]) -> bool:
         """After a failure or Ctrl-C: no further job finishes, and the one finishing now is
         waited for (up to ``STOP_WAIT_S``), so that no thread is inside a device transfer

@@ -204,6 +204,11 @@ def _views(segments: Iterable[Segment], payloads: Payloads, header: bytes = b"")
             for target, offset, length in segments]
 
 
+def _shards_of(targets: Iterable[int]) -> Iterator[int]:
+    """The payload indices among segment ``targets`` (the header is no shard's)."""
+    return (t for t in targets if t != HEADER)
+
+
 def _gather_checksums(op: Operation, checksums: Checksums,
                       clean_up: Callable[[], None]) -> tuple[dict[str, bytes], FileCrcs]:
     """Process 0: every file's final header and whole crc32c, from every process's pieces."""
@@ -232,7 +237,7 @@ class InPlace(Strategy):
 
         op.on_primary("created", create, lambda: commit.discard(names))
         payloads = self.copies.uses(t for _, transfers in self.owned for r in transfers
-                                    for t in r.targets.tolist() if t != HEADER)
+                                    for t in _shards_of(r.targets.tolist()))
         checksums = Checksums(self.plan.files)
 
         def write_range(file_name: str, request: Transfer) -> None:
@@ -247,13 +252,14 @@ class InPlace(Strategy):
             offset, segments = request.offset, list(request.segments)
             for start in range(0, len(segments), _VIEWS_PER_WRITE):
                 op.check_cancelled()
-                batch = _views(segments[start:start + _VIEWS_PER_WRITE], payloads)
+                these = segments[start:start + _VIEWS_PER_WRITE]
+                batch = _views(these, payloads)
                 checksums.add(file_name, offset, batch)
                 storage.write_at(commit.temporary(file_name), offset, batch)
                 written = sum(len(view) for view in batch)
                 offset += written
                 op.wrote(written)
-                payloads.done(t for t, _, _ in segments[start:start + _VIEWS_PER_WRITE] if t != HEADER)
+                payloads.done(_shards_of(t for t, _, _ in these))
 
         files = sorted({name for name, _ in self.owned})
 
@@ -263,7 +269,7 @@ class InPlace(Strategy):
                 for name, request in ((n, r) for n, transfers in self.owned for r in transfers):
                     if any(f.done() and f.exception() for f in writes):
                         break  # the wait below raises it
-                    payloads.admit(t for t in request.targets.tolist() if t != HEADER)
+                    payloads.admit(_shards_of(request.targets.tolist()))
                     writes.append(pool.submit(write_range, name, request))
                 pool.wait(writes)
                 pool.wait([pool.submit(storage.sync, commit.temporary(name)) for name in files])
