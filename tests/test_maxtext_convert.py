@@ -146,16 +146,21 @@ def test_bfloat16_round_trips_through_maxtexts_form_byte_for_byte(bf16_checkpoin
 
 # --- The reverse of MaxText's own converter --------------------------------------------------------
 
-def run_to_maxtext(python, case, hf_dir, out, scan):
-    """MaxText's own to_maxtext.py on ``hf_dir`` (float32), its checkpoint at ``out/0/items``."""
-    command = [python, TO_MAXTEXT, "--hf-dir", hf_dir, "--family", CASES[case][0], "--out", str(out),
-               "--save-dtype", "float32"] + ([] if scan else ["--no-scan-layers"])
+def run_to_maxtext(python, jobs, work):
+    """MaxText's own to_maxtext.py on each of ``jobs`` ({key: (case, hf_dir, scan)}), all in one
+    process, float32: {key: (its base_output_directory, None or its error)}."""
+    outs = {key: os.path.join(work, f"out{i}") for i, key in enumerate(jobs)}
+    jobs_path, results_path = os.path.join(work, "jobs.json"), os.path.join(work, "results.json")
+    with open(jobs_path, "w") as f:
+        json.dump([dict(hf_dir=hf_dir, family=CASES[case][0], out=outs[key], scan_layers=scan, save_dtype="float32")
+                   for key, (case, hf_dir, scan) in jobs.items()], f)
     start = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, timeout=CHILD_TIMEOUT, env=_clean_env(),
-                          check=False)
-    print(f"\nto_maxtext.py ({case}, scan_layers={scan}): {time.perf_counter() - start:.1f} s, exit {done.returncode}")
-    if done.returncode != 0:
-        pytest.fail(f"MaxText's to_maxtext.py failed:\n{(done.stdout + done.stderr)[-4000:]}")
+    done = subprocess.run([python, TO_MAXTEXT, jobs_path, results_path], capture_output=True, text=True,
+                          timeout=2 * CHILD_TIMEOUT, env=_clean_env(), check=False)
+    print(f"\nto_maxtext.py, {len(jobs)} conversions: {time.perf_counter() - start:.1f} s, exit {done.returncode}")
+    results = _json(results_path) if os.path.exists(results_path) else {}
+    lost = f"no result (exit {done.returncode}):\n{(done.stdout + done.stderr)[-4000:]}"
+    return {key: (out, results[out].get("traceback") if out in results else lost) for key, out in outs.items()}
 
 
 # to_maxtext.py itself stops with "Shape mismatch" where its stacking contradicts MaxText's tree.
@@ -177,13 +182,22 @@ REVERSE_KNOWN = {**{key: ("xfail", f"MaxText 0.2.5's to_maxtext.py cannot conver
                     for case in READ_ONLY for v in VARIANTS}, **KNOWN}
 
 
-@pytest.mark.timeout(PIP_TIMEOUT + CHILD_TIMEOUT)
+@pytest.fixture(scope="module")
+def to_maxtext_outputs(maxtext_python, hf_checkpoints, tmp_path_factory):
+    """to_maxtext.py's checkpoint of every (case, variant) the reverse test runs, or its error."""
+    jobs = {(case, v): (case, hf_checkpoints[case][0], v == "scan") for case in CASES for v in VARIANTS
+            if REVERSE_KNOWN.get((case, v), ("run",))[0] != "skip"}
+    return run_to_maxtext(maxtext_python, jobs, str(tmp_path_factory.mktemp("to_maxtext")))
+
+
+@pytest.mark.timeout(PIP_TIMEOUT + 3 * CHILD_TIMEOUT)  # a first run builds the venv, then converts all
 @pytest.mark.parametrize(("case", "variant"), list(case_params(REVERSE_KNOWN)))
-def test_transformers_loads_our_reverse_of_to_maxtext(maxtext_python, hf_checkpoints, tmp_path, case, variant):
+def test_transformers_loads_our_reverse_of_to_maxtext(to_maxtext_outputs, hf_checkpoints, tmp_path, case, variant):
     hf_dir, reference, atol = hf_checkpoints[case]
-    scan = variant == "scan"
-    run_to_maxtext(maxtext_python, case, hf_dir, tmp_path / "maxtext", scan)
-    ost.convert(tmp_path / "maxtext", tmp_path / "hf", mapping=_mapping(case, hf_dir, scan))
+    out, error = to_maxtext_outputs[case, variant]
+    if error is not None:
+        pytest.fail(f"MaxText's to_maxtext.py failed:\n{error[-4000:]}")
+    ost.convert(out, tmp_path / "hf", mapping=_mapping(case, hf_dir, variant == "scan"))
     shutil.copy(os.path.join(hf_dir, "config.json"), tmp_path / "hf")
     assert not _differing(_tensors(tmp_path / "hf"), _tensors(hf_dir))  # float32: exact
     logits, _, _ = transformers_logits(str(tmp_path / "hf"), TOKENS, case)

@@ -116,7 +116,11 @@ def test_a_step_whose_other_item_fails_gets_none_of_our_writes_and_its_retry_wor
         np.testing.assert_array_equal(value, _tree(1.0)[name])
 
 
+# The child imports tests.exit_without_threads: its exit starts no thread, as on Python 3.12.0-1.
+_CHILD_ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join(
+    [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")])}
 _SCRIPT = """
+import tests.exit_without_threads
 import errno, numpy as np, orbax.checkpoint as ocp, orbax_safetensors as ost
 from orbax_safetensors.storage.local import LocalStorage
 if {disk_full!r}:
@@ -141,7 +145,7 @@ def test_a_script_ending_with_a_manager_save_pending_says_which_and_exits_1(tmp_
     script = textwrap.dedent(_SCRIPT.format(directory=directory, ending=ending, disk_full=False))
     started = time.monotonic()
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                          env=_CHILD_ENV)
     assert time.monotonic() - started < 100  # never the 300 s wait for a signal that cannot come
     assert done.returncode == status, done.stderr[-3000:]
     ours = [line for line in done.stderr.splitlines() if line.startswith("orbax_safetensors:")]
@@ -169,7 +173,7 @@ def test_a_manager_save_that_failed_and_was_handled_ends_the_script_normally(tmp
     script = textwrap.dedent(_SCRIPT.format(directory=str(tmp_path / "run"), ending=ending,
                                             disk_full=True))
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                          env=_CHILD_ENV)
     assert done.returncode == 0 and "handled 28" in done.stdout, done.stderr[-3000:]
     assert not [line for line in done.stderr.splitlines() if line.startswith("orbax_safetensors:")]
 

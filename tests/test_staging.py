@@ -141,6 +141,23 @@ def test_the_pool_keeps_at_most_its_capacity():
     pool.close(lent_done=True)
 
 
+def test_a_small_job_is_never_lent_a_big_arena():
+    """The load's budget counts the bytes asked for: with 3 jobs lent (384 + 64 + 384 KiB, 832
+    KiB of a 1 MB budget), the pool holds no more than its capacity. Before, the 64 KiB job was
+    lent a free 384 KiB arena, the next 384 KiB job found none free and got a new one: 1.13 MiB
+    held, an overshoot a pooled load hit now and then, as its batches happened to overlap."""
+    pool = StagingPool(1_000_000)
+    first, second = pool.take([384 << 10]), pool.take([384 << 10])
+    pool.give(first)
+    pool.give(second)
+    lent = [pool.take([384 << 10]), pool.take([64 << 10]), pool.take([384 << 10])]
+    assert pool.peak <= 1_000_000, pool.peak
+    assert {v[0].ctypes.data for v in (lent[0], lent[2])} == {first[0].ctypes.data, second[0].ctypes.data}
+    for views in lent:
+        pool.give(views)
+    pool.close(lent_done=True)
+
+
 def test_a_refusing_client_leaves_staging_pageable():
     client = _RecordingClient(refuse=True)
     pool = StagingPool(8 << 20, [client])

@@ -130,8 +130,8 @@ class AssembledLeaf:
 
             def fill(part: tuple[Box, tuple[Box, Box]]) -> None:
                 box, (inside, own) = part
-                into = self.buffers[box][relative_slices(inside, box)].view()
-                into.shape = box_shape(own)  # drops the stacked axes; never a copy (raises instead)
+                into = self.buffers[box][relative_slices(inside, box)].reshape(
+                    box_shape(own), copy=False)  # drops the stacked axes; never a copy (raises instead)
                 write(transform.stored_box(own), own, into)
 
             host_map(fill, list(parts.items()))

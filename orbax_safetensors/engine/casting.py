@@ -77,7 +77,8 @@ def apply_cast(values: np.ndarray, cast: Cast) -> np.ndarray:
         return values
     if cast.check is not None:
         cast.check(values)
-    return values.astype(cast.to)
+    with np.errstate(over="ignore", invalid="ignore"):  # checked above, or asked for (unsafe)
+        return values.astype(cast.to)
 
 
 def refuse_casts(refused: Iterable[str]) -> None:

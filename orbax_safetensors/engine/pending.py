@@ -58,8 +58,14 @@ class SaveFuture(concurrent.futures.Future):
         self._was_read = False
 
     def run_in(self, thread: threading.Thread) -> None:
+        """The save runs on ``thread``; where no thread can be started (the interpreter is
+        exiting), it runs here and is done when this returns."""
         self._thread = thread
-        thread.start()
+        try:
+            thread.start()
+        except RuntimeError:  # "can't create new thread at interpreter shutdown"
+            self._thread = None
+            thread.run()
 
     def result(self, timeout: float | None = None) -> Any:
         self._read()

@@ -34,12 +34,15 @@ import time
 import uuid
 from typing import Protocol
 
+import jax
+
 from orbax_safetensors.engine import catalog, write
 from orbax_safetensors.engine.coordination import Peers
 from orbax_safetensors.engine.operation import Operation
 from orbax_safetensors.engine.pending import SaveFuture
 from orbax_safetensors.errors import DistributedError, LocationTakenError, ProcessFailure
 from orbax_safetensors.storage import Location
+from orbax_safetensors.storage import executor
 from orbax_safetensors.storage.commit import Commit
 
 _LOG = logging.getLogger("orbax_safetensors")
@@ -170,7 +173,15 @@ class WriteSession:
 
     def start(self) -> SaveFuture:
         """``run`` on a background thread (not a daemon: the interpreter waits for it at
-        exit); the future gives the stats or the error (``engine.pending``)."""
+        exit); the future gives the stats or the error (``engine.pending``).
+
+        The last ``async_save`` of a script runs while the interpreter exits, when Python
+        3.12.0 and 3.12.1 start no thread. So what the session would start a thread for is
+        started here, in the caller's thread: the JAX backend (whose start starts one) and
+        idle workers for its writes (``executor.reserve``).
+        """
+        jax.process_index()
+        executor.reserve(write.WRITE_THREADS)
         future = SaveFuture(self.operation.where, self.operation.cancel)
         future.run_in(threading.Thread(target=self._run_into, args=(future,),
                                        name="orbax_safetensors-save"))

@@ -63,17 +63,21 @@ class StagingPool:
         self._lock = threading.Lock()
 
     def take(self, sizes: Sequence[int]) -> list[np.ndarray]:
-        """Buffers of ``sizes`` bytes, 64-byte aligned, from one arena: the smallest free one
-        that fits, else a new one (free arenas too small for it are let go first, while the
-        pool would otherwise hold more than ``capacity``)."""
+        """Buffers of ``sizes`` bytes, 64-byte aligned, from one arena: a free one of exactly
+        its size, else a new one (free arenas of other sizes are let go first, the largest
+        first, while the pool would otherwise hold more than ``capacity``).
+
+        Never a bigger free arena: the caller's budget counts the bytes asked for, so a
+        small job lent a big arena would leave the next job none, and the pool would grow
+        past ``capacity`` by the difference."""
         total = arena_size(footprint(sizes))
         with self._lock:
             self._free.sort(key=lambda a: a.size)  # numpy arrays: found by place, never by ==
-            at = next((k for k, a in enumerate(self._free) if a.size >= total), None)
+            at = next((k for k, a in enumerate(self._free) if a.size == total), None)
             arena = None if at is None else self._free.pop(at)
             dropped = []
             while arena is None and self._free and self._held + total > self.capacity:
-                dropped.append(self._free.pop())  # the largest, all too small
+                dropped.append(self._free.pop())  # the largest
                 self._held -= dropped[-1].size
             if arena is None:
                 self._held += total

@@ -63,7 +63,7 @@ from orbax_safetensors.storage import Replayable, Storage, StorageError
 from orbax_safetensors.storage.commit import Commit
 
 WRITE_CHUNK_BYTES = 64 << 20  # the largest single write request
-_WRITE_THREADS = 8
+WRITE_THREADS = 8
 _MAX_OBJECTS_PER_FILE = 64  # beyond this a process packs its small ranges of a file into one object
 _SMALL_OBJECT = 4 << 20  # an object smaller than this costs more in requests than it moves
 _VIEWS_PER_WRITE = 1024  # buffers per pwritev (Linux's IOV_MAX)
@@ -264,7 +264,7 @@ class InPlace(Strategy):
         files = sorted({name for name, _ in self.owned})
 
         def write_all() -> None:
-            with op.executor(_WRITE_THREADS, "orbax_safetensors-write") as pool:
+            with op.executor(WRITE_THREADS, "orbax_safetensors-write") as pool:
                 writes = []
                 for name, request in ((n, r) for n, transfers in self.owned for r in transfers):
                     if any(f.done() and f.exception() for f in writes):
@@ -279,7 +279,7 @@ class InPlace(Strategy):
         headers, file_crcs = _gather_checksums(op, checksums, discard)
 
         def rewrite_headers() -> None:
-            with op.executor(_WRITE_THREADS, "orbax_safetensors-headers") as pool:
+            with op.executor(WRITE_THREADS, "orbax_safetensors-headers") as pool:
                 pool.wait([pool.submit(self._rewrite, storage, commit.temporary(name), header)
                            for name, header in headers.items()])
 
@@ -327,7 +327,7 @@ class InParts(Strategy):
         def upload_all() -> None:
             for item in last:  # uploaded once the headers are final; summed now
                 checksums.add(item.file, item.key, views(item))
-            with op.executor(_WRITE_THREADS, "orbax_safetensors-upload") as pool:
+            with op.executor(WRITE_THREADS, "orbax_safetensors-upload") as pool:
                 pool.wait([pool.submit(self._counted, checksums, item, views, upload) for item in now])
 
         own_parts = sorted({commit.part(u.file, u.key) for u in self.uploads})
@@ -341,14 +341,14 @@ class InParts(Strategy):
 
         def assemble() -> None:
             try:
-                with op.executor(_WRITE_THREADS, "orbax_safetensors-upload") as pool:
+                with op.executor(WRITE_THREADS, "orbax_safetensors-upload") as pool:
                     pool.wait([pool.submit(upload, item) for item in last])
                 self._assemble(op, commit, every)
             except BaseException:
                 storage.discard(part_objects)
                 commit.discard(names)
                 raise
-            with op.executor(_WRITE_THREADS, "orbax_safetensors-cleanup") as pool:
+            with op.executor(WRITE_THREADS, "orbax_safetensors-cleanup") as pool:
                 pool.map(storage.remove, part_objects)
 
         op.on_primary("merged", assemble)
@@ -516,7 +516,7 @@ def check_stored(storage: Storage, paths: dict[str, int]) -> None:
                                f"{stored:#010x}, ours {paths[path]:#010x}); nothing was committed",
                                url=path, code=errno.EIO)
 
-    with Executor(_WRITE_THREADS, name="orbax_safetensors-check") as pool:
+    with Executor(WRITE_THREADS, name="orbax_safetensors-check") as pool:
         pool.map(check, paths)
 
 

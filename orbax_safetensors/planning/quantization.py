@@ -291,7 +291,7 @@ class Quantized:
             x[..., :head] *= s[..., :1]
         if tail > head:
             whole = x[..., head:tail]
-            whole.shape = whole.shape[:-1] + ((tail - head) // b, b)
+            whole = whole.reshape(whole.shape[:-1] + ((tail - head) // b, b), copy=False)
             first = (a + head) // b - first_block
             whole *= s[..., first:first + whole.shape[-2], None]
         if c - a > tail >= head:
@@ -301,7 +301,8 @@ class Quantized:
         """The e2m1 pairs of ``raw`` times ``2 ** (exponent - 127)``, cut to ``values``'s last axis."""
         pairs = _E2M1_PAIRS[raw.view(np.uint8)]
         decoded = pairs.view(np.float32)  # [..., group // 2 * 2]: low nibble, high nibble, ...
-        decoded *= np.ldexp(np.float32(1), exponents.view(np.uint8).astype(np.int32) - 127)[..., None]
+        with np.errstate(over="ignore"):  # exponents past float32's are inf, as the reference decodes them
+            decoded *= np.ldexp(np.float32(1), exponents.view(np.uint8).astype(np.int32) - 127)[..., None]
         flat = decoded.reshape(decoded.shape[:-2] + (-1,))
         (a, c), first = values[-1], (values[-1][0] // self.scheme.group) * self.scheme.group
         return flat[..., a - first:c - first]
