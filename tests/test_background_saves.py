@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 import orbax_safetensors as ost
+from tests.object_stores import object_store_server, storage_options
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -78,6 +79,41 @@ def test_a_save_pending_when_the_script_ends_is_committed(tmp_path, ending, stat
         np.testing.assert_array_equal(loaded[name], value, err_msg=name)
     assert not [n for n in os.listdir(path) if n.startswith(".")]  # no temporary, no lock left
     assert "orbax_safetensors" not in finished.stderr
+
+
+# Connections are looked up each time (no cache) and closed once idle (a millisecond): a save
+# that goes on after the script's end opens new ones, each with a lookup.
+_S3_SCRIPT = textwrap.dedent("""
+    import tests.exit_without_threads
+    import sys
+    import numpy as np
+    import orbax_safetensors as ost
+
+    url, endpoint = sys.argv[1], sys.argv[2]
+    options = {"endpoint_url": endpoint, "key": "test", "secret": "test",
+               "config_kwargs": {"connector_args": {"use_dns_cache": False, "keepalive_timeout": 0.001}}}
+    ost.async_save(url, {f"w{i}": np.full(4096, 2.0 + i, np.float32) for i in range(4)},
+                   storage_options=options, max_shard_size=20_000)
+    print("returned", flush=True)
+""")
+
+
+@pytest.mark.slow  # an S3 server (moto)
+def test_a_save_to_s3_pending_when_the_script_ends_still_looks_hosts_up(tmp_path):
+    """aiohttp looks host names up on its event loop's default executor; asyncio's refuses work
+    once the interpreter exits. Before, such a save failed at its first new connection after the
+    script's end ("cannot schedule new futures after shutdown", said at exit, status 1) and its
+    checkpoint was lost: with aiohttp's cache of lookups (10 s), any upload longer than that."""
+    with object_store_server("s3") as (bucket, env):
+        options = storage_options(env, "s3")
+        endpoint = options["endpoint_url"].replace("127.0.0.1", "localhost")
+        env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        finished = subprocess.run([sys.executable, "-c", _S3_SCRIPT, f"{bucket}/ck", endpoint],
+                                  capture_output=True, text=True, timeout=120, env=env)
+        assert finished.returncode == 0, finished.stderr[-3000:]
+        loaded = ost.load(f"{bucket}/ck", storage_options=options)
+    for name, value in _expected(2.0).items():
+        np.testing.assert_array_equal(loaded[name], value, err_msg=name)
 
 
 def test_a_save_that_fails_with_nobody_waiting_is_said_at_exit_with_status_1(tmp_path):

@@ -129,7 +129,8 @@ def _placed(layout: Layout, mesh: Mesh | None, name: str, shape: tuple[int, ...]
         if mesh is None:
             raise ArgumentError(f"{name}: a PartitionSpec needs a mesh (pass mesh=)")
         if len(layout) > len(shape):
-            raise ArgumentError(f"{name}: {layout} has {len(layout)} axes, the tensor {len(shape)}")
+            spec = ", ".join(map(repr, layout))  # as JAX 0.10+ prints it, whichever JAX this is
+            raise ArgumentError(f"{name}: P({spec}) has {len(layout)} axes, the tensor {len(shape)}")
         layout = NamedSharding(mesh, layout)
     if layout is None:
         return None

@@ -8,15 +8,19 @@ marker last, which the engine does for every backend alike.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import datetime
+import functools
 import json
 import logging
 import posixpath
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import BinaryIO, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 import fsspec
 
@@ -25,6 +29,7 @@ from orbax_safetensors.format.checksums import crc32c
 from orbax_safetensors.index import decode_crc, encode_crc
 from orbax_safetensors.storage import retry
 from orbax_safetensors.storage.base import Capabilities, Replayable, Storage
+from orbax_safetensors.storage.executor import Executor
 
 T = TypeVar("T")
 
@@ -34,6 +39,7 @@ _S3_SINGLE_PUT = 100 << 20  # s3fs sends less than this as one PUT (which can ca
 _READ_BLOCK = 16 << 20  # buffered sequential reads
 _LOCK_REFRESH = 20.0  # seconds between rewrites of a held lock
 _LOCK_STALE = 120.0  # a lock not rewritten for this long belongs to a dead writer
+_LOOKUP_THREADS = 4  # host name lookups of an async filesystem at once
 _LOG = logging.getLogger("orbax_safetensors")
 _EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
 
@@ -42,9 +48,47 @@ _OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
 _MERGING_STORES = frozenset({"s3", "s3a", "gs", "gcs"})  # server-side compose / multipart copy
 
 
+class _LoopExecutor(concurrent.futures.ThreadPoolExecutor):
+    """The default executor of an async filesystem's event loop: where aiohttp looks host names
+    up (``loop.getaddrinfo``) for s3fs and gcsfs.
+
+    asyncio's own is a ``ThreadPoolExecutor``, which refuses work once the interpreter begins
+    to exit: an ``async_save`` still uploading when its script ended failed as soon as a new
+    connection needed a lookup (aiohttp keeps them 10 s), and its checkpoint was lost. This
+    one runs them on the engine's pool, which takes work while the interpreter exits.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(max_workers=1)  # starts no thread: every task goes to the pool below
+        self._pool = Executor(_LOOKUP_THREADS, name="orbax_safetensors-lookup")
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[T]:
+        return self._pool.submit(functools.partial(fn, *args, **kwargs))
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Nothing to stop: the pool's workers wait for the engine's next tasks."""
+
+
+_loops_served: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
+_loops_lock = threading.Lock()
+
+
+def _serve_lookups(fs: fsspec.AbstractFileSystem) -> None:
+    """Gives ``fs``'s event loop (fsspec's own, shared by its async filesystems) a
+    ``_LoopExecutor``, once."""
+    loop = getattr(fs, "loop", None) if getattr(fs, "async_impl", False) else None
+    if loop is None:
+        return
+    with _loops_lock:
+        if loop not in _loops_served:
+            loop.set_default_executor(_LoopExecutor())
+            _loops_served.add(loop)
+
+
 class FsspecStorage(Storage):
 
     def __init__(self, fs: fsspec.AbstractFileSystem, retries: retry.RetryPolicy = retry.RetryPolicy()):
+        _serve_lookups(fs)
         self.fs = fs
         self.retries = retries
         # Sizes of the files, and the directories, seen by the last listing of each directory
