@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import traceback
+import warnings
 
 
 def _load_target(target: str):
@@ -30,6 +31,10 @@ def _load_target(target: str):
 
 def main(argv: list[str]) -> int:
     config = json.loads(argv[1])
+    # pyproject.toml's filterwarnings, which pytest applies to its own process only: what a newer
+    # JAX, NumPy or Orbax deprecates in our code fails here too.
+    for category in (DeprecationWarning, PendingDeprecationWarning, FutureWarning):
+        warnings.filterwarnings("error", category=category, module="orbax_safetensors")
     # The parent sends SIGUSR1 before killing a timed-out group, so the stack
     # of every thread (i.e. where it hung) ends up in stderr.
     faulthandler.register(signal.SIGUSR1, all_threads=True)

@@ -340,9 +340,9 @@ def test_layout_loads_a_transformers_checkpoint(tmp_path):
 
 
 def test_version_guard_names_the_supported_range():
-    for version in ("0.11.40", "0.12.0", "0.12.8"):
+    for version in ("0.12.5", "0.12.8"):
         check_orbax_version(version)
-    for version in ("0.11.39", "0.10.2", "0.13.0", "0.13.0rc1", "1.0.0"):
+    for version in ("0.12.4", "0.11.40", "0.10.2", "0.13.0", "0.13.0rc1", "1.0.0"):
         with pytest.raises(UnsupportedOrbaxError, match=SUPPORTED_RANGE.replace(".", r"\.")):
             check_orbax_version(version)
 

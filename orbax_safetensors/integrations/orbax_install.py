@@ -1,6 +1,6 @@
 """``install_orbax_layout``: Orbax's own v1 safetensors entry points load through ours.
 
-Orbax (0.11.40 to 0.12.x) has no registry of layouts: ``CheckpointLayout.SAFETENSORS``
+Orbax (0.12.5 to 0.12.x) has no registry of layouts: ``CheckpointLayout.SAFETENSORS``
 is resolved by ``layout/registry.py``'s ``get_layout_class``, at every call, to the
 class its ``safetensors_layout`` module names ``SafetensorsLayout``. Installing
 rebinds that one name to ``ost.SafetensorsLayout``, so every caller that asks Orbax

@@ -16,9 +16,9 @@ import re
 
 from orbax_safetensors.errors import Error
 
-MINIMUM = (0, 11, 40)
+MINIMUM = (0, 12, 5)  # older ones lack the v1 API the layout implements (ocp.v1.save, load)
 BELOW = (0, 13, 0)
-SUPPORTED_RANGE = ">=0.11.40,<0.13"
+SUPPORTED_RANGE = ">=0.12.5,<0.13"
 
 
 class UnsupportedOrbaxError(Error, ImportError):
