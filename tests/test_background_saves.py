@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -40,7 +41,7 @@ _SCRIPT = textwrap.dedent("""
     path, ending, value = sys.argv[1], sys.argv[2], float(sys.argv[3])
     real = LocalStorage.write_at
     def slow(self, *args):
-        time.sleep(0.3)
+        time.sleep(2.0 if ending == "interrupted" else 0.3)
         return real(self, *args)
     LocalStorage.write_at = slow
     if ending == "fails":
@@ -57,10 +58,12 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
+_ENV = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
 def _run(path, ending: str, value: float) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     return subprocess.run([sys.executable, "-c", _SCRIPT, str(path), ending, str(value)],
-                          capture_output=True, text=True, timeout=120, env=env)
+                          capture_output=True, text=True, timeout=120, env=_ENV)
 
 
 def _expected(value: float) -> dict[str, np.ndarray]:
@@ -114,6 +117,26 @@ def test_a_save_to_s3_pending_when_the_script_ends_still_looks_hosts_up(tmp_path
         loaded = ost.load(f"{bucket}/ck", storage_options=options)
     for name, value in _expected(2.0).items():
         np.testing.assert_array_equal(loaded[name], value, err_msg=name)
+
+
+def test_ctrl_c_while_the_script_exits_rolls_the_save_back_and_says_so(tmp_path):
+    """The interrupt ends the interpreter's wait for the writer. Before, the writer was cut off
+    when the process ended: exit status 0, nothing said, temporaries and the lock left beside
+    the old checkpoint."""
+    path = tmp_path / "ckpt"
+    ost.save(path, _expected(1.0))
+    child = subprocess.Popen([sys.executable, "-c", _SCRIPT, str(path), "interrupted", "2.0"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_ENV)
+    assert child.stdout.readline() == "returned\n"
+    time.sleep(0.5)  # the script has ended: the interpreter waits for the writes (2 s each)
+    child.send_signal(signal.SIGINT)
+    _, stderr = child.communicate(timeout=60)
+    assert child.returncode == 130, stderr
+    assert f"async_save to {path} was interrupted while the script exited; nothing was committed" in stderr
+    loaded = ost.load(path)  # the old checkpoint, whole
+    for name, value in _expected(1.0).items():
+        np.testing.assert_array_equal(loaded[name], value, err_msg=name)
+    assert os.listdir(path) == ["model.safetensors"]  # no temporary, no lock left
 
 
 def test_a_save_that_fails_with_nobody_waiting_is_said_at_exit_with_status_1(tmp_path):

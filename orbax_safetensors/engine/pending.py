@@ -1,16 +1,24 @@
 """Background saves: what their futures promise when nobody waits, is cancelled, or exits.
 
 ``async_save`` returns a ``SaveFuture`` while a thread writes and commits.
-Three promises hold however the caller treats it:
+Four promises hold however the caller treats it:
 
 * **The end of a script does not lose it.** The writer is not a daemon, so the
   interpreter waits for it at exit, and the engine's pools keep their own
-  threads (``concurrent.futures``' pools refuse work once exit begins). A
-  final ``async_save`` of a training script commits.
+  threads, started before ``async_save`` returns (``concurrent.futures``'
+  pools refuse work once exit begins; Python 3.12.0 and 3.12.1 start no thread
+  then: ``storage.executor``). A final ``async_save`` of a training script
+  commits.
 * **A failure nobody read is said.** If the save failed and nothing asked its
   future for the outcome, the interpreter's exit prints the error on stderr and
   ends with status 1 instead of 0: a lost checkpoint is never silent. Saves
   that others commit (Orbax's steps) use the same report (``watch_at_exit``).
+* **Ctrl-C while the script exits stops the save cleanly.** The interrupt ends
+  the interpreter's wait for the writer, not the writer: left alone, it would
+  be cut off mid-write when the process ends, its temporaries and lock left
+  behind and nothing said. The exit stops it as ``cancel()`` does (rolled back,
+  the old checkpoint untouched), says so, and ends with status 130, as an
+  interrupted program does; one past its commit point is let finish.
 * **``cancel()`` means it.** On a save still writing, ``cancel`` stops the
   writers, waits for them to roll back (temporaries removed, the old
   checkpoint untouched) and returns True; once the commit point is passed it
@@ -32,6 +40,7 @@ from typing import Any
 # when, by the time the interpreter exits, nothing was lost after all.
 _watched: dict[Any, Callable[[], str | None]] = {}
 _watched_lock = threading.Lock()
+_writing: set[SaveFuture] = set()  # saves whose writer has not finished
 
 
 def watch_at_exit(key: Any, lost: Callable[[], str | None]) -> None:
@@ -61,6 +70,8 @@ class SaveFuture(concurrent.futures.Future):
         """The save runs on ``thread``; where no thread can be started (the interpreter is
         exiting), it runs here and is done when this returns."""
         self._thread = thread
+        with _watched_lock:
+            _writing.add(self)
         try:
             thread.start()
         except RuntimeError:  # "can't create new thread at interpreter shutdown"
@@ -95,6 +106,8 @@ class SaveFuture(concurrent.futures.Future):
 
     def finish(self, result: Any = None, error: BaseException | None = None) -> None:
         """The writer's outcome (not set when the save was cancelled: the future is)."""
+        with _watched_lock:
+            _writing.discard(self)
         if self._stopping:
             return
         if error is None:
@@ -113,15 +126,32 @@ class SaveFuture(concurrent.futures.Future):
             _watched.pop(id(self), None)
 
 
-def _report_unread() -> None:
-    """At exit, after the writers have finished: saves lost with nobody told, said, and exit
-    status 1."""
+def _stop_interrupted() -> list[str]:
+    """At exit, the saves still writing: the interpreter's wait for them was interrupted (it
+    waits for every writer otherwise). Each is stopped and rolled back, or, past its commit
+    point, let finish; what to say of those that committed nothing."""
+    with _watched_lock:
+        writing = list(_writing)
+    said = []
+    for future in writing:
+        if future.cancel():
+            said.append(f"async_save to {future.where} was interrupted while the script exited; "
+                        "nothing was committed there")
+        else:
+            concurrent.futures.wait([future])
+    return said
+
+
+def _report_at_exit() -> None:
+    """At exit, after the interpreter waited for the writers: saves lost with nobody told, said,
+    and exit status 1; 130 where a save was interrupted (``_stop_interrupted``)."""
+    interrupted = _stop_interrupted()
     with _watched_lock:
         watched = list(_watched.values())
     lost = [line for line in (describe() for describe in watched) if line is not None]
-    if not lost:
+    if not lost and not interrupted:
         return
-    for line in lost:
+    for line in interrupted + lost:
         print(f"orbax_safetensors: {line}", file=sys.stderr)
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
@@ -129,7 +159,7 @@ def _report_unread() -> None:
             stream.flush()
         except (OSError, ValueError):
             pass
-    os._exit(1)
+    os._exit(130 if interrupted else 1)
 
 
-atexit.register(_report_unread)
+atexit.register(_report_at_exit)

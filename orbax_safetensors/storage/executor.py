@@ -55,6 +55,7 @@ class _Worker(threading.Thread):
         while True:
             pool, self.name = self._next.get()
             pool.work()
+            del pool  # an idle worker keeps no pool alive
             self.name = "orbax_safetensors-idle"
             self._crew.rest(self)
 
