@@ -283,3 +283,146 @@ def test_solo_calls_between_manager_saves_never_shift_the_next_collective_one(mu
     for result in results:
         assert result.value["raised"] is None, result.value
         assert result.value["seconds"] < 4 * _PROMPT, result.value
+
+
+# Arguments that shape what is written, different on one process: every collective operation
+# refuses before writing, on every process, naming the argument.
+
+def _child_different_arguments(args):
+    import orbax.checkpoint as ocp
+
+    root, me, tree = args["root"], jax.process_index(), _global(_values())
+    cases = {
+        # HF -> Orbax: the budget sets the chunk grid each process writes its share of.
+        "convert-to-orbax memory_budget": lambda: ost.convert(
+            args["hf"], f"{root}/budget", memory_budget=["4MB", "8MB"][me]),
+        "convert-to-orbax nest": lambda: ost.convert(args["hf"], f"{root}/nest", nest=me == 0),
+        "convert-to-hf max_shard_size": lambda: ost.convert(
+            args["orbax"], f"{root}/to-hf", max_shard_size=["600KB", "2MB"][me]),
+        "consolidate metadata": lambda: ost.consolidate(
+            args["dist"], f"{root}/consolidated", metadata={"host": str(me)}),
+        "save metadata": lambda: ost.save(f"{root}/saved", tree, metadata={"host": str(me)}),
+        "async_save checksums": lambda: ost.async_save(f"{root}/async", tree, checksums=me == 0).result(),
+        "orbax handler max_shard_size": lambda: ocp.Checkpointer(ost.SafetensorsCheckpointHandler()).save(
+            f"{root}/handler", args=ost.SafetensorsSave(tree, max_shard_size=["600KB", "2MB"][me])),
+    }
+    outcomes = {name: _outcome(call) for name, call in cases.items()}
+    written = [os.path.join(d, f) for d, _, files in os.walk(root) for f in files]
+    # Budgets that differ but set the same chunks are no difference; the keys stayed in step.
+    after = _outcome(lambda: ost.convert(args["hf"], f"{root}/after", memory_budget=["4MB", "5MB"][me],
+                                         block_bytes="64KB"))
+    return {"cases": outcomes, "written": written, "after": after}
+
+
+def test_processes_passing_different_arguments_all_refuse_naming_it_before_writing(multiprocess, tmp_path):
+    """Was: a conversion to Orbax with a budget (or dtype) of each host's own committed a
+    checkpoint Orbax could not restore (``chunk {0, 0, 0} is missing``), both processes
+    returning stats; consolidate compared nothing either."""
+    hf, orbax, dist, root = (str(tmp_path / name) for name in ("hf", "orbax", "dist", "out"))
+    ost.save(hf, _values())
+    ost.convert(hf, orbax)
+    ost.save(dist, _values(), layout="distributed")
+    os.makedirs(root)
+    results = multiprocess(f"{_MODULE}:_child_different_arguments", num_processes=2, devices_per_process=4,
+                           timeout=300, args={"root": root, "hf": hf, "orbax": orbax, "dist": dist})
+    named = {"memory_budget": "block_bytes=", "nest": "nest=", "max_shard_size": "max_shard_size=",
+             "metadata": "metadata=", "checksums": "checksums="}
+    for result in results:
+        for case, outcome in result.value["cases"].items():
+            assert outcome["raised"] == "ArgumentError", (result.process_id, case, outcome)
+            assert "the processes passed different" in outcome["message"], (case, outcome)
+            assert named[case.split()[-1]] in outcome["message"], (case, outcome)
+            assert "process 0:" in outcome["message"] and "process 1:" in outcome["message"], outcome
+        # Not a byte, not a lock; only what Orbax's Checkpointer writes before it calls a handler.
+        assert [os.path.relpath(f, root) for f in result.value["written"]] == [
+            os.path.join("handler.orbax-checkpoint-tmp", "_CHECKPOINT_METADATA")], result.value["written"]
+        assert result.value["after"]["raised"] is None, result.value["after"]
+
+
+# A process that fails stops the others within about a second, however much of their share is
+# left: in every long loop. Process 0 is slowed (each of its reads or writes takes 0.3 s, one
+# at a time) so that finishing its share would take a minute; process 1 fails at its first.
+
+_SLOW_S = 0.3
+
+
+def _slowed_on_0_failing_on_1(owner, name: str):
+    """Patches ``owner.name``: process 0 slow and serial, process 1 failing with EIO; undone on
+    exit."""
+    import contextlib
+    import errno
+    import threading
+
+    real, gate = getattr(owner, name), threading.Lock()
+
+    def patched(self, *args, **kwargs):
+        if jax.process_index() == 1:
+            raise OSError(errno.EIO, os.strerror(errno.EIO), "the disk of process 1")
+        with gate:
+            time.sleep(_SLOW_S)
+        return real(self, *args, **kwargs)
+
+    @contextlib.contextmanager
+    def patching():
+        setattr(owner, name, patched)
+        try:
+            yield
+        finally:
+            setattr(owner, name, real)
+
+    return patching()
+
+
+def _many() -> dict[str, np.ndarray]:
+    """200 tensors of 64 KB: every loop below has at least 100 steps on each process."""
+    rng = np.random.default_rng(1)
+    return {f"layers.{i}.w": rng.standard_normal((64, 256)).astype(np.float32) for i in range(200)}
+
+
+def _child_one_fails_the_rest_stop(args):
+    from orbax_safetensors.integrations.orbax_blocks import OrbaxBlocks
+    from orbax_safetensors.storage.local import LocalSnapshot, LocalStorage
+
+    root, out = args["root"], args["out"]
+    sharding = NamedSharding(_mesh(), P("x"))
+    target = {name: jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
+              for name, value in _many().items()}
+    tree = {name: jax.make_array_from_callback(v.shape, sharding, lambda i, v=v: v[i])
+            for name, v in _many().items()}
+    cases = {
+        "convert-to-orbax": (LocalSnapshot, "read_scatter", lambda: ost.convert(
+            f"{root}/hf", f"{out}/orbax", block_bytes="8KB")),
+        "convert-to-hf": (OrbaxBlocks, "read_block", lambda: ost.convert(
+            f"{root}/orbax", f"{out}/hf", block_bytes="8KB", max_shard_size="1MB")),
+        "consolidate": (LocalSnapshot, "read_scatter", lambda: ost.consolidate(
+            f"{root}/dist", f"{out}/consolidated", block_bytes="8KB", max_shard_size="1MB")),
+        "save": (LocalStorage, "write_at", lambda: ost.save(f"{out}/saved", tree)),
+        "load": (LocalSnapshot, "read_scatter", lambda: ost.load(
+            f"{root}/hf", target, options=ost.ReadOptions(max_gap=0, replicated_read_once=False))),
+    }
+    outcomes = {}
+    for case, (owner, name, call) in cases.items():
+        with _slowed_on_0_failing_on_1(owner, name):
+            outcomes[case] = _outcome(call)
+    return outcomes
+
+
+def test_a_process_failing_at_its_first_step_stops_the_others_within_seconds(multiprocess, tmp_path):
+    """Was: the survivor finished its whole share before it looked (a conversion to Orbax:
+    13 s of a 145 MB model after its peer failed at 0.6 s), and the failed process could
+    not exit before it (JAX's shutdown waits for every process). Here a whole share takes
+    process 0 at least 100 x 0.3 s; the bound is far below that and far above a prompt stop
+    (about 0.25 s: ``Peers.check``)."""
+    root, out = tmp_path / "in", tmp_path / "out"
+    ost.save(root / "hf", _many(), max_shard_size="1MB")
+    ost.convert(root / "hf", root / "orbax", block_bytes="8KB")
+    ost.save(root / "dist", _many(), layout="distributed")
+    results = multiprocess(f"{_MODULE}:_child_one_fails_the_rest_stop", num_processes=2,
+                           devices_per_process=4, timeout=600, args={"root": str(root), "out": str(out)})
+    failed, survivor = results[1].value, results[0].value
+    print({case: (round(survivor[case]["seconds"], 2), round(failed[case]["seconds"], 2)) for case in survivor})
+    for case, outcome in survivor.items():
+        assert failed[case]["raised"] is not None, (case, failed[case])
+        assert outcome["raised"] == "PeerFailedError" and "process 1" in outcome["message"], (case, outcome)
+        assert outcome["seconds"] < 10 and failed[case]["seconds"] < 10, (case, outcome, failed[case])
+    assert not out.exists() or not [f for _, _, files in os.walk(out) for f in files]

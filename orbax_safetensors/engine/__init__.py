@@ -7,7 +7,7 @@ nothing else from the engine.
 
 from orbax_safetensors.engine.catalog import Checkpoint, Layout, detect_layout, open_checkpoint
 from orbax_safetensors.engine.consolidate import BlockSource, CheckpointBlocks, consolidate, write_blocks
-from orbax_safetensors.engine.coordination import Peers
+from orbax_safetensors.engine.coordination import Peers, describe_arguments, describe_spec
 from orbax_safetensors.engine.load import (
     CheckpointMetadata,
     async_load,
@@ -43,5 +43,5 @@ __all__ = [
     "format_bytes", "format_seconds", "metadata_of", "open_checkpoint", "prepare_save",
     "summary_line", "unwatch", "watch_at_exit", "write_blocks",
     "DEFAULT_BLOCK_BYTES", "DEFAULT_MAX_SHARD_SIZE", "DEFAULT_MEMORY_BUDGET", "WriteSession",
-    "Operation", "Peers", "StoredBlocks", "TreeBlocks",
+    "Operation", "Peers", "StoredBlocks", "TreeBlocks", "describe_arguments", "describe_spec",
 ]

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from orbax_safetensors.engine import catalog, write
-from orbax_safetensors.engine.coordination import Peers
+from orbax_safetensors.engine.coordination import Peers, describe_arguments, describe_spec
 from orbax_safetensors.engine.integrity import Verifier
 from orbax_safetensors.engine.operation import Operation
 from orbax_safetensors.engine.progress import Progress
@@ -164,6 +164,12 @@ def write_blocks(location: Location, source: BlockSource, options: StreamOptions
     plan = plan_hf_checkpoint(source.specs, max_shard_size=options.max_shard_size,
                               metadata=metadata, checksums=options.checksums)
     peers = Peers.collective("consolidate", location.url)
+    # Processes that planned from different arguments or sources would write each other's
+    # files with different contents: none starts. (``block_bytes`` only sizes each one's reads.)
+    peers.check_same("plan", describe_arguments(options, leave_out=("progress", "block_bytes"))
+                     + [f"tensor {describe_spec(spec)}" for spec in source.specs]
+                     + [f"metadata of the source={dict(sorted(source.metadata.items()))!r}"],
+                     "arguments or sources")
     commit = take_location(location, peers, overwrite=options.overwrite)
     mine = plan.files[jax.process_index()::jax.process_count()]  # shared out round-robin
     report = Progress(label, sum(t.nbytes for f in mine for t in f.tensors),

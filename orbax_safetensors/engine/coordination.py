@@ -18,7 +18,11 @@ Two rules keep processes from waiting on each other in vain:
   operation (``Peers.fail``) leaves its failure under the operation's key; every
   wait of the others looks there while it waits, and raises a
   ``PeerFailedError`` naming the process and its error within ``POLL_MS``, instead
-  of waiting for a key the failed process will never set. A peer that is
+  of waiting for a key the failed process will never set. Work is no wait:
+  every long loop (a save's writes, a load's reads, a conversion's chunks)
+  asks ``Peers.check`` per unit of work, so a survivor stops within about
+  ``POLL_MS`` however much of its share is left, rather than finishing hours
+  of work to learn at the next meeting that it was for nothing. A peer that is
   merely slow is waited for (up to ``TIMEOUT_S``), with a log line once the
   wait is long, naming who is awaited and where.
 """
@@ -26,13 +30,16 @@ Two rules keep processes from waiting on each other in vain:
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import hashlib
 import json
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from collections.abc import Mapping as MappingABC
+from typing import Any
 
 import jax
 
@@ -74,6 +81,8 @@ class Peers:
     def __init__(self, key: str | None, where: str):
         self.key, self.where = key, where
         self._failed = False
+        self._next_look = 0.0  # when ``check`` next asks the coordination service
+        self._look_lock = threading.Lock()
 
     @classmethod
     def local(cls, where: str) -> Peers:
@@ -163,6 +172,21 @@ class Peers:
         except Exception as e:  # the original error matters more
             _LOG.warning("%s: could not tell the other processes of this failure: %s", self.where, e)
 
+    def check(self) -> None:
+        """Raises ``PeerFailedError`` once another process has reported a failure. Called per
+        unit of work from any thread; it asks the coordination service at most once every
+        ``POLL_MS``, so calling it per chunk costs nothing measurable."""
+        if not self.is_collective:
+            return
+        now = time.monotonic()
+        with self._look_lock:
+            if now < self._next_look:
+                return
+            self._next_look = now + POLL_MS / 1000
+        failures = self.failures()
+        if failures:
+            raise PeerFailedError(f"{self.where}: another process failed", failures)
+
     def failures(self) -> dict[int, ProcessFailure]:
         """The failures other processes reported so far."""
         if not self.is_collective:
@@ -190,6 +214,23 @@ class Peers:
                 warned = True
                 _LOG.warning("%s: waiting %.0f s for process %d at %r (every process must call "
                              "this operation, in the same order)", self.where, waited, process, step)
+
+
+def describe_arguments(options: Any, *, leave_out: Collection[str] = ("progress",)) -> list[str]:
+    """A dataclass of options as processes compare them (``Peers.check_same``): a line per
+    field, ``name=value``, so the error names the first argument that differs. ``leave_out``:
+    what shapes nothing the processes write together (a progress line, a memory budget that
+    bounds only this process's buffers)."""
+    def plain(value: Any) -> str:  # a mapping's order is the caller's accident, not a difference
+        return repr(dict(sorted(value.items()))) if isinstance(value, MappingABC) else repr(value)
+
+    return [f"{field.name}={plain(getattr(options, field.name))}"
+            for field in dataclasses.fields(options) if field.name not in leave_out]
+
+
+def describe_spec(spec: Any) -> str:
+    """A tensor (a ``TensorSpec``) as processes compare it: name, dtype and shape."""
+    return f"{spec.name}: {spec.dtype.code}{list(spec.shape)}"
 
 
 def describe_sharding(sharding: jax.sharding.Sharding | None) -> str:

@@ -316,7 +316,8 @@ class _Loading:
     def _read(self, planned: _Planned) -> Any:
         """Executes one attempt's plan; the processes meet under the attempt's name."""
         result = execute_load(planned.plan, self.stats, progress=self.progress, cancelled=self.abandoned,
-                              meet=lambda step: self.peers.meet(f"{planned.attempt}/{step}"))
+                              meet=lambda step: self.peers.meet(f"{planned.attempt}/{step}"),
+                              check_peers=self.peers.check)
         self.stats.seconds += time.perf_counter() - self.started
         _LOG.debug("loaded %s: %s", self.location.url, self.stats)
         return result

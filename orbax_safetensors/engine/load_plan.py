@@ -95,14 +95,16 @@ def plan_load(checkpoint: Checkpoint, target: LoadTarget, policy: ReadPolicy) ->
 
 def execute_load(plan: LoadPlan, stats: LoadStats, *, progress: bool = False,
                  cancelled: threading.Event | None = None,
-                 meet: Callable[[str], None] = lambda step: None) -> Any:
+                 meet: Callable[[str], None] = lambda step: None,
+                 check_peers: Callable[[], None] = lambda: None) -> Any:
     """Runs ``plan``: what ``ost.load`` returns. ``progress``: a progress line (process 0);
-    ``cancelled`` and ``meet`` as ``read_execution.execute``'s."""
+    ``cancelled``, ``meet`` and ``check_peers`` as ``read_execution.execute``'s."""
     report = None
     if progress and jax.process_index() == 0:
         report = Progress(f"load {plan.checkpoint.survey.location.url}", plan.reads.nbytes, enabled=True).start()
     values = execute(plan.checkpoint.storage, plan.reads, plan.jobs, plan.policy, stats,
-                     cancelled=cancelled, progress=report, meet=meet)
+                     cancelled=cancelled, progress=report, meet=meet,
+                     check_peers=check_peers)
     if report is not None:
         report.close()
     return plan.result([_output(out, values) for out in plan.outputs])

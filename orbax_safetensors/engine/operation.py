@@ -60,7 +60,8 @@ class Operation:
     def at_commit_point(self) -> None:
         """Called right before the step that commits: from here on ``cancel`` fails."""
         with self._guard:
-            self.check_cancelled()
+            if self.cancelled.is_set():
+                raise KeyboardInterrupt("save cancelled")
             self.committing = True
 
     def wrote(self, nbytes: int) -> None:
@@ -68,9 +69,13 @@ class Operation:
         if self.progress is not None:
             self.progress.advance(nbytes)
 
-    def check_cancelled(self) -> None:
+    def check_going(self) -> None:
+        """Called per unit of work: ``KeyboardInterrupt`` once this operation is cancelled,
+        ``PeerFailedError`` once another process failed (``Peers.check``), so no process
+        writes the rest of its share for a checkpoint that will not be committed."""
         if self.cancelled.is_set():
             raise KeyboardInterrupt("save cancelled")
+        self.peers.check()
 
     def agree(self, step: str, error: BaseException | None,
               clean_up: Callable[[], None] = lambda: None) -> None:

@@ -107,20 +107,22 @@ def transfer(storage: Storage, file: str, request: Transfer, buffers: Sequence[n
 
 def execute(storage: Storage, plan: ReadPlan, jobs: Sequence[Job], policy: ReadPolicy, stats: LoadStats,
             *, cancelled: threading.Event | None = None, progress: Progress | None = None,
-            meet: Callable[[str], None] = lambda step: None) -> list[Any]:
+            meet: Callable[[str], None] = lambda step: None,
+            check_peers: Callable[[], None] = lambda: None) -> list[Any]:
     """Runs ``plan`` (of ``jobs``' reads, planned under ``policy``): every job's result, in job
     order; stops with ``KeyboardInterrupt`` once ``cancelled`` is set. Reads of the files
     ``policy.checksums`` holds are checked against them (``plan`` reads their blocks whole:
     ``plan_reads`` with their layouts). Before a ``collective`` job's device collective the
     processes ``meet``: one whose reads failed never leaves the others inside a collective it
-    will not enter."""
+    will not enter. Each batch and read first calls ``check_peers``, which raises once another
+    process failed: the survivors stop within a read, not at the end of their share."""
     stats.tensors += sum(job.tensors for job in jobs)
     stats.tensors_read_once += sum(j.reads.read_once for j in jobs)
     stats.tensors_resharded += sum(j.reads.resharded for j in jobs)
     stats.bytes_needed += sum(j.reads.needed for j in jobs)
     stats.files += len(plan.files)
     stats.checksum_overread += plan.padding
-    run = _Run(storage, jobs, policy, stats, progress, meet)
+    run = _Run(storage, jobs, policy, stats, progress, meet, check_peers)
     with Executor(policy.threads, name="orbax_safetensors-read", cancelled=cancelled) as run.reading, \
             Executor(1, name="orbax_safetensors-transfer", cancelled=cancelled) as transferring:
         finishing = []
@@ -129,6 +131,7 @@ def execute(storage: Storage, plan: ReadPlan, jobs: Sequence[Job], policy: ReadP
                 if any(f.done() and f.exception() for f in finishing):
                     break
                 run.reading.check_cancelled()
+                check_peers()
                 finishing.append(transferring.submit(run.finish, batch, *run.start(batch)))
             transferring.wait(finishing)
         except BaseException:
@@ -148,8 +151,9 @@ class _Run:
     reading: Executor  # the read threads, set by ``execute``
 
     def __init__(self, storage: Storage, jobs: Sequence[Job], policy: ReadPolicy, stats: LoadStats,
-                 progress: Progress | None, meet: Callable[[str], None]):
+                 progress: Progress | None, meet: Callable[[str], None], check_peers: Callable[[], None]):
         self.storage, self.jobs, self.stats, self.progress, self.meet = storage, jobs, stats, progress, meet
+        self.check_peers = check_peers
         self.budget = _Budget(policy.profile.memory_budget)
         self.pool = StagingPool(policy.profile.memory_budget,
                                 accelerator_clients(jax.local_devices()) if policy.pooled else ())
@@ -175,6 +179,7 @@ class _Run:
 
     def read(self, file: str, request: Transfer, buffers: Sequence[np.ndarray]) -> None:
         self.reading.check_cancelled()  # queued reads of a cancelled load end here, unread
+        self.check_peers()
         transfer(self.storage, file, request, buffers, self.verifier)
         with self._lock:
             self.stats.bytes_read += request.length

@@ -27,7 +27,12 @@ import numpy as np
 
 from orbax_safetensors.engine import write
 from orbax_safetensors.engine import host_shards
-from orbax_safetensors.engine.coordination import Peers, describe_sharding
+from orbax_safetensors.engine.coordination import (
+    Peers,
+    describe_arguments,
+    describe_sharding,
+    describe_spec,
+)
 from orbax_safetensors.engine.device_copies import HostCopies, prefetch_all
 from orbax_safetensors.engine.gc_pause import gc_paused
 from orbax_safetensors.engine.host_shards import HostShard, merge_shards, payload, whole_tensor
@@ -190,7 +195,8 @@ def prepare_save(location: Location, tree: Any, options: SaveOptions, *, copy: b
     # different trees or options would write different files over each other.
     if peers.is_collective:  # a line per leaf: described only where there are others to compare
         peers.check_same("tree", [_describe(spec, arrays[spec.name]) for spec in tree_specs]
-                         + [f"options {dataclasses.replace(options, progress=False, memory_budget=DEFAULT_SAVE_BUDGET)!r}"], "the tree or options")
+                         + describe_arguments(options, leave_out=("progress", "memory_budget")),
+                         "the tree or options")
     commit = take_location(location, peers, overwrite=options.overwrite, fresh=new_directory)
     try:
         shards, resharded = host_shards.copy_to_host(
@@ -226,7 +232,7 @@ def _describe(spec: TensorSpec, array: Any) -> str:
     """A leaf as the processes compare it before a save: name, dtype, shape, and the sharding
     of a global array (data of one process alone is process 0's to write, whatever others hold)."""
     sharding = None if not isinstance(array, jax.Array) or array.is_fully_addressable else array.sharding
-    return f"{spec.name}: {spec.dtype.code}{list(spec.shape)} {describe_sharding(sharding)}"
+    return f"{describe_spec(spec)} {describe_sharding(sharding)}"
 
 
 def check_tree(tree: Any, layout: str = "hf") -> tuple[dict[str, Any], list[TensorSpec]]:

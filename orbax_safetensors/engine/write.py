@@ -232,7 +232,7 @@ class InPlace(Strategy):
             storage.makedirs(commit.directory)
             commit.begin(names)
             for file in self.plan.files:
-                op.check_cancelled()
+                op.check_going()
                 storage.create_sized(commit.temporary(file.name), file.size, file.header)
 
         op.on_primary("created", create, lambda: commit.discard(names))
@@ -251,7 +251,7 @@ class InPlace(Strategy):
             # and a memoryview per run for a whole 64 MB range costs more than its bytes.
             offset, segments = request.offset, list(request.segments)
             for start in range(0, len(segments), _VIEWS_PER_WRITE):
-                op.check_cancelled()
+                op.check_going()
                 these = segments[start:start + _VIEWS_PER_WRITE]
                 batch = _views(these, payloads)
                 checksums.add(file_name, offset, batch)
@@ -319,7 +319,7 @@ class InParts(Strategy):
             return [v for r in item.ranges for v in _views(r.segments, payloads, headers.get(item.file, b""))]
 
         def upload(item: Upload) -> None:
-            op.check_cancelled()
+            op.check_going()
             data = views(item)
             storage.write(commit.part(item.file, item.key), data)
             op.wrote(sum(len(view) for view in data))
@@ -382,7 +382,7 @@ class InParts(Strategy):
         for name, offset, length, key, position in parts:
             by_file[name].append((offset, length, commit.part(name, key), position))
         for file in self.plan.files:
-            op.check_cancelled()
+            op.check_going()
             spans = sorted(by_file[file.name])
             covered = sum(n for _, n, _, _ in spans)
             if covered != file.size or any(a[0] + a[1] != b[0] for a, b in zip(spans, spans[1:])):
@@ -433,7 +433,7 @@ class Streamed(Strategy):
             def stream() -> Iterator[memoryview | bytes]:
                 offset, pending, pending_bytes = file.data_start, [], 0
                 for chunk in self.chunks(file):
-                    op.check_cancelled()
+                    op.check_going()
                     pending.append(chunk)
                     pending_bytes += len(chunk)
                     if len(pending) >= _SUMMED_CHUNKS or pending_bytes >= _SUMMED_BYTES:

@@ -56,6 +56,8 @@ from orbax_safetensors.engine import (
     StoredBlocks,
     StreamOptions,
     TreeBlocks,
+    describe_arguments,
+    describe_spec,
     detect_layout,
     open_checkpoint,
     write_blocks,
@@ -112,7 +114,10 @@ class ConvertOptions:
     bfloat16 block: twice its bytes) and a transformed copy: about four times
     its bytes. With a mapping an Orbax source also keeps a cache of decoded
     chunks, a sixteenth of the budget, and bands of its stacked leaves, a
-    quarter (``StoredBlocks``).
+    quarter (``StoredBlocks``). An Orbax output's OCDBT node cache is another
+    sixteenth (TensorStore's, ``orbax_writer``).
+
+    Every process must pass the same options: ``agreed`` is what they compare.
     """
 
     stream: StreamOptions
@@ -140,6 +145,23 @@ class ConvertOptions:
     def band_bytes(self) -> int:
         """The bands of stacked leaves a mapped Orbax source keeps (``StoredBlocks``)."""
         return self.memory_budget // 4
+
+    @property
+    def node_cache_bytes(self) -> int:
+        """TensorStore's cache of OCDBT nodes, on each process writing an Orbax output."""
+        return self.memory_budget // 16
+
+    def agreed(self, source: BlockSource, *, orbax_output: bool) -> list[str]:
+        """What shapes the output, as the processes compare it before any is written: a line
+        per argument, then the tensors this process will write (through the mapping: the
+        tree's names, shapes and dtypes). The memory budget itself may differ (each host
+        sized it from its own free memory); the block size it sets may not where it is an
+        Orbax output's chunk grid."""
+        chunks = [f"block_bytes={self.stream.block_bytes} (memory_budget sets it unless "
+                  "block_bytes= is given)"] if orbax_output else []
+        return (describe_arguments(self.stream, leave_out=("progress", "block_bytes")) + chunks
+                + [f"dtype={self.dtype}", f"nest={self.nest}", f"mapping={self.mapping!r}"]
+                + [f"tensor {describe_spec(spec)}" for spec in source.specs])
 
 
 def convert(
@@ -178,10 +200,12 @@ def convert(
     plus its largest storage chunk, which TensorStore decodes whole).
 
     Under ``jax.distributed`` every process calls ``convert`` with the same
-    arguments: each reads and writes its share of the chunks (Orbax output) or
-    files (safetensors output), and process 0 commits the checkpoint once all
-    have written theirs; a failure on any process fails all of them and
-    leaves no checkpoint.
+    arguments (compared before anything is written: a difference raises
+    ``ArgumentError`` on every process, naming it; ``memory_budget`` may differ
+    where it sets the same block size): each reads and writes its share of the
+    chunks (Orbax output) or files (safetensors output), and process 0 commits
+    the checkpoint once all have written theirs; a failure on any process
+    stops all of them within about a second and leaves no checkpoint.
 
     Args:
       src: the checkpoint to read.
@@ -191,8 +215,8 @@ def convert(
       dtype: the output's floating-point dtype (``"float32"``, ``"bfloat16"``);
         ``None`` keeps the input's (float32 where the mapping scales a tensor).
         Integer tensors keep theirs.
-      memory_budget: the memory the conversion's buffers may take (bytes or
-        ``"1GB"``); it sizes the chunks and blocks, see ``ConvertOptions``.
+      memory_budget: the memory the conversion's buffers and caches may take
+        (bytes or ``"1GB"``); it sizes the chunks and blocks, see ``ConvertOptions``.
       max_shard_size: bytes per output file (safetensors output only).
       block_bytes: the most bytes of one tensor moved at once (default: from
         ``memory_budget``); also the Orbax output's chunk size.
@@ -243,15 +267,19 @@ def convert(
     with contextlib.ExitStack() as opened:
         # Each process opens the source and checks the destination; one that fails here fails
         # them all, rather than leaving the others waiting at the first step they share.
-        fmt, source = Operation(Peers.collective("convert-open", target.url)).run(
+        peers = Peers.collective("convert-open", target.url)
+        fmt, source = Operation(peers).run(
             "open", functools.partial(_open_source, src, target, options, opened, storage_options,
                                       filesystem))
+        peers.check_same("arguments", options.agreed(source, orbax_output=fmt == SAFETENSORS),
+                         "convert arguments or sources")
         if fmt == ORBAX:
             stats = write_blocks(target, source, options.stream, label=label, started=started)
             return ConvertStats(ORBAX, SAFETENSORS, len(source.specs), stats.bytes_written,
                                 stats.files, stats.seconds)
         tensors, written = write_orbax(source, target, form, chunk_bytes=options.stream.block_bytes,
-                                       nest=options.nest, metadata=options.stream.metadata,
+                                       cache_bytes=options.node_cache_bytes, nest=options.nest,
+                                       metadata=options.stream.metadata,
                                        progress=options.stream.progress, label=label)
         return ConvertStats(SAFETENSORS, ORBAX, tensors, written, 0, time.perf_counter() - started)
 

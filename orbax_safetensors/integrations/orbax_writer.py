@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import dataclasses
 import errno
 import functools
@@ -127,10 +128,24 @@ class _Cancelled(Exception):
     """The conversion was interrupted; a chunk not written yet is not written."""
 
 
+def _context(cache_bytes: int) -> ts.Context:
+    """The TensorStore context every array of a conversion is written with, on a process.
+
+    Orbax's own gives OCDBT a 100 MB node cache, which a long write fills
+    with every B-tree version it commits: native memory outside any budget,
+    growing with the model. Ours holds ``cache_bytes`` (a share of
+    ``memory_budget``). One context per process, shared by every array
+    (scalars too): one OCDBT writer per database.
+    """
+    return ts.Context({"file_io_concurrency": {"limit": 128},
+                       "cache_pool#ocdbt": {"total_bytes_limit": cache_bytes}})
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class _OrbaxWrite:
     """One conversion's Orbax output: where each leaf's bytes come from, its chunks, which
-    of them this process writes, and the operation the processes share."""
+    of them this process writes, the context it writes them with, and the operation the
+    processes share."""
 
     source: BlockSource
     specs: dict[str, TensorSpec]  # by tree name (the form's root left out)
@@ -138,9 +153,11 @@ class _OrbaxWrite:
     mine: dict[str, list[Box]]
     op: Operation
     zarr3: bool
+    context: ts.Context
 
     @classmethod
-    def plan(cls, source: BlockSource, op: Operation, chunk_bytes: int, zarr3: bool) -> _OrbaxWrite:
+    def plan(cls, source: BlockSource, op: Operation, chunk_bytes: int, zarr3: bool,
+             cache_bytes: int) -> _OrbaxWrite:
         """Every leaf's chunks, shared out round-robin in a fixed order, so each process knows
         its own without asking. A mapped tree's are tiles, one layer / expert each where the
         mapping stacks them (restored sharded: MaxText); a copied checkpoint's are rows (read
@@ -154,7 +171,7 @@ class _OrbaxWrite:
         mine: dict[str, list[Box]] = {name: [] for name in specs}
         for name, box in every[jax.process_index()::jax.process_count()]:
             mine[name].append(box)
-        return cls(source, specs, chunks, mine, op, zarr3)
+        return cls(source, specs, chunks, mine, op, zarr3, _context(cache_bytes))
 
     @property
     def nbytes(self) -> int:
@@ -163,35 +180,58 @@ class _OrbaxWrite:
                    for box in boxes)
 
     async def write_leaves(self, infos: MappingABC[str, Any], *, create: bool) -> None:
-        """This process's chunks of every leaf, Orbax's ``infos`` giving their specs: all
-        leaves at once, ``_IN_FLIGHT`` chunks at a time (read and transformed on threads while
-        TensorStore compresses and writes the others)."""
-        gate = asyncio.Semaphore(_IN_FLIGHT)
-        await _all(self._write_leaf(name, info, gate, create=create) for name, info in infos.items())
+        """This process's chunks of every leaf, Orbax's ``infos`` giving their specs.
 
-    async def _write_leaf(self, name: str, info: Any, gate: asyncio.Semaphore, *, create: bool) -> None:
+        ``_IN_FLIGHT`` workers take the chunks in turn (each read and transformed on a
+        thread while TensorStore compresses and writes the others'): a task per chunk, all
+        created up front, cost memory in proportion to the model. The first failure stops
+        the others at their next chunk; so does another process's (``Peers.check``).
+        """
+        for name in infos:
+            if self.specs[name].dtype.is_packed:
+                raise ArgumentError(f"tensor {name!r}: Orbax cannot store "
+                                    f"{self.specs[name].dtype.code} (sub-byte) arrays")
+        stores: dict[str, asyncio.Future] = {}  # each leaf opened once, by the first to need it
+        chunks = ((name, box) for name in infos for box in self.mine[name])
+        stopped = False
+
+        async def worker() -> None:
+            nonlocal stopped
+            try:
+                for name, box in chunks:
+                    if stopped:
+                        return
+                    if self.op.cancelled.is_set():  # a Ctrl-C: the rest is not written
+                        raise _Cancelled(name)
+                    if name not in stores:
+                        stores[name] = asyncio.ensure_future(self._open(name, infos[name], create=create))
+                    await self._write_chunk(name, await stores[name], box)
+            except BaseException:
+                stopped = True
+                raise
+
+        await _all(worker() for _ in range(_IN_FLIGHT))
+
+    async def _open(self, name: str, info: Any, *, create: bool) -> Any:
         spec = self.specs[name]
-        if spec.dtype.is_packed:
-            raise ArgumentError(f"tensor {name!r}: Orbax cannot store {spec.dtype.code} (sub-byte) arrays")
         tspec = type_handlers.get_json_tspec_write(
             info, use_ocdbt=info.is_ocdbt_checkpoint, global_shape=spec.shape, local_shape=spec.shape,
             dtype=spec.dtype.numpy,
             process_index=jax.process_index() if info.is_ocdbt_checkpoint else None)
         _set_chunk_shape(tspec, self.chunks[name])
-        store = await ts.open(ts.Spec(tspec), create=create, open=True, assume_metadata=not create,
-                              context=info.ts_context)
+        return await ts.open(ts.Spec(tspec), create=create, open=True, assume_metadata=not create,
+                             context=self.context)
+
+    async def _write_chunk(self, name: str, store: Any, box: Box) -> None:
+        spec = self.specs[name]
         tensor = TensorInfo(name, spec.dtype, spec.shape, 0, spec.dtype.nbytes(spec.shape))
+        raw = await asyncio.to_thread(self._read, tensor, box)
+        await store[tuple(slice(a, b) for a, b in box)].write(from_bytes(raw, spec.dtype, box_shape(box)))
+        self.op.wrote(len(raw))
 
-        async def one(box: Box) -> None:
-            async with gate:
-                if self.op.cancelled.is_set():  # a Ctrl-C: the rest is not written
-                    raise _Cancelled(name)
-                raw = await asyncio.to_thread(self.source.read_block, tensor, box)
-                await store[tuple(slice(a, b) for a, b in box)].write(
-                    from_bytes(raw, spec.dtype, box_shape(box)))
-                self.op.wrote(len(raw))
-
-        await _all(one(box) for box in self.mine[name])
+    def _read(self, tensor: TensorInfo, box: Box) -> memoryview:
+        self.op.peers.check()  # another process failed: the rest of this share is for nothing
+        return self.source.read_block(tensor, box)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -253,6 +293,23 @@ class _StreamedTensorHandler(type_handlers.NumpyHandler):
             await asyncio.to_thread(values[0].write.op.exchange, "written", "")
 
 
+class _ScalarHandler(type_handlers.ScalarHandler):
+    """Orbax's, writing through the conversion's context (``_context``): with Orbax's own, a
+    form's scalars (MaxText's ``step``) would be a second OCDBT writer of the process's
+    database beside the arrays'."""
+
+    def __init__(self, context: ts.Context):
+        super().__init__()
+        self._context = context
+
+    async def serialize(self, values: Sequence[Any], infos: Sequence[Any],
+                        args: Sequence[Any] | None = None) -> list[Any]:
+        ours = [copy.copy(info) for info in infos]
+        for info in ours:
+            info.ts_context = self._context
+        return await super().serialize(values, ours, args)
+
+
 def _set_chunk_shape(spec: dict, chunk: tuple[int, ...]) -> None:
     """Our chunks in Orbax's zarr metadata (zarr v2, or v3's sharding codec)."""
     while "metadata" not in spec and "base" in spec:  # through a ``cast`` driver
@@ -267,16 +324,18 @@ def _set_chunk_shape(spec: dict, chunk: tuple[int, ...]) -> None:
                 codec["configuration"]["chunk_shape"] = list(chunk)
 
 
-def write_orbax(source: BlockSource, dst: Location, form: OrbaxForm, *, chunk_bytes: int, nest: bool,
-                metadata: MappingABC[str, str] | None, progress: bool | None, label: str) -> tuple[int, int]:
+def write_orbax(source: BlockSource, dst: Location, form: OrbaxForm, *, chunk_bytes: int, cache_bytes: int,
+                nest: bool, metadata: MappingABC[str, str] | None, progress: bool | None,
+                label: str) -> tuple[int, int]:
     """Writes ``source`` as an Orbax checkpoint of ``form`` at ``dst`` (see the module
-    docstring); every process calls it alike. Returns (arrays, bytes this process wrote)."""
+    docstring); every process calls it alike. ``cache_bytes``: TensorStore's OCDBT node cache
+    on each process (``_context``). Returns (arrays, bytes this process wrote)."""
     for spec in source.specs:
         if 0 in spec.shape:
             raise ArgumentError(f"tensor {spec.name!r} has zero size, which Orbax cannot save")
     peers = Peers.collective("convert", dst.url)
     op = Operation(peers)
-    write = _OrbaxWrite.plan(source, op, chunk_bytes, form.zarr3)
+    write = _OrbaxWrite.plan(source, op, chunk_bytes, form.zarr3, cache_bytes)
     op.progress = report = Progress(label, write.nbytes, enabled=progress).start()
     # Written beside the target and swapped in: a failure leaves an old checkpoint whole.
     swap = DirectorySwap(dst, peers.share("token", uuid.uuid4().hex[:12]))
@@ -307,7 +366,7 @@ def _save_item(write: _OrbaxWrite, form: OrbaxForm, nest: bool, custom: MappingA
     the step's files of ``form``), staged there for ``destination`` (which errors name)."""
     leaves = {name: _StreamedTensor(name, write) for name in write.specs}
     registry = type_handlers.create_type_handler_registry(  # jax.Array's: Orbax warns without one
-        (_StreamedTensor, _StreamedTensorHandler()), (int, type_handlers.ScalarHandler()),
+        (_StreamedTensor, _StreamedTensorHandler()), (int, _ScalarHandler(write.context)),
         (jax.Array, type_handlers.ArrayHandler()))
     item = epath.Path(url).joinpath(*form.item)
     item.mkdir(parents=True, exist_ok=True)
@@ -342,10 +401,9 @@ def _write_share(write: _OrbaxWrite, item: str, form: OrbaxForm, destination: st
     root = tuple(form.root)
 
     async def run() -> None:
-        context = type_handlers.get_ts_context(use_ocdbt=True)
         await write.write_leaves({name: type_handlers.ParamInfo(
             name=".".join(root + (name,)), parent_dir=epath.Path(item), is_ocdbt_checkpoint=True,
-            use_zarr3=write.zarr3, ts_context=context) for name in write.specs}, create=False)
+            use_zarr3=write.zarr3, ts_context=write.context) for name in write.specs}, create=False)
 
     with _orbax_failures(destination):
         asyncio.run(run())

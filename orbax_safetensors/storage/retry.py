@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
-from orbax_safetensors.errors import Error
+from orbax_safetensors.errors import Error, PeerFailedError
 
 T = TypeVar("T")
 
@@ -127,6 +127,8 @@ def call(policy: RetryPolicy, url: str, operation: str, fn: Callable[[], T],
         try:
             return fn()
         except (FileNotFoundError, FileExistsError, PermissionError):
+            raise
+        except PeerFailedError:  # a stream's writer stopped for another process: not this store's
             raise
         except Exception as e:
             if not is_transient(e):
