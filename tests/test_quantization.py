@@ -3,8 +3,10 @@
 only the scale blocks that cover it, is the reference's box bit for bit; and the errors."""
 
 import json
+import warnings
 
 import jax
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -239,3 +241,100 @@ def test_an_mxfp4_release_cannot_be_kept_quantized():
 def test_a_scheme_with_impossible_parameters_is_refused(make):
     with pytest.raises(ost.MappingError):
         make()
+
+
+# A quantized read keeps the rules of a plain read: casts checked, scales of a dtype the scheme
+# reads, damage (a NaN scale) said.
+
+def _fp8_file(tmp_path, scale_inv: np.ndarray, weight: np.ndarray | None = None) -> str:
+    from safetensors.numpy import save_file
+
+    if weight is None:
+        weight = np.full((32, 32), 448, np.float32).astype(ml_dtypes.float8_e4m3fn)  # e4m3's largest
+    save_file({"a.weight": weight, "a.weight_scale_inv": scale_inv}, str(tmp_path / "model.safetensors"))
+    return str(tmp_path)
+
+
+_FP8_MAPPING = ost.Mapping([ost.Rule("a.weight", "a")], quantization=ost.FP8((16, 16)))
+
+
+@pytest.mark.parametrize("transform", [{}, {"transpose": (1, 0)}, {"scale": 0.5}],
+                         ids=["as-stored", "transposed", "scaled"])
+def test_a_dequantized_value_past_a_float16_target_is_refused_as_a_stored_one_is(tmp_path, transform):
+    """448 x 1000 overflows float16. Was: 162 infs of the 256 values, only numpy's
+    RuntimeWarning; a float32 tensor of the same value into float16 is refused naming it."""
+    path = _fp8_file(tmp_path, np.full((2, 2), 1000, np.float32))
+    mapping = ost.Mapping([ost.Rule("a.weight", "a", **transform)], quantization=ost.FP8((16, 16)))
+    target = {"a": jax.ShapeDtypeStruct((32, 32), np.float16)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing leaks as a RuntimeWarning either
+        with pytest.raises(ost.SafetensorsError, match="does not fit the target dtype float16") as raised:
+            ost.load(path, target, mapping=mapping)
+    assert "'a.weight'" in str(raised.value) and "model.safetensors" in str(raised.value)
+    fits = ost.load(path, {"a": jax.ShapeDtypeStruct((32, 32), np.float32)}, mapping=mapping)["a"]
+    assert np.isfinite(np.asarray(fits)).all()
+
+
+def test_mxfp4_past_a_float16_target_is_refused(tmp_path):
+    from safetensors.numpy import save_file
+
+    blocks = np.full((1, 2, 16), 0x77, np.uint8)  # 6.0, 6.0
+    scales = np.full((1, 2), 127 + 20, np.uint8)  # 2 ** 20: 6 * 2 ** 20 is past float16's 65504
+    save_file({"e_blocks": blocks, "e_scales": scales}, str(tmp_path / "model.safetensors"))
+    mapping = ost.Mapping([ost.Rule("e", "e")], quantization=ost.MXFP4(swap_last=False))
+    with pytest.raises(ost.SafetensorsError, match="does not fit the target dtype float16"):
+        ost.load(str(tmp_path), {"e": jax.ShapeDtypeStruct((1, 64), np.float16)}, mapping=mapping)
+
+
+@pytest.mark.parametrize("dtype", [BF16, np.float16, np.float32], ids=["bfloat16", "float16", "float32"])
+def test_fp8_scales_stored_as_any_float_load_exactly(tmp_path, dtype):
+    weight, scales = random_fp8(np.random.default_rng(3), (32, 32), (2, 2))
+    scales = scales.astype(dtype)
+    path = _fp8_file(tmp_path, scales, weight)
+    got = ost.load(path, mapping=_FP8_MAPPING)["a"]
+    want = fp8_reference(weight, scales.astype(np.float32), (16, 16))
+    np.testing.assert_array_equal(bits(np.asarray(got)), bits(want))
+
+
+@pytest.mark.parametrize("stored,scales,error", [
+    ("fp8", np.full((2, 2), 3, np.int32), r"'a\.weight_scale_inv' is stored as I32; FP8 reads F32 or BF16 or F16"),
+    ("mxfp4", np.full((1, 2), 127, BF16), r"'e_scales' is stored as BF16; MXFP4 reads U8 or F8_E8M0"),
+])
+def test_scales_of_a_dtype_the_scheme_does_not_read_are_refused_before_reading(tmp_path, stored, scales, error):
+    """Was: I32 FP8 scales loaded silently (values up to 4e11); BF16 MXFP4 scales raised numpy's
+    'operands could not be broadcast', no ost.Error."""
+    from safetensors.numpy import save_file
+
+    if stored == "fp8":
+        path, mapping = _fp8_file(tmp_path, scales), _FP8_MAPPING
+    else:
+        save_file({"e_blocks": np.zeros((1, 2, 16), np.uint8), "e_scales": scales},
+                  str(tmp_path / "model.safetensors"))
+        path, mapping = str(tmp_path), ost.Mapping([ost.Rule("e", "e")], quantization=ost.MXFP4(swap_last=False))
+    with pytest.raises(ost.MappingError, match=error):
+        ost.load(path, mapping=mapping)
+
+
+@pytest.mark.parametrize("scheme", ["fp8-nan", "fp8-inf", "mxfp4-0xff"])
+def test_a_nan_scale_is_damage_said_naming_the_tensor_not_a_leaked_warning(tmp_path, scheme):
+    """Was (MXFP4 exponent 0xFF, NaN in the MX spec): +-inf values and numpy's ldexp overflow
+    warning; transformers and MaxText compute the same inf."""
+    from safetensors.numpy import save_file
+
+    if scheme.startswith("fp8"):
+        scales = np.ones((2, 2), np.float32)
+        scales[1, 0] = np.nan if scheme == "fp8-nan" else np.inf
+        path, mapping, name = _fp8_file(tmp_path, scales), _FP8_MAPPING, "a.weight_scale_inv"
+    else:
+        scales = np.full((1, 2), 127, np.uint8)
+        scales[0, 1] = 0xFF
+        save_file({"e_blocks": np.full((1, 2, 16), 0x22, np.uint8), "e_scales": scales},
+                  str(tmp_path / "model.safetensors"))
+        path, mapping, name = str(tmp_path), ost.Mapping([ost.Rule("e", "e")], quantization=ost.MXFP4(swap_last=False)), "e_scales"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ost.SafetensorsError, match="the first at flat index") as raised:
+            ost.load(path, mapping=mapping)
+        assert f"'{name}'" in str(raised.value) and "model.safetensors" in str(raised.value)
+        with pytest.raises(ost.SafetensorsError, match="the first at flat index"):  # a conversion too
+            ost.convert(path, tmp_path / "out", mapping=mapping)

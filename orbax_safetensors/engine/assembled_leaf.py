@@ -18,7 +18,7 @@ from orbax_safetensors.engine.read_policy import ReadPolicy
 from orbax_safetensors.errors import SafetensorsError
 from orbax_safetensors.planning import Box, TensorSource, box_shape, box_size, full_box, relative_slices
 from orbax_safetensors.planning.assembly import Assembly, Piece
-from orbax_safetensors.planning.transforms import Transform
+from orbax_safetensors.planning.transforms import Transform, copy_into
 
 
 class AssembledLeaf:
@@ -54,7 +54,7 @@ class AssembledLeaf:
         for piece, source, cast in zip(assembly.pieces, sources, casts):
             parts = {box: part for box in self.local for part in [piece.part(box)] if part is not None}
             if parts and piece.quantized is not None:
-                self.jobs += self._quantized_jobs(piece, parts, tensors, policy)
+                self.jobs += self._quantized_jobs(piece, parts, tensors, policy, cast)
             elif parts:
                 self.jobs.append(self._job(piece, parts, source, policy, cast))
         self._remaining = sum(not job.reads.first for job in self.jobs)
@@ -81,8 +81,9 @@ class AssembledLeaf:
                    scratch=True, prepare=self._prepare(parts))
 
     def _quantized_jobs(self, piece: Piece, parts: dict[Box, tuple[Box, Box]], tensors: Mapping[str, TensorSource],
-                        policy: ReadPolicy) -> list[Job]:
-        """A quantized piece's two jobs: its scales' (first, kept) and its values'."""
+                        policy: ReadPolicy, cast: Cast) -> list[Job]:
+        """A quantized piece's two jobs: its scales' (first, kept; a NaN or infinite one
+        refused) and its values', dequantized under ``cast``'s check of the products."""
         quantized, transform = piece.quantized, piece.transform
         boxes = {twin: quantized.boxes(twin) for twin in dict.fromkeys(
             transform.stored_box(own) for _, own in parts.values())}
@@ -94,19 +95,34 @@ class AssembledLeaf:
         def keep(buffers: list[np.ndarray]) -> None:
             views = staged_scales.views(buffers)
             held.update((twin, np.array(views(s))) for twin, (_, s) in boxes.items())
+            for kept in held.values():
+                problem = quantized.scale_problem(kept)
+                if problem is not None:
+                    raise SafetensorsError(problem, file=scales.slices[0].file if scales.slices else None,
+                                           tensor=quantized.scales)
 
         def values(buffers: list[np.ndarray]) -> Callable[[Box, Box, np.ndarray], Any]:
             views = staged_weight.views(buffers)
 
             def write(twin: Box, own: Box, into: np.ndarray) -> None:
                 """Dequantized straight into the leaf's buffer where the layout is the stored
-                one, else rounded to its dtype first unless the transform computes with them."""
-                if transform.is_identity:
-                    quantized.dequantize(views(boxes[twin][0]), held[twin], twin, out=into)
+                one, else rounded to its dtype first unless the transform computes with them
+                (then its results are what the cast checks)."""
+                if not transform.changes_values:
+                    staged = into if transform.is_identity else np.empty(box_shape(twin), into.dtype)
+                    quantized.dequantize(views(boxes[twin][0]), held[twin], twin, out=staged, check=cast.check)
+                    if staged is not into:
+                        transform.to_tree(staged, twin, own, out=into)
                     return
-                staged = np.empty(box_shape(twin), np.float32 if transform.changes_values else into.dtype)
-                transform.to_tree(quantized.dequantize(views(boxes[twin][0]), held[twin], twin, out=staged),
-                                  twin, own, out=into)
+                products = quantized.dequantize(views(boxes[twin][0]), held[twin], twin,
+                                                out=np.empty(box_shape(twin), np.float32))
+                if cast.check is None:
+                    transform.to_tree(products, twin, own, out=into)
+                    return
+                result = np.empty(into.shape, np.float32)
+                transform.to_tree(products, twin, own, out=result)
+                cast.check(result)
+                copy_into(into, result)
 
             return write
 

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from orbax_safetensors.engine.consolidate import BlockSource
-from orbax_safetensors.errors import ArgumentError, MappingError
+from orbax_safetensors.errors import ArgumentError, MappingError, SafetensorsError
 from orbax_safetensors.format import DType, TensorInfo, dtype_for_numpy, from_bytes, to_bytes
 from orbax_safetensors.index import natural_key
 from orbax_safetensors.planning import Assembly, Box, Mapping, Piece, TensorSpec, box_shape, intersect, relative_slices
@@ -107,6 +107,9 @@ class TreeBlocks:
         else:  # the values and the scales of the blocks the box touches, dequantized
             weight, scales = (_read(self._source, self._stored[name], box)
                               for name, box in zip(quantized.stored, quantized.boxes(stored_box)))
+            problem = quantized.scale_problem(scales)
+            if problem is not None:
+                raise SafetensorsError(problem, tensor=quantized.scales)
             data = quantized.dequantize(weight, scales, stored_box)
         # The piece's place in the block; its stacked axes (one index each) indexed away.
         into = tuple(a - b0 if axis in piece.stacked else slice(a - b0, b - b0)

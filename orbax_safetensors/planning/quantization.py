@@ -36,8 +36,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable, Sequence
 from collections.abc import Mapping as MappingABC
-from collections.abc import Sequence
 
 import ml_dtypes
 import numpy as np
@@ -71,6 +71,10 @@ class FP8:
 
     block: tuple[int, ...] | None = None
     scale_suffix: str = "_scale_inv"
+    # Scales as releases store them (float32; bfloat16 and float16 too): an integer scale is
+    # no FP8 scale (an I32 one loaded values up to 4e11).
+    scale_dtypes = ("F32", "BF16", "F16")
+    value_dtypes = None  # the values are cast to float32 whatever they are
 
     def __post_init__(self):
         if self.block is not None:
@@ -104,6 +108,10 @@ class MXFP4:
 
     group: int = 32
     swap_last: bool = True
+    # E8M0 exponents (U8, or the spec's own dtype) and e2m1 pairs a byte: a BF16 scale would
+    # be decoded as bytes of another meaning.
+    scale_dtypes = ("U8", "F8_E8M0")
+    value_dtypes = ("U8",)
 
     def __post_init__(self):
         if not isinstance(self.group, int) or self.group < 2 or self.group % 2:
@@ -193,6 +201,31 @@ class Quantized:
             return tuple(scale) + (1,) * (ndim - len(scale))
         return tuple(scale)
 
+    def check_dtypes(self, weight: str, scales: str) -> None:
+        """Refuses stored dtypes (codes) the scheme does not read as it says, before any
+        read: the values would come out as another number, or numpy's broadcast error."""
+        scheme = type(self.scheme).__name__
+        for name, code, accepted in ((self.weight, weight, self.scheme.value_dtypes),
+                                     (self.scales, scales, self.scheme.scale_dtypes)):
+            if accepted is not None and code not in accepted:
+                raise MappingError(f"quantized tensor {self.weight!r}: {name!r} is stored as {code}; "
+                                   f"{scheme} reads {' or '.join(accepted)} there")
+
+    def scale_problem(self, scales: np.ndarray) -> str | None:
+        """What is wrong with scales read (``None``: nothing): a NaN or infinite scale (an
+        MXFP4 exponent byte 0xFF is NaN in the OCP MX spec) makes every value of its block
+        NaN or inf, which is damage to say, not a result to load."""
+        if isinstance(self.scheme, MXFP4):
+            bad = np.flatnonzero(np.asarray(scales).view(np.uint8).reshape(-1) == 0xFF)
+            what = "exponent 0xFF (NaN in the MX spec)"
+        else:
+            bad = np.flatnonzero(~np.isfinite(np.asarray(scales).astype(np.float32).reshape(-1)))
+            what = "NaN or infinite scales"
+        if not bad.size:
+            return None
+        return (f"{self.scales!r} holds {bad.size} {what}, the first at flat index {int(bad[0])} "
+                f"of the scales read; every value of {self.weight!r} it scales would be NaN or inf")
+
     def _check(self) -> None:
         where = f"quantized tensor {self.weight!r} {self.weight_shape} with scales {self.scales!r} {self.scale_shape}"
         if isinstance(self.scheme, MXFP4):
@@ -236,10 +269,13 @@ class Quantized:
         return tuple((a // b, -(-c // b)) if c > a else (0, 0) for (a, c), b in zip(values, self._blocks))
 
     def dequantize(self, weight: np.ndarray, scales: np.ndarray, box: Box,
-                   out: np.ndarray | None = None) -> np.ndarray:
+                   out: np.ndarray | None = None,
+                   check: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
         """Twin box ``box`` from the values and scales ``boxes(box)`` names: each value the
         float32 product, written into ``out`` (rounded once more to its dtype) when given,
-        else a new float32 array. FP8 goes a cache-sized chunk at a time, so a load writes a
+        else a new float32 array. ``check`` sees the float32 products before they are rounded
+        into ``out`` (the load's cast policy: a product past a float16 target's range is
+        refused, as a stored float32 value would be, not made inf). FP8 goes a cache-sized chunk at a time, so a load writes a
         bfloat16 leaf's buffer directly: the bits of casting the float32 box, without that box
         (a device's share of a DeepSeek-V3 expert stack is gigabytes of it)."""
         if box_size(box) == 0:
@@ -251,6 +287,8 @@ class Quantized:
             decoded = np.swapaxes(decoded, -1, -2) if self.scheme.swap_last else decoded
             if out is None:
                 return decoded
+            if check is not None:
+                check(decoded)
             copy_into(out, decoded)  # a swapped view: cast in cache-sized tiles
             return out
         out = np.empty(box_shape(box), np.float32) if out is None else out
@@ -273,6 +311,8 @@ class Quantized:
         for i in range(0, rows, step):  # in cache-sized chunks: a box's float32 is never whole
             x = _as_float32(codes[i:i + step])
             self._scale_last_axis(x, s[i:i + step] if s.shape[0] > 1 else s, values[-1], grid[-1][0])
+            if check is not None:
+                check(x)
             flat[i:i + step] = x
         if target is not out:
             out[...] = target

@@ -504,7 +504,8 @@ class Mapping:
         ``quantization``, each quantized tensor as its dequantized twin (pass this to
         ``assembly``, which then reads the twins' pieces from the quantized tensors).
         ``dtypes`` (name → dtype code), when known, check that no FP8 tensor lacks its
-        scales: read without them its values would be off by the scale, silently. Names
+        scales (read without them its values would be off by the scale, silently) and that
+        values and scales are of dtypes the scheme reads. Names
         the mapping ``ignore``s are left out."""
         if hasattr(stored_shapes, "quantized"):
             return stored_shapes
@@ -518,6 +519,9 @@ class Mapping:
         if unscaled:
             raise MappingError(f"{len(unscaled)} FP8 tensors have no scales ({self.quantization}): "
                                + ", ".join(sorted(unscaled)[:5]) + (" ..." if len(unscaled) > 5 else ""))
+        if dtypes is not None:
+            for quantized in view.quantized.values():
+                quantized.check_dtypes(dtypes[quantized.weight], dtypes[quantized.scales])
         return view
 
     def _hits(self, name: str, side: str) -> list[tuple[Rule, dict[str, str]]]:
