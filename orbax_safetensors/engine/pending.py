@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import gc
 import logging
 import os
 import sys
@@ -50,9 +51,12 @@ def watch_at_exit(key: Any, lost: Callable[[], str | None]) -> None:
         _watched[key] = lost
 
 
-def unwatch(key: Any) -> None:
+def unwatch(key: Any, lost: Callable[[], str | None] | None = None) -> None:
+    """Stops watching ``key``; with ``lost``, only while that is what it watches (a later
+    save to the same place may watch it by then)."""
     with _watched_lock:
-        _watched.pop(key, None)
+        if lost is None or _watched.get(key) is lost:
+            _watched.pop(key, None)
 
 
 class SaveFuture(concurrent.futures.Future):
@@ -146,6 +150,7 @@ def _report_at_exit() -> None:
     """At exit, after the interpreter waited for the writers: saves lost with nobody told, said,
     and exit status 1; 130 where a save was interrupted (``_stop_interrupted``)."""
     interrupted = _stop_interrupted()
+    gc.collect()  # saves abandoned unstarted, held only in cycles, unwatch themselves (Orbax's steps)
     with _watched_lock:
         watched = list(_watched.values())
     lost = [line for line in (describe() for describe in watched) if line is not None]

@@ -26,8 +26,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import re
 import threading
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -60,8 +63,13 @@ class _WritesOnceAwaited(ocp_future.Future):
     our writes. The signals to wait for (Orbax's directory creation) are those of the
     operation that was current in ``async_save``; they are read there, while it is."""
 
-    def __init__(self, job: WriteSession, directory: Any):
+    def __init__(self, job: WriteSession, directory: Any, lost: Callable[[], str | None]):
         self._job, self._directory = job, directory
+        self._begun: list[bool] = []  # the writes were asked for
+        # Orbax drops a step's futures unawaited when the step fails in another item, and
+        # raises that failure to the caller (or logs it): our writes never start, and the exit
+        # has nothing to add; a caller that recovered must not exit with status 1 for it.
+        weakref.finalize(self, _abandoned, _watch_key(directory), lost, self._begun)
         self._operation_id = synchronization.OperationIdGenerator.get_current_operation_id()
         self._signals = orbax_futures.AwaitableSignalsContract.get_awaitable_signals_from_contract(
             operation_id=self._operation_id)
@@ -93,6 +101,7 @@ class _WritesOnceAwaited(ocp_future.Future):
         with self._lock:
             if self._cancelled:
                 raise concurrent.futures.CancelledError()
+            self._begun.append(True)
             self._writing = self._job.start()
         await asyncio.wrap_future(self._writing)
 
@@ -114,12 +123,13 @@ class SafetensorsCheckpointHandler(ocp_handlers.AsyncCheckpointHandler):
     """Saves and restores one PyTree of arrays as an HF safetensors directory."""
 
     async def async_save(self, directory: Any, args: SafetensorsSave) -> list[ocp_future.Future]:
-        future = _WritesOnceAwaited(prepare_item_save(directory, args, fresh=True), directory)
+        lost = functools.partial(_not_committed, directory)
+        future = _WritesOnceAwaited(prepare_item_save(directory, args, fresh=True), directory, lost)
         # Orbax commits the step after us, in a thread the end of a script cuts short (its
         # own items are lost the same way, status 0): until it finalizes ours, an exit says so
         # (on the primary process; the others once their writes are done). A write of ours
         # that fails goes to Orbax, which raises it on wait or close: not said again.
-        watch_at_exit(_watch_key(directory), lambda: _not_committed(directory))
+        watch_at_exit(_watch_key(directory), lost)
         return [future]
 
     def save(self, directory: Any, args: SafetensorsSave) -> None:
@@ -145,6 +155,13 @@ class SafetensorsCheckpointHandler(ocp_handlers.AsyncCheckpointHandler):
 
 def _watch_key(directory: Any) -> tuple[str, str]:
     return ("orbax step item", str(directory))
+
+
+def _abandoned(key: tuple[str, str], lost: Callable[[], str | None], begun: list[bool]) -> None:
+    """A step's future dropped: if its writes were never asked for, the step failed before
+    them and Orbax said so; nothing is left for the exit to say."""
+    if not begun:
+        unwatch(key, lost)
 
 
 def _not_committed(directory: Any) -> str | None:
