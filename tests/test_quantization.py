@@ -147,7 +147,8 @@ def test_a_scaled_transposed_fp8_leaf_scales_the_float32_values(tmp_path, dtype)
 def test_mxfp4_boxes_cut_groups_and_are_the_reference(swap_last, data):
     """gpt-oss's layout: blocks [experts, rows, groups, 16] are twin [experts, groups * 32, rows]
     (``swap_last``); a box may start and stop inside a group of 32."""
-    blocks, scales = random_mxfp4(np.random.default_rng(4), (3, 10), groups=4, exponents=(0, 255))
+    # Exponents up to 252: 6 * 2**125, the largest product, fits float32.
+    blocks, scales = random_mxfp4(np.random.default_rng(4), (3, 10), groups=4, exponents=(0, 253))
     q = Quantized(MXFP4(swap_last=swap_last), "x_blocks", "x_scales", blocks.shape, scales.shape)
     reference = mxfp4_reference(blocks, scales, swap_last=swap_last)
     assert q.shape == reference.shape
@@ -172,15 +173,18 @@ def test_empty_boxes_are_empty(scheme, weight_shape, scale_shape, box):
 
 
 def test_mxfp4_every_exponent_and_nibble():
-    """Exponent bytes 0..254 (2**-127 .. 2**127; 255 is E8M0's NaN) times every e2m1 code,
-    the extremes included (6 * 2**127 overflows float32 to inf, as the reference's rounding does)."""
+    """Exponent bytes 0..254 (2**-127 .. 2**127; 255 is E8M0's NaN) times every e2m1 code, the
+    extremes included; with 2**126 and 2**127 only the codes up to 1.5, as 4 * 2**126 and
+    2 * 2**127 are past float32 (refused:
+    test_a_value_times_its_scale_past_float32_is_refused_whatever_the_target)."""
     nibbles = np.arange(16, dtype=np.uint8)
-    blocks = np.broadcast_to(nibbles[0::2] | (nibbles[1::2] << 4), (255, 1, 2, 8)).reshape(255, 1, 1, 16)
+    blocks = np.broadcast_to(nibbles[0::2] | (nibbles[1::2] << 4), (255, 1, 2, 8)).reshape(255, 1, 1, 16).copy()
+    blocks[-2:] &= 0xBB  # each nibble's sign and its two low bits: +-0 .. +-1.5
     scales = np.arange(255, dtype=np.uint8).reshape(255, 1, 1)
     q = Quantized(MXFP4(group=32), "x_blocks", "x_scales", blocks.shape, scales.shape)
     reference = mxfp4_reference(blocks, scales)
     _check_box(q, blocks, scales, reference, tuple((0, n) for n in reference.shape))
-    assert np.isinf(reference).any() and (reference[1:] != 0).any()
+    assert np.abs(reference).max() == 1.5 * 2.0 ** 127 and (reference[1:] != 0).any()
 
 
 def test_mxfp4_low_nibble_is_the_even_element():
@@ -256,6 +260,15 @@ def _fp8_file(tmp_path, scale_inv: np.ndarray, weight: np.ndarray | None = None)
 
 
 _FP8_MAPPING = ost.Mapping([ost.Rule("a.weight", "a")], quantization=ost.FP8((16, 16)))
+_MXFP4_MAPPING = ost.Mapping([ost.Rule("e", "e")], quantization=ost.MXFP4(swap_last=False))
+
+
+def _mxfp4_file(tmp_path, blocks: np.ndarray, scales: np.ndarray) -> str:
+    """``e_blocks`` [1, 2, 16] and ``e_scales`` [1, 2]: ``e`` [1, 64] through ``_MXFP4_MAPPING``."""
+    from safetensors.numpy import save_file
+
+    save_file({"e_blocks": blocks, "e_scales": scales}, str(tmp_path / "model.safetensors"))
+    return str(tmp_path)
 
 
 @pytest.mark.parametrize("transform", [{}, {"transpose": (1, 0)}, {"scale": 0.5}],
@@ -276,14 +289,11 @@ def test_a_dequantized_value_past_a_float16_target_is_refused_as_a_stored_one_is
 
 
 def test_mxfp4_past_a_float16_target_is_refused(tmp_path):
-    from safetensors.numpy import save_file
-
     blocks = np.full((1, 2, 16), 0x77, np.uint8)  # 6.0, 6.0
     scales = np.full((1, 2), 127 + 20, np.uint8)  # 2 ** 20: 6 * 2 ** 20 is past float16's 65504
-    save_file({"e_blocks": blocks, "e_scales": scales}, str(tmp_path / "model.safetensors"))
-    mapping = ost.Mapping([ost.Rule("e", "e")], quantization=ost.MXFP4(swap_last=False))
+    path = _mxfp4_file(tmp_path, blocks, scales)
     with pytest.raises(ost.SafetensorsError, match="does not fit the target dtype float16"):
-        ost.load(str(tmp_path), {"e": jax.ShapeDtypeStruct((1, 64), np.float16)}, mapping=mapping)
+        ost.load(path, {"e": jax.ShapeDtypeStruct((1, 64), np.float16)}, mapping=_MXFP4_MAPPING)
 
 
 @pytest.mark.parametrize("dtype", [BF16, np.float16, np.float32], ids=["bfloat16", "float16", "float32"])
@@ -303,14 +313,10 @@ def test_fp8_scales_stored_as_any_float_load_exactly(tmp_path, dtype):
 def test_scales_of_a_dtype_the_scheme_does_not_read_are_refused_before_reading(tmp_path, stored, scales, error):
     """Was: I32 FP8 scales loaded silently (values up to 4e11); BF16 MXFP4 scales raised numpy's
     'operands could not be broadcast', no ost.Error."""
-    from safetensors.numpy import save_file
-
     if stored == "fp8":
         path, mapping = _fp8_file(tmp_path, scales), _FP8_MAPPING
     else:
-        save_file({"e_blocks": np.zeros((1, 2, 16), np.uint8), "e_scales": scales},
-                  str(tmp_path / "model.safetensors"))
-        path, mapping = str(tmp_path), ost.Mapping([ost.Rule("e", "e")], quantization=ost.MXFP4(swap_last=False))
+        path, mapping = _mxfp4_file(tmp_path, np.zeros((1, 2, 16), np.uint8), scales), _MXFP4_MAPPING
     with pytest.raises(ost.MappingError, match=error):
         ost.load(path, mapping=mapping)
 
@@ -319,8 +325,6 @@ def test_scales_of_a_dtype_the_scheme_does_not_read_are_refused_before_reading(t
 def test_a_nan_scale_is_damage_said_naming_the_tensor_not_a_leaked_warning(tmp_path, scheme):
     """Was (MXFP4 exponent 0xFF, NaN in the MX spec): +-inf values and numpy's ldexp overflow
     warning; transformers and MaxText compute the same inf."""
-    from safetensors.numpy import save_file
-
     if scheme.startswith("fp8"):
         scales = np.ones((2, 2), np.float32)
         scales[1, 0] = np.nan if scheme == "fp8-nan" else np.inf
@@ -328,13 +332,37 @@ def test_a_nan_scale_is_damage_said_naming_the_tensor_not_a_leaked_warning(tmp_p
     else:
         scales = np.full((1, 2), 127, np.uint8)
         scales[0, 1] = 0xFF
-        save_file({"e_blocks": np.full((1, 2, 16), 0x22, np.uint8), "e_scales": scales},
-                  str(tmp_path / "model.safetensors"))
-        path, mapping, name = str(tmp_path), ost.Mapping([ost.Rule("e", "e")], quantization=ost.MXFP4(swap_last=False)), "e_scales"
+        path = _mxfp4_file(tmp_path, np.full((1, 2, 16), 0x22, np.uint8), scales)
+        mapping, name = _MXFP4_MAPPING, "e_scales"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with pytest.raises(ost.SafetensorsError, match="the first at flat index") as raised:
             ost.load(path, mapping=mapping)
         assert f"'{name}'" in str(raised.value) and "model.safetensors" in str(raised.value)
         with pytest.raises(ost.SafetensorsError, match="the first at flat index"):  # a conversion too
-            ost.convert(path, tmp_path / "out", mapping=mapping)
+            ost.convert(tmp_path / "model.safetensors", tmp_path / "out", mapping=mapping)
+
+
+@pytest.mark.parametrize("dtype", [None, np.float32, BF16, np.float16],
+                         ids=["as-read", "float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("scheme", ["fp8", "mxfp4"])
+def test_a_value_times_its_scale_past_float32_is_refused_whatever_the_target(tmp_path, scheme, dtype):
+    """448 x 1e36 (FP8) and 6 x 2 ** 127 (MXFP4 exponent 254) are past float32, the dtype the
+    products are computed in: as inf they would pass even a float16 target's range check (its
+    infinity holds them), so a damaged scale would load as infs with numpy's overflow warning."""
+    if scheme == "fp8":
+        path = _fp8_file(tmp_path, np.full((2, 2), 1e36, np.float32))  # 448 x 1e36
+        mapping, leaf, shape = _FP8_MAPPING, "a", (32, 32)
+    else:
+        path = _mxfp4_file(tmp_path, np.full((1, 2, 16), 0x77, np.uint8), np.full((1, 2), 254, np.uint8))  # 6 x 2**127
+        mapping, leaf, shape = _MXFP4_MAPPING, "e", (1, 64)
+    target = None if dtype is None else {leaf: jax.ShapeDtypeStruct(shape, dtype)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ost.SafetensorsError, match="past float32") as raised:
+            ost.load(path, target, mapping=mapping)
+        named = "'a.weight'" if scheme == "fp8" else "'e_blocks'"
+        assert named in str(raised.value) and "model.safetensors" in str(raised.value)
+        if dtype is None:  # a conversion too
+            with pytest.raises(ost.SafetensorsError, match="past float32"):
+                ost.convert(tmp_path / "model.safetensors", tmp_path / "out", mapping=mapping)

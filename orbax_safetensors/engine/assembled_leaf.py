@@ -88,6 +88,7 @@ class AssembledLeaf:
         boxes = {twin: quantized.boxes(twin) for twin in dict.fromkeys(
             transform.stored_box(own) for _, own in parts.values())}
         weight, scales = tensors[quantized.weight], tensors[quantized.scales]
+        file = weight.slices[0].file if weight.slices else None
         staged_weight = Staging(weight, quantized.weight, [w for w, _ in boxes.values()])
         staged_scales = Staging(scales, quantized.scales, [s for _, s in boxes.values()])
         held: dict[Box, np.ndarray] = {}
@@ -110,12 +111,13 @@ class AssembledLeaf:
                 (then its results are what the cast checks)."""
                 if not transform.changes_values:
                     staged = into if transform.is_identity else np.empty(box_shape(twin), into.dtype)
-                    quantized.dequantize(views(boxes[twin][0]), held[twin], twin, out=staged, check=cast.check)
+                    quantized.dequantize(views(boxes[twin][0]), held[twin], twin, out=staged, check=cast.check,
+                                         file=file)
                     if staged is not into:
                         transform.to_tree(staged, twin, own, out=into)
                     return
                 products = quantized.dequantize(views(boxes[twin][0]), held[twin], twin,
-                                                out=np.empty(box_shape(twin), np.float32))
+                                                out=np.empty(box_shape(twin), np.float32), file=file)
                 if cast.check is None:
                     transform.to_tree(products, twin, own, out=into)
                     return

@@ -33,16 +33,17 @@ Pure: no devices, no files.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from collections.abc import Mapping as MappingABC
 
 import ml_dtypes
 import numpy as np
 
-from orbax_safetensors.errors import MappingError
+from orbax_safetensors.errors import MappingError, SafetensorsError
 from orbax_safetensors.format import DTYPES, DType
 from orbax_safetensors.planning.boxes import Box, box_shape, box_size
 from orbax_safetensors.planning.transforms import copy_into
@@ -270,12 +271,14 @@ class Quantized:
 
     def dequantize(self, weight: np.ndarray, scales: np.ndarray, box: Box,
                    out: np.ndarray | None = None,
-                   check: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
+                   check: Callable[[np.ndarray], None] | None = None, file: str | None = None) -> np.ndarray:
         """Twin box ``box`` from the values and scales ``boxes(box)`` names: each value the
         float32 product, written into ``out`` (rounded once more to its dtype) when given,
         else a new float32 array. ``check`` sees the float32 products before they are rounded
         into ``out`` (the load's cast policy: a product past a float16 target's range is
-        refused, as a stored float32 value would be, not made inf). FP8 goes a cache-sized chunk at a time, so a load writes a
+        refused, as a stored float32 value would be, not made inf). A product past float32
+        itself is refused whatever the target (``_in_float32``; ``file``: the values' file,
+        for its message). FP8 goes a cache-sized chunk at a time, so a load writes a
         bfloat16 leaf's buffer directly: the bits of casting the float32 box, without that box
         (a device's share of a DeepSeek-V3 expert stack is gigabytes of it)."""
         if box_size(box) == 0:
@@ -283,7 +286,8 @@ class Quantized:
         weight_box, scale_box = self.boxes(box)
         values = self._unswapped(box)
         if isinstance(self.scheme, MXFP4):
-            decoded = self._mxfp4(weight.reshape(box_shape(weight_box)), scales.reshape(box_shape(scale_box)), values)
+            decoded = self._mxfp4(weight.reshape(box_shape(weight_box)), scales.reshape(box_shape(scale_box)), values,
+                                  file)
             decoded = np.swapaxes(decoded, -1, -2) if self.scheme.swap_last else decoded
             if out is None:
                 return decoded
@@ -310,13 +314,28 @@ class Quantized:
         step = max(1, _CHUNK // last)
         for i in range(0, rows, step):  # in cache-sized chunks: a box's float32 is never whole
             x = _as_float32(codes[i:i + step])
-            self._scale_last_axis(x, s[i:i + step] if s.shape[0] > 1 else s, values[-1], grid[-1][0])
+            with self._in_float32(file):
+                self._scale_last_axis(x, s[i:i + step] if s.shape[0] > 1 else s, values[-1], grid[-1][0])
             if check is not None:
                 check(x)
             flat[i:i + step] = x
         if target is not out:
             out[...] = target
         return out
+
+    @contextlib.contextmanager
+    def _in_float32(self, file: str | None) -> Iterator[None]:
+        """Products computed inside past float32's range refused: as inf they would pass any
+        target's range check (float16 holds inf too) and load a damaged scale as infinities."""
+        try:
+            with np.errstate(over="raise"):
+                yield
+        except FloatingPointError:
+            raise SafetensorsError(
+                f"a value times its scale in {self.scales!r} is past float32's largest "
+                f"({float(np.finfo(np.float32).max):.4g}), the dtype dequantized values are computed in: "
+                "refusing to read it as inf (a scale that large is damaged, or not this scheme's)",
+                file=file, tensor=self.weight) from None
 
     def _scale_last_axis(self, x: np.ndarray, s: np.ndarray, columns: tuple[int, int], first_block: int) -> None:
         """``x *= s`` in place, ``s`` holding a scale per block of the last axis: its whole
@@ -337,12 +356,14 @@ class Quantized:
         if c - a > tail >= head:
             x[..., tail:] *= s[..., -1:]
 
-    def _mxfp4(self, raw: np.ndarray, exponents: np.ndarray, values: Box) -> np.ndarray:
+    def _mxfp4(self, raw: np.ndarray, exponents: np.ndarray, values: Box, file: str | None) -> np.ndarray:
         """The e2m1 pairs of ``raw`` times ``2 ** (exponent - 127)``, cut to ``values``'s last axis."""
         pairs = _E2M1_PAIRS[raw.view(np.uint8)]
         decoded = pairs.view(np.float32)  # [..., group // 2 * 2]: low nibble, high nibble, ...
-        with np.errstate(over="ignore"):  # exponents past float32's are inf, as the reference decodes them
-            decoded *= np.ldexp(np.float32(1), exponents.view(np.uint8).astype(np.int32) - 127)[..., None]
+        with np.errstate(over="ignore"):  # 0xFF (NaN in the spec; a load refuses it first) is inf, as the reference's
+            powers = np.ldexp(np.float32(1), exponents.view(np.uint8).astype(np.int32) - 127)
+        with self._in_float32(file):
+            decoded *= powers[..., None]
         flat = decoded.reshape(decoded.shape[:-2] + (-1,))
         (a, c), first = values[-1], (values[-1][0] // self.scheme.group) * self.scheme.group
         return flat[..., a - first:c - first]
