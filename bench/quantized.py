@@ -62,7 +62,7 @@ numpy reference (``tests/quantized_reference.py``); the maxtext rows check their
 writes −0 as +0, 5.6 % of the tiny gpt-oss experts' elements; the float32
 ``e_score_correction_bias``, which it casts to bf16, is left out).
 
-Targets (issue 28): ours ≥ 3× faster than load-then-dequantize (*ours ÷ row* time ≤ 1/3),
+Targets: ours ≥ 3× faster than load-then-dequantize (*ours ÷ row* time ≤ 1/3),
 RSS growth ≤ 1.2× the bytes of the result.
 
 Results go to stdout and ``bench/results/quantized.md`` (``quantized-quick.md`` with ``--quick``).

@@ -135,6 +135,25 @@ def test_safetensors_to_orbax_nested_and_flat(tmp_path):
     _assert_same(flat, values)
 
 
+def test_orbax_custom_metadata_that_is_not_text_reaches_hf_as_its_json_text(tmp_path):
+    """``__metadata__`` is str → str. Was: ``step: 5`` and every other value that is not a
+    string dropped on the way to HF, silently. NaN keeps the text Orbax itself wrote for it."""
+    custom = {"step": 5, "run": "a", "lr": 0.5, "tags": ["x", "y"], "config": {"layers": 2}, "done": True,
+              "parent": None, "loss": float("nan")}
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
+        checkpointer.save(os.path.abspath(tmp_path / "orbax"),
+                          args=ocp.args.PyTreeSave({"w": np.ones(3, np.float32)}, custom_metadata=custom))
+    ost.convert(tmp_path / "orbax", tmp_path / "hf", progress=False)
+    metadata = ost.metadata(tmp_path / "hf").metadata
+    assert {k: metadata.get(k) for k in custom} == {
+        "step": "5", "run": "a", "lr": "0.5", "tags": '["x", "y"]', "config": '{"layers": 2}', "done": "true",
+        "parent": "null", "loss": "NaN"}
+    ost.convert(tmp_path / "hf", tmp_path / "back", progress=False)  # and on as that text
+    with ocp.StandardCheckpointer() as checkpointer:
+        back = checkpointer.metadata(os.path.abspath(tmp_path / "back")).item_metadata.custom_metadata
+    assert back["step"] == "5" and back["config"] == '{"layers": 2}'
+
+
 def test_streamed_orbax_output_uses_row_block_chunks(tmp_path):
     """Orbax would store each array as one chunk; ours are row blocks of at most block_bytes,
     the rows halved (so chunk edges fall on power-of-two shards' edges)."""
@@ -389,6 +408,33 @@ def test_convert_overwrites_an_orbax_checkpoint_and_keeps_files_beside_an_hf_one
     _assert_same(ost.load(hf), _flat(_tree()))
     assert (hf / "config.json").read_text() == '{"model_type": "llama"}'
     assert (hf / "tokenizer" / "vocab.txt").read_text() == "a b c"
+
+
+def _tree_files(path) -> dict:
+    return {p: p.read_bytes() for p in path.rglob("*") if p.is_file()}
+
+
+def test_convert_refuses_a_dst_that_is_src_or_inside_it_or_holds_it_both_ways(tmp_path):
+    """Was: Orbax → HF with ``dst == src`` and ``overwrite=True`` wrote ``model.safetensors``
+    into the Orbax checkpoint, and a ``dst`` inside an Orbax step's item was written into it.
+    Whichever way, nothing is written or removed; links and URL spellings are seen through."""
+    hf, orbax = tmp_path / "hf", tmp_path / "run"
+    ost.save(hf, _flat(_tree()))
+    with ocp.CheckpointManager(os.path.abspath(orbax)) as mngr:
+        mngr.save(0, args=ocp.args.Composite(items=ocp.args.StandardSave(_tree())))
+    (tmp_path / "link").symlink_to(orbax)
+    before = _tree_files(tmp_path)
+    cases = [(orbax, orbax), (orbax, orbax / "0" / "items" / "hf"), (orbax / "0" / "items", tmp_path),
+             (orbax, tmp_path / "link"), (hf, hf), (hf, hf / "orbax"), (hf, tmp_path)]
+    for src, dst in cases:
+        with pytest.raises(ost.ArgumentError, match="dst .* src") as refused:
+            ost.convert(src, dst, overwrite=True, progress=False)
+        assert str(src) in str(refused.value) and str(dst) in str(refused.value)
+        assert _tree_files(tmp_path) == before, (src, dst)
+    ost.save("memory://apart/hf", _flat(_tree()))
+    for dst in ("memory://apart/hf/", "memory://apart//hf/orbax", "memory://apart"):
+        with pytest.raises(ost.ArgumentError, match="dst .* src"):
+            ost.convert("memory://apart/hf", dst, overwrite=True, progress=False)
 
 
 def test_convert_removes_what_a_crashed_conversion_to_orbax_left(tmp_path):

@@ -162,6 +162,54 @@ def test_clear_errors_and_nothing_left_behind(hf_dir, tmp_path):
     assert os.listdir(tmp_path / "mine") == ["notes.txt"]
 
 
+# (config field, a value the 2-layer tiny llama does not have, what the checkpoint holds)
+_MISFIT = [("num_hidden_layers", 1, 2), ("num_hidden_layers", 3, 2), ("hidden_size", 32, 64),
+           ("intermediate_size", 48, 96), ("vocab_size", 100, 128)]
+
+
+def test_a_config_the_checkpoint_does_not_fit_is_refused_naming_the_field_both_ways(hf_dir, tmp_path):
+    """Rules map names and split heads; they do not count layers or check sizes. Was: a
+    config of 1 or 3 layers (or another hidden, MLP or vocabulary size) converted a 2-layer
+    checkpoint silently, and MaxText (or transformers, on the way back) failed at restore."""
+    right = transformers.AutoConfig.from_pretrained(hf_dir).to_dict()
+    ost.convert(hf_dir, tmp_path / "mt", mapping=ost.mappings.maxtext("llama3.1", right), progress=False)
+    for field, value, holds in _MISFIT:
+        config = {**right, field: value}
+        said = rf"config's {field} is {value}\b.*\b{holds}\b"
+        for mapping in (ost.mappings.maxtext("llama3.1", config), ost.mappings.for_config(config)):
+            with pytest.raises(ost.MappingError, match=said):
+                ost.convert(hf_dir, tmp_path / "out", mapping=mapping, progress=False)
+            with pytest.raises(ost.MappingError, match=said):
+                ost.load(hf_dir, mapping=mapping)
+        with pytest.raises(ost.MappingError, match=said):
+            ost.convert(tmp_path / "mt", tmp_path / "out", mapping=ost.mappings.maxtext("llama3.1", config),
+                        progress=False)
+        assert sorted(os.listdir(tmp_path)) == ["mt"], field
+
+
+# A config field of each MoE family and a value its tiny checkpoint does not fit. DeepSeek's layer
+# after the last is its multi-token-prediction layer (num_nextn_predict_layers 1), left out: one
+# layer too few is a config that fits.
+_MOE_MISFIT = [("mixtral", "num_local_experts", 3), ("qwen3_moe", "num_local_experts", 3),
+               ("qwen3_moe", "moe_intermediate_size", 48), ("deepseek_v3", "n_routed_experts", 4),
+               ("deepseek_v3", "moe_intermediate_size", 16), ("deepseek_v3", "num_hidden_layers", 4)]
+
+
+@pytest.mark.parametrize("family,field,value", _MOE_MISFIT)
+def test_an_moe_config_the_checkpoint_does_not_fit_is_refused(tmp_path, family, field, value):
+    """An MoE config of another expert count or size than the checkpoint's converted silently."""
+    directory = str(tmp_path / "hf")
+    hf_families.tiny_model(family, directory)
+    right = transformers.AutoConfig.from_pretrained(directory).to_dict()
+    config = {**right, field: value}
+    maxtext = {"mixtral": "mixtral", "qwen3_moe": "qwen3", "deepseek_v3": "deepseek3"}[family]
+    said = rf"config's {field} is {value}\b.*\b{right[field]}\b"
+    for mapping in (ost.mappings.maxtext(maxtext, config), ost.mappings.for_config(config)):
+        with pytest.raises(ost.MappingError, match=said):
+            ost.convert(directory, tmp_path / "out", mapping=mapping, progress=False)
+    assert sorted(os.listdir(tmp_path)) == ["hf"]
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_tree_box_covers_the_stored_box(seed):
     """``Transform.tree_box`` is the smallest tree box whose stored values cover a stored box:

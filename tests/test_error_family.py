@@ -1,4 +1,4 @@
-"""One family for every error the library raises on purpose (issue 19): ``ost.Error`` catches
+"""One family for every error the library raises on purpose: ``ost.Error`` catches
 each of them, and each keeps the builtin base a user would catch without knowing the library.
 
 Checked twice: the family itself (every exception class ``orbax_safetensors`` exports is an

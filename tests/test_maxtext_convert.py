@@ -1,4 +1,4 @@
-"""``ost.convert`` with ``ost.mappings.maxtext`` against MaxText 0.2.5 itself (issue 27's "Done when").
+"""``ost.convert`` with ``ost.mappings.maxtext`` against MaxText 0.2.5 itself.
 
 The tiny models, the MaxText venv and the child are ``tests/test_maxtext_mapping.py``'s:
 

@@ -1,4 +1,4 @@
-"""Quantized checkpoints read by us against the references that are not ours (issue 28).
+"""Quantized checkpoints read by us against the references that are not ours.
 
 Ground truth is the independent numpy dequantizer (``tests/quantized_reference.py``). Ours is
 ``ost.load`` through the public API, sharded over the 8 CPU devices of the test process, blocks

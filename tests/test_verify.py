@@ -118,7 +118,7 @@ def test_total_size_and_second_copies_are_reported(tmp_path):
     in another file the index names is an error of load and verify alike, naming both files:
     transformers reads every tensor of every file (the last copy wins), we the copy the index
     places, so two readers would load two models. (It was tolerated, load reading the index's
-    copy while verify reported it: issue 18 made them agree.)"""
+    copy while verify reported it; now they agree.)"""
     path = _sharded(tmp_path)
     index_path = os.path.join(path, "model.safetensors.index.json")
     index = json.loads(open(index_path).read())

@@ -145,6 +145,7 @@ class StoredBlocks:
                                 else "the source holds no arrays")
         tree = [TensorSpec(name, spec.dtype, spec.shape) for name, spec in self._leaves.items()]
         stored, assemblies = mapping.map_specs(sorted(tree, key=lambda s: natural_key(s.name)))
+        mapping.check_sizes({spec.name: spec.shape for spec in stored})  # written with the config beside them
         self._pieces: dict[str, tuple[str, Piece]] = {
             piece.stored: (leaf, piece) for leaf, assembly in assemblies.items() for piece in assembly.pieces}
         self.specs = [TensorSpec(s.name, _output_dtype(s.dtype, dtype), s.shape) for s in stored]

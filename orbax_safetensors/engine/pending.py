@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
-import gc
 import logging
 import os
 import sys
@@ -150,7 +149,6 @@ def _report_at_exit() -> None:
     """At exit, after the interpreter waited for the writers: saves lost with nobody told, said,
     and exit status 1; 130 where a save was interrupted (``_stop_interrupted``)."""
     interrupted = _stop_interrupted()
-    gc.collect()  # saves abandoned unstarted, held only in cycles, unwatch themselves (Orbax's steps)
     with _watched_lock:
         watched = list(_watched.values())
     lost = [line for line in (describe() for describe in watched) if line is not None]

@@ -14,6 +14,7 @@ chunks of at most a block, so for them the bound is the blocks alone.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import threading
 from collections.abc import Mapping as MappingABC
@@ -91,7 +92,9 @@ class OrbaxBlocks:
                                 context=context) for name, meta in arrays.items()}
         self._stores = {name: future.result() for name, future in opened.items()}
         custom = getattr(tree_metadata, "custom_metadata", None)
-        self.metadata = {k: v for k, v in (custom or {}).items() if isinstance(v, str)} \
+        # ``__metadata__`` is str → str: any other value (read from Orbax's JSON, so JSON it
+        # is) goes as its JSON text rather than being lost on the way.
+        self.metadata = {k: v if isinstance(v, str) else json.dumps(v) for k, v in (custom or {}).items()} \
             if isinstance(custom, MappingABC) else {}
         self._lock = threading.Lock()  # one band decoded at a time, across tensors
         self._bands: dict[str, _Band] = {}

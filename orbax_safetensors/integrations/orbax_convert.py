@@ -27,7 +27,9 @@ conversion round trip gives back exactly the names (and bytes) it started
 with. ``nest=False`` keeps the flat names as top-level keys instead, and is
 needed when one name is a prefix of another (``a`` and ``a.b``). The
 safetensors ``__metadata__`` becomes the Orbax ``custom_metadata`` and comes
-back on the way out.
+back on the way out. ``__metadata__`` holds only strings: a ``custom_metadata``
+value of another type (``"step": 5``) becomes its JSON text (``"5"``), and
+stays that text on a way back to Orbax.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import posixpath
 import re
 import time
 from collections.abc import Mapping as MappingABC
@@ -44,6 +47,7 @@ from typing import Any
 import fsspec
 import numpy as np
 from etils import epath
+from fsspec.registry import known_implementations
 
 from orbax_safetensors.engine import (
     DEFAULT_BLOCK_BYTES,
@@ -223,7 +227,8 @@ def convert(
       nest: safetensors → Orbax: split names on ``.`` into nested dicts;
         ``False`` keeps the flat names as keys.
       metadata: extra str→str for the output (``__metadata__``, or the Orbax
-        ``custom_metadata``), over the source's own.
+        ``custom_metadata``), over the source's own (an Orbax source's values
+        that are not strings as their JSON text: ``"step": 5`` as ``"5"``).
       overwrite: replace the checkpoint at ``dst``; without it an existing
         ``dst`` is an error. An HF ``dst`` keeps its other files (config.json,
         tokenizer files); an Orbax ``dst`` is replaced whole, so it must hold an
@@ -290,6 +295,7 @@ def _open_source(src: str | os.PathLike, target: Location, options: ConvertOptio
     """The source's format and its tensors as the output wants them (through the mapping),
     once the destination is known to be one this conversion may write."""
     fmt, item = detect_format(src, storage_options, filesystem)
+    _check_apart(src, target)
     _check_destination(target, fmt, options.form, overwrite=options.stream.overwrite)
     if options.dtype is not None and options.mapping is None:
         raise ArgumentError("dtype= needs a mapping (without one the tensors are copied as they are)")
@@ -346,6 +352,34 @@ def _check_destination(target: Location, source_format: str, form: OrbaxForm, *,
             f"{', ...' if len(foreign) > 5 else ''}); "
             "convert replaces only an Orbax checkpoint, even with overwrite: choose another "
             "destination", target.url)
+
+
+def _check_apart(src: str | os.PathLike, target: Location) -> None:
+    """Refuses a ``target`` that is ``src``, lies inside it or holds it: the output would go
+    into the checkpoint being read (beside its files, or replacing it with ``overwrite``) or
+    around it. Local paths are compared resolved (links, ``..``), URLs as normalized text."""
+    source, destination = _place(os.fspath(src)), _place(target.url)
+    if source[0] != destination[0]:
+        return
+    relation = ("is" if source[1] == destination[1] else "is inside" if _within(destination[1], source[1])
+                else "holds" if _within(source[1], destination[1]) else None)
+    if relation is not None:
+        raise ArgumentError(f"dst {target.url!r} {relation} src {os.fspath(src)!r}: convert does not write "
+                            "where it reads; choose a dst apart from src")
+
+
+def _place(url: str) -> tuple[str, str]:
+    """(filesystem, path) of a location as ``_check_apart`` compares them: fsspec's aliases of
+    one filesystem (``gs``, ``gcs``) are one."""
+    protocol, path = fsspec.core.split_protocol(url)
+    implementation = known_implementations.get(protocol or "file", {}).get("class", protocol)
+    if implementation == known_implementations["file"]["class"]:
+        return implementation, os.path.realpath(path)
+    return implementation, posixpath.normpath("/" + path.lstrip("/"))
+
+
+def _within(inner: str, outer: str) -> bool:
+    return inner.startswith(outer.rstrip("/") + "/")
 
 
 def _occupied(location: Location) -> bool:

@@ -29,7 +29,6 @@ import concurrent.futures
 import functools
 import re
 import threading
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -63,13 +62,8 @@ class _WritesOnceAwaited(ocp_future.Future):
     our writes. The signals to wait for (Orbax's directory creation) are those of the
     operation that was current in ``async_save``; they are read there, while it is."""
 
-    def __init__(self, job: WriteSession, directory: Any, lost: Callable[[], str | None]):
+    def __init__(self, job: WriteSession, directory: Any):
         self._job, self._directory = job, directory
-        self._begun: list[bool] = []  # the writes were asked for
-        # Orbax drops a step's futures unawaited when the step fails in another item, and
-        # raises that failure to the caller (or logs it): our writes never start, and the exit
-        # has nothing to add; a caller that recovered must not exit with status 1 for it.
-        weakref.finalize(self, _abandoned, _watch_key(directory), lost, self._begun)
         self._operation_id = synchronization.OperationIdGenerator.get_current_operation_id()
         self._signals = orbax_futures.AwaitableSignalsContract.get_awaitable_signals_from_contract(
             operation_id=self._operation_id)
@@ -101,7 +95,6 @@ class _WritesOnceAwaited(ocp_future.Future):
         with self._lock:
             if self._cancelled:
                 raise concurrent.futures.CancelledError()
-            self._begun.append(True)
             self._writing = self._job.start()
         await asyncio.wrap_future(self._writing)
 
@@ -122,15 +115,35 @@ class _WritesOnceAwaited(ocp_future.Future):
 class SafetensorsCheckpointHandler(ocp_handlers.AsyncCheckpointHandler):
     """Saves and restores one PyTree of arrays as an HF safetensors directory."""
 
+    def __init__(self) -> None:
+        # The saves of this item (Orbax makes a handler per item of a checkpointer) the exit
+        # watches, until the next save or ``close``: Orbax begins either only once its wait
+        # for the saves before has returned, and that wait raises a failed step to the caller
+        # (from ``save``, ``wait_until_finished`` or ``close``). Each then either committed
+        # (``finalize`` unwatched it) or failed and was said: the exit must not say it again,
+        # nor end a recovered script with status 1.
+        self._watched: list[tuple[tuple[str, str], Callable[[], str | None]]] = []
+
     async def async_save(self, directory: Any, args: SafetensorsSave) -> list[ocp_future.Future]:
+        self._settle()
         lost = functools.partial(_not_committed, directory)
-        future = _WritesOnceAwaited(prepare_item_save(directory, args, fresh=True), directory, lost)
+        future = _WritesOnceAwaited(prepare_item_save(directory, args, fresh=True), directory)
         # Orbax commits the step after us, in a thread the end of a script cuts short (its
         # own items are lost the same way, status 0): until it finalizes ours, an exit says so
         # (on the primary process; the others once their writes are done). A write of ours
         # that fails goes to Orbax, which raises it on wait or close: not said again.
         watch_at_exit(_watch_key(directory), lost)
+        self._watched.append((_watch_key(directory), lost))
         return [future]
+
+    def close(self) -> None:
+        """The checkpointer is closing, its wait for this item's saves returned: see ``__init__``."""
+        self._settle()
+
+    def _settle(self) -> None:
+        for key, lost in self._watched:
+            unwatch(key, lost)
+        self._watched.clear()
 
     def save(self, directory: Any, args: SafetensorsSave) -> None:
         """Blocking save (``ocp.Checkpointer``): the directory already exists here."""
@@ -155,13 +168,6 @@ class SafetensorsCheckpointHandler(ocp_handlers.AsyncCheckpointHandler):
 
 def _watch_key(directory: Any) -> tuple[str, str]:
     return ("orbax step item", str(directory))
-
-
-def _abandoned(key: tuple[str, str], lost: Callable[[], str | None], begun: list[bool]) -> None:
-    """A step's future dropped: if its writes were never asked for, the step failed before
-    them and Orbax said so; nothing is left for the exit to say."""
-    if not begun:
-        unwatch(key, lost)
 
 
 def _not_committed(directory: Any) -> str | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from orbax_safetensors.errors import ArgumentError
+from orbax_safetensors.planning.rules import ConfigSize
 
 
 def config_value(config: Any, key: str, default: Any = None) -> Any:
@@ -31,3 +32,32 @@ def attention_dims(config: Any, family: str) -> dict[str, int]:
                          "attention head sizes")
     return {"heads": heads, "kv_heads": config_value(config, "num_key_value_heads", heads),
             "head_dim": head_dim if head_dim is not None else hidden // heads}
+
+
+# A decoder config's sizes and where its checkpoint shows them: (field, stored name after the
+# prefix, axis; None: how many values the placeholder takes). A family has some of these
+# tensors; those it lacks check nothing.
+_SIZES = (
+    ("num_hidden_layers", "layers.{i}.", None),
+    ("vocab_size", "embed_tokens.weight", 0),
+    ("hidden_size", "embed_tokens.weight", 1),
+    ("intermediate_size", "layers.{i}.mlp.gate_proj.weight", 0),  # dense MLPs
+    ("intermediate_size", "layers.{i}.block_sparse_moe.experts.{e}.w1.weight", 0),  # Mixtral's experts
+    ("intermediate_size", "layers.{i}.mlp.experts.down_proj", 1),  # gpt-oss's fused experts
+    ("moe_intermediate_size", "layers.{i}.mlp.experts.{e}.gate_proj.weight", 0),  # Qwen3-MoE's, DeepSeek's
+    ("num_local_experts", "layers.{i}.block_sparse_moe.gate.weight", 0),  # Mixtral's router
+    ("num_local_experts", "layers.{i}.mlp.router.weight", 0),  # gpt-oss's
+    ("num_experts", "layers.{i}.mlp.gate.weight", 0),  # Qwen3-MoE's (num_local_experts in transformers 5)
+    ("num_local_experts", "layers.{i}.mlp.gate.weight", 0),
+    ("n_routed_experts", "layers.{i}.mlp.gate.weight", 0),  # DeepSeek's
+)
+
+
+def config_sizes(config: Any, prefix: str = "model.") -> list[ConfigSize]:
+    """What ``config`` says its checkpoint holds (tensors under ``prefix``), for
+    ``Mapping(sizes=...)``: the fields it has, of those in ``_SIZES``."""
+    if config is None:
+        return []
+    values = {field: config_value(config, field) for field, _, _ in _SIZES}
+    return [ConfigSize(field, int(values[field]), prefix + stored, axis) for field, stored, axis in _SIZES
+            if isinstance(values[field], int) and not isinstance(values[field], bool)]

@@ -70,7 +70,7 @@ from collections.abc import Callable
 from typing import Any
 
 from orbax_safetensors.errors import ArgumentError
-from orbax_safetensors.mappings._config import config_value
+from orbax_safetensors.mappings._config import config_sizes, config_value
 from orbax_safetensors.mappings._quantized import quantized_mapping
 from orbax_safetensors.planning.rules import Mapping, Rule, Strided
 
@@ -213,7 +213,7 @@ def deepseek_v3(config: Any = None, *, scan_layers: bool = False, dtype: Any = N
     rules = _outer(config, ("model.embed_tokens.embedding", "model.norm.scale", "lm_head.kernel"), dtype)
     rules += _rules(config, per_layer, maxtext=False, dtype=dtype)
     return quantized_mapping(rules, config, dequantize=dequantize, dims=_dims(config),
-                             ignore=_prediction_layers(config))
+                             ignore=_prediction_layers(config), sizes=config_sizes(config))
 
 
 def maxtext_deepseek3(config: Any, scan_layers: bool, *, dtype: Any, dequantize: bool) -> Mapping:
@@ -224,4 +224,4 @@ def maxtext_deepseek3(config: Any, scan_layers: bool, *, dtype: Any, dequantize:
                    dtype)
     rules += _rules(config, per_layer, maxtext=True, dtype=dtype)
     return quantized_mapping(rules, config, dequantize=dequantize, dims=_dims(config), checkpoint_form="maxtext",
-                             ignore=_prediction_layers(config))
+                             ignore=_prediction_layers(config), sizes=config_sizes(config))

@@ -53,7 +53,7 @@ from __future__ import annotations
 from typing import Any
 
 from orbax_safetensors.errors import ArgumentError
-from orbax_safetensors.mappings._config import attention_dims, config_value
+from orbax_safetensors.mappings._config import attention_dims, config_sizes, config_value
 from orbax_safetensors.mappings._quantized import quantized_mapping
 from orbax_safetensors.mappings.deepseek import deepseek_v3
 from orbax_safetensors.planning.rules import Mapping, Rule
@@ -108,7 +108,7 @@ def _decoder(config: Any, family: str, *, scan_layers: bool, dtype: Any, dequant
         rules += [layer(f"{experts}.{{e}}.{p}.weight", f"{experts}.{p}.kernel", experts=True, **linear)
                   for p in projections]
     return quantized_mapping(rules, config, dequantize=dequantize,
-                             dims=attention_dims(config, f"ost.mappings.{family}"))
+                             dims=attention_dims(config, f"ost.mappings.{family}"), sizes=config_sizes(config))
 
 
 def _fused_experts(layer: Any) -> list[Rule]:

@@ -102,7 +102,7 @@ import ml_dtypes
 
 from orbax_safetensors.errors import ArgumentError
 from orbax_safetensors.mappings import deepseek
-from orbax_safetensors.mappings._config import attention_dims, config_value
+from orbax_safetensors.mappings._config import attention_dims, config_sizes, config_value
 from orbax_safetensors.mappings._quantized import quantized_mapping
 from orbax_safetensors.planning.rules import Mapping, Rule, Strided
 
@@ -212,7 +212,8 @@ def maxtext(family: str, config: Any, scan_layers: bool = True, *, dtype: Any = 
             rules += per_layer(f"mlp.{hf}.weight", f"mlp.{mt}.kernel", **linear)
     if not config_value(config, "tie_word_embeddings", False):  # tied: MaxText's logits_via_embedding
         rules.append(Rule("lm_head.weight", "decoder.logits_dense.kernel", **linear))
-    return quantized_mapping(rules, release, dequantize=dequantize, dims=dims, checkpoint_form="maxtext")
+    return quantized_mapping(rules, release, dequantize=dequantize, dims=dims, checkpoint_form="maxtext",
+                             sizes=config_sizes(config, prefix))
 
 
 def _attention(spec: _Family, per_layer: Callable[..., list[Rule]], dims: dict[str, int], dtype: Any) -> list[Rule]:

@@ -464,6 +464,49 @@ def _declared(item: Size, dims: MappingABC[str, int]) -> int | None:
 
 
 
+@dataclasses.dataclass(frozen=True)
+class ConfigSize:
+    """A size a model's config states, which the checkpoint must show: rules match names and
+    split heads whatever the number of layers or experts, so a config of another model would
+    convert (3 layers on a 2-layer checkpoint made a 2-layer stack) and fail only where the
+    result is restored, far from the cause.
+
+    With ``axis``, every stored tensor ``stored`` names (placeholders match one dotted
+    segment: ``"model.layers.{i}.mlp.gate_proj.weight"``) is ``value`` long along ``axis``;
+    without, the stored names beginning with ``stored`` give its one placeholder ``value``
+    values (``"model.layers.{i}."``: the layers). Where the checkpoint has no such name there
+    is nothing to check (another family's tensor).
+    """
+
+    field: str  # the config's name for the size, which a refusal names
+    value: int
+    stored: str
+    axis: int | None = None
+
+    def __post_init__(self):
+        if self.axis is None and len(_pattern(self.stored, "stored")[1]) != 1:
+            raise MappingError(f"{self}: counting needs a stored pattern with one placeholder")
+
+    def misfit(self, stored_shapes: MappingABC[str, Sequence[int]]) -> str | None:
+        """How the checkpoint differs from the config (``None``: it does not)."""
+        pattern = _pattern(self.stored, "stored")[0]
+        said = f"the config's {self.field} is {self.value}, but"
+        if self.axis is None:
+            found = {m.group(1) for name in stored_shapes for m in [pattern.match(name)] if m}
+            if not found or len(found) == self.value:
+                return None
+            shown = sorted(found, key=lambda v: (len(v), v))
+            return f"{said} the checkpoint holds {len(found)} ({self.stored}…: {', '.join(shown[:8])}" + (
+                ", …)" if len(shown) > 8 else ")")
+        wrong = [(name, tuple(shape)) for name, shape in stored_shapes.items() if pattern.fullmatch(name)
+                 and len(shape) > self.axis and shape[self.axis] != self.value]
+        if not wrong:
+            return None
+        (name, shape), more = wrong[0], len(wrong) - 1
+        return (f"{said} the checkpoint's {name} is {shape}: {shape[self.axis]} along axis {self.axis}"
+                + (f" (and {more} more tensors like it)" if more else ""))
+
+
 class Mapping:
     """Rules that translate stored tensor names and layouts to a params tree, both ways.
 
@@ -482,13 +525,17 @@ class Mapping:
     ``ignore``: prefixes of stored names the tree does not hold (DeepSeek-V3's
     multi-token-prediction layer, which transformers skips too): left out of
     a load or a conversion, and never reported as unmapped or unexpected.
+    ``sizes``: what the config says the checkpoint holds (``ConfigSize``: layers,
+    experts, hidden size...); a checkpoint that differs is refused (``check_sizes``),
+    naming the config field, before anything is read or written.
     """
 
     def __init__(self, rules: Iterable[Rule], *, dims: MappingABC[str, int] | None = None,
                  checkpoint_form: str | None = None, quantization: Quantization | None = None,
-                 ignore: Iterable[str] = ()):
+                 ignore: Iterable[str] = (), sizes: Iterable[ConfigSize] = ()):
         self.rules = tuple(rules)
         self.dims = dict(dims or {})
+        self.sizes = tuple(sizes)
         self.checkpoint_form = checkpoint_form
         self.quantization = quantization
         self.ignore = tuple(ignore)
@@ -506,12 +553,13 @@ class Mapping:
         ``dtypes`` (name → dtype code), when known, check that no FP8 tensor lacks its
         scales (read without them its values would be off by the scale, silently) and that
         values and scales are of dtypes the scheme reads. Names
-        the mapping ``ignore``s are left out."""
+        the mapping ``ignore``s are left out; the rest must fit ``sizes``."""
         if hasattr(stored_shapes, "quantized"):
             return stored_shapes
         if self.ignore:
             stored_shapes = {n: shape for n, shape in stored_shapes.items() if not self.ignores(n)}
         if self.quantization is None:
+            self.check_sizes(stored_shapes)
             return stored_shapes
         view = dequantized(self.quantization, stored_shapes)
         unscaled = [name for name, code in (dtypes or {}).items() if isinstance(self.quantization, FP8)
@@ -522,7 +570,15 @@ class Mapping:
         if dtypes is not None:
             for quantized in view.quantized.values():
                 quantized.check_dtypes(dtypes[quantized.weight], dtypes[quantized.scales])
+        self.check_sizes(view)
         return view
+
+    def check_sizes(self, stored_shapes: MappingABC[str, Sequence[int]]) -> None:
+        """Refuses a checkpoint (stored name → shape, as the rules see them) that differs from
+        what ``sizes`` says, naming every field that does not fit."""
+        misfits = [m for m in (size.misfit(stored_shapes) for size in self.sizes) if m is not None]
+        if misfits:
+            raise MappingError("the checkpoint does not fit the mapping's config: " + "; ".join(misfits))
 
     def _hits(self, name: str, side: str) -> list[tuple[Rule, dict[str, str]]]:
         """The rules that map ``name`` on ``side``, each with its placeholder values."""
