@@ -180,7 +180,10 @@ def test_processes_that_ask_for_different_targets_all_raise_naming_the_leaf(mult
                            timeout=300, args={"path": path})
     for result in results:
         outcome = result.value
-        assert outcome["raised"] == "ArgumentError", outcome
+        # Each process refuses on its own; one CI run under load saw one process hear the
+        # other's refusal first (a PeerFailedError carrying it), which names the leaf as well.
+        assert outcome["raised"] == "ArgumentError" or (
+            outcome["raised"] == "PeerFailedError" and "ArgumentError" in outcome["message"]), outcome
         assert "different targets" in outcome["message"] and "w: float32[256, 1024]" in outcome["message"]
         assert "process 0:" in outcome["message"] and "process 1:" in outcome["message"]
         assert outcome["seconds"] < _PROMPT

@@ -192,6 +192,9 @@ class _OrbaxWrite:
                 raise ArgumentError(f"tensor {name!r}: Orbax cannot store "
                                     f"{self.specs[name].dtype.code} (sub-byte) arrays")
         stores: dict[str, asyncio.Future] = {}  # each leaf opened once, by the first to need it
+        if create:  # every array is created, those this process writes no chunk of too
+            stores.update((name, asyncio.ensure_future(self._open(name, info, create=True)))
+                          for name, info in infos.items())
         chunks = ((name, box) for name in infos for box in self.mine[name])
         stopped = False
 
@@ -211,6 +214,7 @@ class _OrbaxWrite:
                 raise
 
         await _all(worker() for _ in range(_IN_FLIGHT))
+        await _all(iter(list(stores.values())))  # created, also where no worker waited for it
 
     async def _open(self, name: str, info: Any, *, create: bool) -> Any:
         spec = self.specs[name]
