@@ -155,16 +155,16 @@ class ConvertOptions:
         """TensorStore's cache of OCDBT nodes, on each process writing an Orbax output."""
         return self.memory_budget // 16
 
-    def agreed(self, source: BlockSource, *, orbax_output: bool) -> list[str]:
-        """What shapes the output, as the processes compare it before any is written: a line
+    def agreed(self, source: BlockSource) -> list[str]:
+        """What shapes an Orbax output, as the processes compare it before any is written
+        (a safetensors output is compared by ``write_blocks``, as ``consolidate``'s): a line
         per argument, then the tensors this process will write (through the mapping: the
         tree's names, shapes and dtypes). The memory budget itself may differ (each host
-        sized it from its own free memory); the block size it sets may not where it is an
-        Orbax output's chunk grid."""
-        chunks = [f"block_bytes={self.stream.block_bytes} (memory_budget sets it unless "
-                  "block_bytes= is given)"] if orbax_output else []
-        return (describe_arguments(self.stream, leave_out=("progress", "block_bytes")) + chunks
-                + [f"dtype={self.dtype}", f"nest={self.nest}", f"mapping={self.mapping!r}"]
+        sized it from its own free memory); the block size it sets, the chunk grid, may not."""
+        return (describe_arguments(self.stream, leave_out=("progress", "block_bytes"))
+                + [f"block_bytes={self.stream.block_bytes} (memory_budget sets it unless "
+                   "block_bytes= is given)",
+                   f"dtype={self.dtype}", f"nest={self.nest}", f"mapping={self.mapping!r}"]
                 + [f"tensor {describe_spec(spec)}" for spec in source.specs])
 
 
@@ -276,12 +276,11 @@ def convert(
         fmt, source = Operation(peers).run(
             "open", functools.partial(_open_source, src, target, options, opened, storage_options,
                                       filesystem))
-        peers.check_same("arguments", options.agreed(source, orbax_output=fmt == SAFETENSORS),
-                         "convert arguments or sources")
         if fmt == ORBAX:
             stats = write_blocks(target, source, options.stream, label=label, started=started)
             return ConvertStats(ORBAX, SAFETENSORS, len(source.specs), stats.bytes_written,
                                 stats.files, stats.seconds)
+        peers.check_same("arguments", options.agreed(source), "convert arguments or sources")
         tensors, written = write_orbax(source, target, form, chunk_bytes=options.stream.block_bytes,
                                        cache_bytes=options.node_cache_bytes, nest=options.nest,
                                        metadata=options.stream.metadata,

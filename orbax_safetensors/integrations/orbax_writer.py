@@ -191,10 +191,10 @@ class _OrbaxWrite:
             if self.specs[name].dtype.is_packed:
                 raise ArgumentError(f"tensor {name!r}: Orbax cannot store "
                                     f"{self.specs[name].dtype.code} (sub-byte) arrays")
-        stores: dict[str, asyncio.Future] = {}  # each leaf opened once, by the first to need it
-        if create:  # every array is created, those this process writes no chunk of too
-            stores.update((name, asyncio.ensure_future(self._open(name, info, create=True)))
-                          for name, info in infos.items())
+        # Every leaf opened at once (created, on process 0), those this process writes no
+        # chunk of too: Orbax's merge wants every array's metadata.
+        stores = {name: asyncio.ensure_future(self._open(name, info, create=create))
+                  for name, info in infos.items()}
         chunks = ((name, box) for name in infos for box in self.mine[name])
         stopped = False
 
@@ -206,15 +206,13 @@ class _OrbaxWrite:
                         return
                     if self.op.cancelled.is_set():  # a Ctrl-C: the rest is not written
                         raise _Cancelled(name)
-                    if name not in stores:
-                        stores[name] = asyncio.ensure_future(self._open(name, infos[name], create=create))
                     await self._write_chunk(name, await stores[name], box)
             except BaseException:
                 stopped = True
                 raise
 
         await _all(worker() for _ in range(_IN_FLIGHT))
-        await _all(iter(list(stores.values())))  # created, also where no worker waited for it
+        await _all(iter(stores.values()))  # opened, also where no worker waited for it
 
     async def _open(self, name: str, info: Any, *, create: bool) -> Any:
         spec = self.specs[name]
