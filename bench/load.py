@@ -62,7 +62,7 @@ again (``common.Probe``, ``common.run_undisturbed``).
 
 Results go to stdout and to ``bench/results/load.md`` (``load-quick.md`` with
 ``--quick``, whose checkpoint uses ``max_shard_size="50MB"`` so that it too is a
-sharded directory with an index), as a markdown table ready to paste into the README.
+sharded directory with an index), as a markdown table ready to paste into docs/benchmarks.md.
 """
 
 from __future__ import annotations

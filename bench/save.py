@@ -59,7 +59,7 @@ used the CPU is discarded and run again (``common.Probe``).
 
 Results go to stdout and to ``bench/results/save.md`` (``save-quick.md`` with
 ``--quick``, whose sharded saves use ``max_shard_size="50MB"`` so that they too
-write several files and an index), as a markdown table ready to paste into the README.
+write several files and an index), as a markdown table ready to paste into docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
+import shutil
 import sys
 import tempfile
 import time
@@ -58,8 +60,11 @@ def shard(params: dict, mesh: Mesh, axis: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dir", help="where to write (default: a temporary directory, removed "
-                                      "at the end)")
+    parser.add_argument("--dir", help="where to write, kept afterwards (default: a temporary "
+                                      "directory, removed at the end)")
+    parser.add_argument("--scratch", metavar="DIR",
+                        help="where to write when no --dir is given: a temporary directory that "
+                             "the caller removes (scripts/demo.sh's, removed however it ends)")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--vocab", type=int, default=32000)
@@ -73,11 +78,37 @@ def main() -> None:
     nbytes = sum(x.nbytes for x in params.values())
     print(f"model: {len(params)} tensors, {nbytes / 1e6:.1f} MB bf16, FSDP-sharded (rows)")
 
-    if args.dir:
-        run(params, mesh, os.path.join(args.dir, "checkpoint"))
-        return
-    with tempfile.TemporaryDirectory(prefix="ost-demo-") as directory:  # gone however the demo ends
-        run(params, mesh, os.path.join(directory, "checkpoint"))
+    if args.dir or args.scratch:
+        run(params, mesh, os.path.join(args.dir or args.scratch, "checkpoint"))
+    else:
+        with tempfile.TemporaryDirectory(prefix="ost-demo-") as directory:  # gone however it ends
+            run(params, mesh, os.path.join(directory, "checkpoint"))
+    print(closing_line(args.dir))
+
+
+def closing_line(kept: str | None) -> str:
+    """Where the checkpoint is, or how to keep one: the demo's only trace once it has ended."""
+    # The console script next to this interpreter: a venv's bin/ is rarely on PATH.
+    cli = os.path.join(os.path.dirname(sys.executable), "orbax-safetensors")
+    if not os.path.exists(cli) or shutil.which("orbax-safetensors") == cli:
+        cli = "orbax-safetensors"
+    else:
+        cli = _shown(cli)
+    if kept:
+        checkpoint = shlex.quote(os.path.join(kept, "checkpoint"))
+        return f"checkpoint kept in {checkpoint}; inspect it with: {cli} inspect {checkpoint}"
+    script = _shown(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                 "scripts", "demo.sh"))
+    return (f"checkpoint removed; keep one with: bash {script} --dir ./demo-ckpt, "
+            f"then: {cli} inspect ./demo-ckpt/checkpoint")
+
+
+def _shown(path: str) -> str:
+    """``path`` for a command line typed where the demo runs: relative when below it."""
+    relative = os.path.relpath(path)
+    if relative.startswith(".."):
+        return shlex.quote(path)
+    return shlex.quote(relative if os.sep in relative else os.path.join(".", relative))
 
 
 def run(params: dict, mesh: Mesh, path: str) -> None:

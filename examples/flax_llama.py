@@ -156,7 +156,8 @@ def load(hf_dir: str, **kwargs) -> tuple[LlamaForCausalLM, dict]:
     return LlamaForCausalLM(config), params
 
 
-def _tiny_checkpoint(directory: str) -> None:
+def tiny_checkpoint(directory: str) -> None:
+    """A random ``LlamaForCausalLM`` (GQA, untied head), for the self-check."""
     import torch
     import transformers
 
@@ -167,15 +168,24 @@ def _tiny_checkpoint(directory: str) -> None:
     transformers.LlamaForCausalLM(config).save_pretrained(directory)
 
 
-def _torch_logits(hf_dir: str, tokens: np.ndarray) -> np.ndarray | None:
+def matches_transformers(hf_dir: str, tokens: np.ndarray, logits: np.ndarray, label: str) -> bool:
+    """Says how far ``logits`` are from transformers' on ``tokens`` (true where torch is absent)."""
     try:
         import torch
         import transformers
     except ImportError:
-        return None
+        print("torch/transformers not installed: logits not compared")
+        return True
     model = transformers.LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     with torch.no_grad():
-        return model(torch.from_numpy(tokens).long()).logits.numpy()
+        reference = model(torch.from_numpy(tokens).long()).logits.numpy()
+    # Two float32 forwards round differently (kernels, CPU); a wrong layout moves logits by
+    # about their own size. The tolerance is on the logits' scale, not per element.
+    diff, scale = float(np.max(np.abs(logits - reference))), float(np.max(np.abs(reference)))
+    ok = diff <= 1e-4 * scale
+    print(f"{label} vs transformers logits: max abs difference {diff:.2e} of logits up to {scale:.2f} "
+          f"({'match' if ok else 'MISMATCH'})")
+    return ok
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,21 +196,10 @@ def main(argv: list[str] | None = None) -> int:
         hf_dir = args.hf_dir
         if hf_dir is None:
             hf_dir = os.path.join(scratch, "tiny-llama")
-            _tiny_checkpoint(hf_dir)
+            tiny_checkpoint(hf_dir)
         model, params = load(hf_dir)
         tokens = np.random.default_rng(0).integers(0, model.config.vocab_size, (2, 12), dtype=np.int32)
-        logits = np.asarray(model.apply({"params": params}, tokens))
-        reference = _torch_logits(hf_dir, tokens)
-        ok = True
-        if reference is None:
-            print("torch/transformers not installed: logits not compared")
-        else:
-            # Two float32 forwards round differently (kernels, CPU); a wrong layout moves logits by
-            # about their own size. The tolerance is on the logits' scale, not per element.
-            diff, scale = float(np.max(np.abs(logits - reference))), float(np.max(np.abs(reference)))
-            ok = diff <= 1e-4 * scale
-            print(f"flax vs transformers logits: max abs difference {diff:.2e} of logits up to {scale:.2f} "
-                  f"({'match' if ok else 'MISMATCH'})")
+        ok = matches_transformers(hf_dir, tokens, np.asarray(model.apply({"params": params}, tokens)), "flax")
         saved = os.path.join(scratch, "saved")
         ost.save(saved, params, mapping=ost.mappings.llama())
         again = ost.load(saved, abstract_params(model.config), mapping=ost.mappings.llama())

@@ -14,10 +14,10 @@ import orbax_safetensors as ost
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _cli(*args):
+def _cli(*args, cwd=_REPO):
     return subprocess.run(
         [sys.executable, "-m", "orbax_safetensors.integrations.cli", *args],
-        capture_output=True, text=True, timeout=120, cwd=_REPO)
+        capture_output=True, text=True, timeout=120, cwd=cwd)
 
 
 def test_inspect_table_and_json(tmp_path):
@@ -140,14 +140,14 @@ def test_progress_formats():
         Progress, format_bytes, format_rate, format_seconds, summary_line)
 
     assert format_bytes(999) == "999 B" and format_bytes(1_234_567) == "1.23 MB"
-    assert format_rate(270_000_000) == "0.27 GB/s" and format_rate(5_000) == "5.00 KB/s"
+    assert format_rate(270_000_000) == "0.27 GB/s" and format_rate(5_000) == "0.0000050 GB/s"
     assert format_seconds(4.54) == "4.5 s" and format_seconds(125) == "2m05s"
     assert format_seconds(3725) == "1h02m"
     assert summary_line(1_230_000_000, "out", 4.5) == "wrote 1.23 GB to out in 4.5 s (0.27 GB/s)"
     progress = Progress("job", 4_000_000, enabled=False)
     progress.advance(1_000_000)
     line = progress._line(progress.started + 2.0)
-    assert line == "job: 1.00/4.00 MB (25%) in 2.0 s, 500.00 KB/s, ETA 6.0 s"
+    assert line == "job: 1.00/4.00 MB (25%) in 2.0 s, 0.00050 GB/s, ETA 6.0 s"
 
 
 def _under_terminal(*args):
@@ -216,7 +216,8 @@ def test_convert_progress_on_a_terminal(tmp_path):
     assert f"\rconvert {tmp_path / 'hf'} -> {tmp_path / 'o'}: 4.10/4.10 KB (100%)" in terminal
     assert "WARNING" not in terminal  # Orbax's logging stays off the terminal
     assert stdout.startswith(f"wrote 4.10 KB to {tmp_path / 'o'} in ")
-    assert stdout.rstrip().endswith("1 tensors, safetensors -> orbax")
+    [line] = stdout.splitlines()
+    assert "1 tensors, safetensors -> orbax; restore: ocp.StandardCheckpointer().restore(" in line
     failed = _under_terminal("convert", str(tmp_path / "hf"), str(tmp_path / "o"))
     assert failed[0] == 1 and failed[1] == ""
     assert failed[2].count("\n") == 1 and "already exists" in failed[2]
@@ -264,3 +265,40 @@ def test_special_files_are_named_not_missing(tmp_path):
         result = _cli(command, str(tmp_path / "link"))
         assert result.returncode == 1
         assert f"symbolic link to {str(tmp_path / 'gone')!r}, which does not exist" in result.stderr
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["convert", "a", "b", "--dtype", "float64"], "invalid choice: 'float64' (choose from 'float32', 'bfloat16')"),
+    (["inspect"], "the following arguments are required: path"),
+    (["nonsense"], "invalid choice: 'nonsense'"),
+])
+def test_a_bad_command_line_is_one_line_naming_the_help(argv, words):
+    result = _cli(*argv)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and words in result.stderr and "--help)" in result.stderr
+
+
+def test_convert_says_how_to_use_what_it_wrote(tmp_path):
+    ost.save(tmp_path / "hf", {"a.w": np.arange(6, dtype=np.float32).reshape(2, 3)})
+    to_orbax = _cli("convert", str(tmp_path / "hf"), str(tmp_path / "orbax"))
+    assert to_orbax.returncode == 0, to_orbax.stderr
+    [line] = to_orbax.stdout.splitlines()
+    assert "GB/s" in line and "B/s" not in line.replace("GB/s", "")
+    assert line.endswith(f"; restore: ocp.StandardCheckpointer().restore({str(tmp_path / 'orbax')!r})")
+    as_json = json.loads(_cli("convert", str(tmp_path / "orbax"), str(tmp_path / "back"), "--json").stdout)
+    assert as_json["item_path"] == "" and as_json["target_format"] == "safetensors"
+
+
+def test_convert_to_maxtext_prints_the_load_parameters_path(tmp_path):
+    from tests.test_error_tour import _llama_tensors
+
+    ost.save(tmp_path / "hf", _llama_tensors(layers=2))
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({
+        "model_type": "llama", "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 16,
+        "num_hidden_layers": 2, "vocab_size": 64, "intermediate_size": 32}))
+    result = _cli("convert", "hf", "mt", "--mapping", "maxtext:llama3.1", cwd=tmp_path)  # a relative dst
+    assert result.returncode == 0, result.stderr
+    [line] = result.stdout.splitlines()
+    items = tmp_path / "mt" / "0" / "items"  # what MaxText's load_parameters_path reads, absolute
+    assert line.endswith(f" GB/s): 12 tensors, safetensors -> orbax; MaxText: load_parameters_path={items}")
+    assert (items / "_METADATA").is_file()

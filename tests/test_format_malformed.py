@@ -166,7 +166,8 @@ CASES = [
     single("nul-padding", struct.pack("<Q", 8) + b"{}\x00\x00\x00\x00\x00\x00"),
     single("control-character", build(b'{"__metadata__":{"a":"\x01"}}')),
     # --- data buffer versus offsets
-    single("truncated-data", build({"x": entry(offsets=(0, 8))}, b"\x00" * 5), "tensor 'x'"),
+    single("truncated-data", build({"x": entry(offsets=(0, 8))}, b"\x00" * 5),
+           "is truncated: it has 77 bytes, its header needs 80"),
     single("trailing-junk", build({"x": entry(offsets=(0, 8))}, b"\x00" * 8 + b"junk")),
     single("overlapping-offsets",
            build({"x": entry(offsets=(0, 8)), "y": entry(offsets=(4, 12))}, b"\x00" * 12),
@@ -193,7 +194,7 @@ CASES = [
            build({"x": entry(shape=(3,), offsets=(0, 8))}, b"\x00" * 8), "tensor 'x'"),
     single("claims-10GB-in-1KB-file",
            build({"x": entry(dtype="U8", shape=(10**10,), offsets=(0, 10**10))}, b"\x00" * 1024),
-           "tensor 'x'"),
+           "is truncated"),
     single("claims-2**63-bytes",
            build({"x": entry(dtype="U8", shape=(2**63,), offsets=(0, 2**63))}, b"\x00" * 8),
            "tensor 'x'"),

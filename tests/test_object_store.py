@@ -135,7 +135,7 @@ def test_checkpoint_manager_on_a_bucket(store):
     values = sources()
     params = _global_arrays(values, "fsdp")
     # Orbax's default finalization renames the step directory, which S3 cannot do for a
-    # prefix; a commit file instead is Orbax's own mechanism for such stores (the README's advice:
+    # prefix; a commit file instead is Orbax's own mechanism for such stores (docs/storage.md's advice:
     # AtomicityOptions from Orbax 0.12.3, temporary_path_class before).
     commit_file = {}
     if protocol == "s3" and hasattr(ocp.options, "AtomicityOptions"):

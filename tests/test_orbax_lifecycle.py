@@ -179,7 +179,7 @@ def test_a_manager_save_that_failed_and_was_handled_ends_the_script_normally(tmp
 
 
 def test_v0_restores_a_v1_step_with_a_plain_pytree_beside_ours_through_arguments(tmp_path):
-    """What works, exactly (the README says the same): a v1 step holding our item and a plain
+    """What works, exactly (docs/orbax.md says the same): a v1 step holding our item and a plain
     PyTree restores in a v0 manager with arguments for both, or for ours alone. Without
     arguments Orbax's v0 registry cannot name v1's own PyTree handler (Orbax's limit, not the
     shim's: a step of ours alone restores without arguments, tested in

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import json
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -46,11 +47,16 @@ class Scenario:
     old: Callable[[Path], None]
     new: Callable[[Path], object]
     path: Callable[[Path], Path]
+    config: dict | None = None  # the config= a save passes: committed, it replaces config.json
 
 
-def _save(layout: str = "hf", size: int | str = "5GB", version: int = 2, n: int = 6):
+def _save(layout: str = "hf", size: int | str = "5GB", version: int = 2, n: int = 6,
+          config: dict | None = None):
     return lambda path: ost.save(path, _tree(version, n), layout=layout, max_shard_size=size,
-                                 overwrite=True)
+                                 overwrite=True, config=config)
+
+
+NEW_CONFIG = {"model_type": "llama", "hidden_size": 40}
 
 
 def _source(root: Path) -> Path:
@@ -72,6 +78,8 @@ SCENARIOS = [
     Scenario("sharded, same files", _save(size=20000, version=1), _save(size=20000), lambda d: d),
     Scenario("sharded 4 files -> 2", _save(size=8000, version=1), _save(size=30000), lambda d: d),
     Scenario("sharded -> model.safetensors", _save(size=8000, version=1), _save(), lambda d: d),
+    Scenario("sharded, with config.json", _save(size=8000, version=1),
+             _save(size=20000, config=NEW_CONFIG), lambda d: d, NEW_CONFIG),
     Scenario("distributed", _save("distributed", 8000, 1), _save("distributed", 20000), lambda d: d),
     Scenario("x.safetensors path", lambda d: ost.save(d / "x.safetensors", _tree(1)),
              lambda d: ost.save(d / "x.safetensors", _tree(2), overwrite=True),
@@ -165,7 +173,12 @@ def test_an_overwrite_failing_at_any_operation_keeps_the_old_checkpoint(tmp_path
                 outcomes["committed"] += 1
                 if not _loads(path, 2):
                     problems.append(f"{where}: succeeded but the new checkpoint does not load")
-            if any((root / n).read_bytes() != data for n, data in USER_FILES.items()):
+            expected = dict(USER_FILES)
+            if raised is None and scenario.config is not None:
+                expected["config.json"] = (root / "config.json").read_bytes()
+                if json.loads(expected["config.json"]) != scenario.config:
+                    problems.append(f"{where}: committed without its config.json")
+            if any((root / n).read_bytes() != data for n, data in expected.items()):
                 problems.append(f"{where}: the user's files changed")
             if not ost.verify(path).ok:
                 problems.append(f"{where}: verify: {ost.verify(path).problems}")

@@ -44,6 +44,9 @@ def _global_arrays(scenario):
     return values, arrays
 
 
+_CONFIG = {"model_type": "llama", "num_hidden_layers": 2}  # process 0 writes config.json
+
+
 def _child_save(args):
     values, arrays = _global_arrays(args["scenario"])
     # Each process wrote exactly the bytes of the shards it holds with replica_id 0 (and
@@ -53,7 +56,7 @@ def _child_save(args):
     local += arrays["host.counter"].nbytes if jax.process_index() == 0 else 0
     if args.get("async"):
         future = ost.async_save(args["path"], arrays, max_shard_size=_MAX_SHARD,
-                                layout=args.get("layout", "hf"))
+                                layout=args.get("layout", "hf"), config=_CONFIG)
         # The caller may wreck its arrays as soon as async_save returns.
         donated = jax.jit(lambda t: jax.tree.map(lambda x: x * 0, t), donate_argnums=0)(
             {n: a for n, a in arrays.items() if isinstance(a, jax.Array)})
@@ -61,7 +64,7 @@ def _child_save(args):
         stats = future.result(timeout=120)
     else:
         stats = ost.save(args["path"], arrays, max_shard_size=_MAX_SHARD,
-                         layout=args.get("layout", "hf"))
+                         layout=args.get("layout", "hf"), config=_CONFIG)
     if stats.tensors_resharded == 0:  # else it wrote row blocks: the parent counts the bytes
         assert stats.bytes_written == local, (stats.bytes_written, local)
     reload = _RELOAD[args["scenario"]]
@@ -71,9 +74,9 @@ def _child_save(args):
     return dataclasses.asdict(stats)
 
 
-def _single_process_reference(tmp_path):
+def _single_process_reference(tmp_path, config: dict | None = _CONFIG):
     arrays = {**sources(), "host.counter": np.arange(7, dtype=np.int64)}
-    ost.save(tmp_path / "reference", arrays, max_shard_size=_MAX_SHARD)
+    ost.save(tmp_path / "reference", arrays, max_shard_size=_MAX_SHARD, config=config)
     return tmp_path / "reference", sum(a.nbytes for a in arrays.values())
 
 
@@ -140,7 +143,7 @@ def test_distributed_layout_round_trips_and_reads_like_torch_dcp(
     for name, value in values.items():
         np.testing.assert_array_equal(restored[name], value, err_msg=name)
     # Consolidated, it is byte for byte the HF checkpoint one process would have saved.
-    reference, _ = _single_process_reference(tmp_path)
+    reference, _ = _single_process_reference(tmp_path, config=None)  # consolidate writes none
     ost.consolidate(path, tmp_path / "consolidated", max_shard_size=_MAX_SHARD, block_bytes=10_000)
     _assert_identical_directories(tmp_path / "consolidated", reference)
     # Without our index the directory is torch DCP output: offsets come from the headers.
@@ -160,7 +163,7 @@ def test_consolidate_runs_in_parallel_over_processes(multiprocess, tmp_path):
                        "layout": "distributed"})
     results = multiprocess(f"{_MODULE}:_child_consolidate", num_processes=2, devices_per_process=4,
                            args={"src": str(tmp_path / "distributed"), "dst": str(tmp_path / "hf")})
-    reference, total = _single_process_reference(tmp_path)
+    reference, total = _single_process_reference(tmp_path, config=None)
     _assert_identical_directories(tmp_path / "hf", reference)
     assert all(r.value["files"] >= 1 for r in results)  # both processes wrote output files
     assert sum(r.value["bytes_written"] for r in results) == total

@@ -33,6 +33,7 @@ from orbax_safetensors.engine.write_options import (
     SaveOptions,
     StreamOptions,
     check_metadata,
+    model_config_json,
 )
 
 __all__ = [
@@ -44,4 +45,5 @@ __all__ = [
     "summary_line", "unwatch", "watch_at_exit", "write_blocks",
     "DEFAULT_BLOCK_BYTES", "DEFAULT_MAX_SHARD_SIZE", "DEFAULT_MEMORY_BUDGET", "WriteSession",
     "Operation", "Peers", "StoredBlocks", "TreeBlocks", "describe_arguments", "describe_spec",
+    "model_config_json",
 ]

@@ -224,8 +224,9 @@ def survey(location: Location, findings: Findings, storage: Storage | None = Non
         layout, committed = Layout.TORCH_DCP, set(dcp)
     else:
         layout = Layout.UNKNOWN
-        findings.problem(f"no {INDEX_NAME}, {DISTRIBUTED_INDEX_NAME} or *{SINGLE_FILE_SUFFIX} "
-                         "file in this directory", location.url)
+        findings.problem(_orbax_message(location) if _is_orbax(location.storage, location.path, view.entries)
+                         else f"no {INDEX_NAME}, {DISTRIBUTED_INDEX_NAME} or *{SINGLE_FILE_SUFFIX} "
+                         "file in this directory: pass the directory that holds the checkpoint", location.url)
     if SINGLE_FILE_NAME in names:  # beside an index too: an overwrite replaces it
         committed.add(SINGLE_FILE_NAME)
     return dataclasses.replace(found, layout=layout, committed=frozenset(committed),
@@ -259,7 +260,7 @@ def _check_unindexed(location: Location, whole: set[str], dcp: set[str], finding
         more = f" and {missing - len(first)} more" if missing > len(first) else ""
         findings.problem(f"holds shards of {count} (model-*-of-{count:05d}{SINGLE_FILE_SUFFIX}) "
                          f"but not {', '.join(first)}{more}, and no {INDEX_NAME}: an interrupted save, "
-                         "copy or download? (without an index every shard must be there)",
+                         "copy or download? fetch the missing shards (without an index every one must be there)",
                          location.url)
     if dcp:
         findings.problem(f"holds torch DCP slice files ({sorted(dcp)[0]}, ...) beside other "
@@ -268,14 +269,48 @@ def _check_unindexed(location: Location, whole: set[str], dcp: set[str], finding
     return not incomplete and not dcp
 
 
+# What Orbax writes in a PyTree item directory (``_METADATA``, the OCDBT manifest and each
+# process's OCDBT data) and in a step directory (``_CHECKPOINT_METADATA``): by their names
+# alone, the engine knows no Orbax.
+_ORBAX_MARKERS = frozenset({"_METADATA", "_CHECKPOINT_METADATA", "manifest.ocdbt"})
+_ORBAX_DATA_PREFIX = "ocdbt.process_"
+_ORBAX_DEPTH = 2  # a CheckpointManager's root: <step>/<item>/_METADATA
+_ORBAX_LOOKS = 8  # subdirectories looked into per level, at most
+
+
+def _is_orbax(storage: Storage, path: str, names: frozenset[str] | None = None,
+              depth: int = _ORBAX_DEPTH) -> bool:
+    """Whether directory ``path`` (whose entries are ``names``, when known) is an Orbax
+    checkpoint: a PyTree item, a step holding items, or a root holding steps. Looks into
+    the latest step and a few other entries of each level, no deeper than ``depth``."""
+    if names is None:
+        try:
+            names = frozenset(storage.listdir(path))
+        except OSError:
+            return False
+    if names & _ORBAX_MARKERS or any(n.startswith(_ORBAX_DATA_PREFIX) for n in names):
+        return True
+    if depth == 0:
+        return False
+    steps = sorted((n for n in names if n.isdigit()), key=int)
+    others = sorted(n for n in names if not n.isdigit() and "." not in n)
+    return any(_is_orbax(storage, storage.join(path, n), None, depth - 1)
+               for n in (steps[-1:] + others)[:_ORBAX_LOOKS])
+
+
+def _orbax_message(location: Location) -> str:
+    return (f"is an Orbax checkpoint, not safetensors: convert it with `orbax-safetensors convert "
+            f"{location.url} <dst>` (ost.convert)")
+
+
 def _not_a_directory(location: Location) -> str:
     """What a checkpoint directory's path holds instead: a file, or a device, FIFO or socket,
     which is neither file nor directory."""
     kind = location.storage.special_kind(location.path)
     if kind is not None:
         return f"is {kind}, not a regular file or directory, so not a checkpoint"
-    return ("is a file, not a checkpoint directory (a single-file checkpoint is named "
-            "*.safetensors)")
+    return ("is a file, not a checkpoint directory: pass a directory, or name a single-file "
+            "checkpoint *.safetensors")
 
 
 def _survey_file(location: Location, leftovers: bool) -> Survey:
@@ -601,7 +636,7 @@ def open_checkpoint(location: Location) -> Checkpoint:
         try:
             found = survey(location, Findings(collect=False), snapshot, view=view)
             if found.layout == Layout.NOTHING:
-                _raise_nothing(location)
+                raise_missing(location)
             checkpoint = read(found, snapshot, Findings(collect=False))
         except Exception as e:
             snapshot.close()
@@ -629,7 +664,7 @@ def detect_layout(location: Location) -> Layout:
     what is there instead (an interrupted save, a directory of other files)."""
     found = survey(location, Findings(collect=False))
     if found.layout == Layout.NOTHING:
-        _raise_nothing(location)
+        raise_missing(location)
     return found.layout
 
 
@@ -643,11 +678,11 @@ def _view_or_none(location: Location) -> DirectoryView | None:
         return None
 
 
-def _raise_nothing(location: Location) -> None:
-    if location.is_single_file:
-        raise MissingFileError(missing_reason(location).removeprefix("file "), file=location.path)
-    raise MissingFileError(f"no safetensors checkpoint here: it "
-                           f"{missing_reason(location).removeprefix('file ')}", file=location.url)
+def raise_missing(location: Location) -> None:
+    """Raises ``MissingFileError``: nothing is at ``location``, and why (``missing_reason``)."""
+    what = "file" if location.is_single_file else "checkpoint"
+    raise MissingFileError(f"no safetensors {what} here: it {missing_reason(location).removeprefix('file ')}; "
+                           "check the path", file=location.url)
 
 
 def missing_reason(location: Location) -> str:

@@ -37,6 +37,7 @@ from orbax_safetensors.engine.write_options import (
     DEFAULT_MAX_SHARD_SIZE,
     StreamOptions,
     check_metadata,
+    files_beside,
 )
 from orbax_safetensors.errors import SafetensorsError
 from orbax_safetensors.format import TensorInfo
@@ -176,7 +177,8 @@ def write_blocks(location: Location, source: BlockSource, options: StreamOptions
                       enabled=options.progress).start()
     with Executor(_PREFETCH, name="orbax_safetensors-prefetch") as pool:
         blocks = _Blocks(source, plan, mine, options.block_bytes, pool)
-        return WriteSession(Operation(peers, report), commit, blocks, SaveStats(), started).run()
+        return WriteSession(Operation(peers, report), commit, blocks, SaveStats(), started,
+                            files_beside(options.config)).run()
 
 
 @dataclasses.dataclass(frozen=True)

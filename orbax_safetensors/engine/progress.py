@@ -15,6 +15,7 @@ one-line result the command prints ("wrote 1.23 GB to DST in 4.5 s
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 import time
@@ -108,10 +109,11 @@ def format_pair(done: float, total: float) -> str:
 
 
 def format_rate(bytes_per_second: float) -> str:
-    """GB/s for anything a checkpoint job usually reaches, smaller units below 0.01 GB/s."""
-    if bytes_per_second >= 1e7:
-        return f"{bytes_per_second / 1e9:.2f} GB/s"
-    return format_bytes(bytes_per_second) + "/s"
+    """Always GB/s, so that two lines compare at a glance; two significant digits below
+    0.01 GB/s rather than a smaller unit."""
+    rate = bytes_per_second / 1e9
+    decimals = 2 if rate >= 0.01 or rate <= 0 else 1 - math.floor(math.log10(rate))
+    return f"{rate:.{decimals}f} GB/s"
 
 
 def format_seconds(seconds: float) -> str:

@@ -41,7 +41,7 @@ from orbax_safetensors.engine.pending import SaveFuture
 from orbax_safetensors.engine.progress import Progress
 from orbax_safetensors.engine.session import SaveStats, WriteSession, take_location
 from orbax_safetensors.engine.tree_names import flatten_with_names
-from orbax_safetensors.engine.write_options import DEFAULT_SAVE_BUDGET, SaveOptions
+from orbax_safetensors.engine.write_options import DEFAULT_SAVE_BUDGET, SaveOptions, files_beside
 from orbax_safetensors.errors import ArgumentError, ArgumentTypeError
 from orbax_safetensors.format import check_name, dtype_for_numpy, to_bytes
 from orbax_safetensors.index import (
@@ -78,6 +78,7 @@ def save(
     checksums: bool = True,
     progress: bool = False,
     memory_budget: int | str = DEFAULT_SAVE_BUDGET,
+    config: Any = None,
 ) -> SaveStats:
     """Saves the arrays of ``tree`` as safetensors, named by their key paths; blocks until committed.
 
@@ -127,10 +128,16 @@ def save(
         and each copy is let go once written, so a model in HBM never sits in host
         memory whole (``engine.device_copies``). Shards on CPU devices are written
         from their own buffers; ``async_save`` copies every shard before it returns.
+      config: the model's Hugging Face config (a transformers ``PretrainedConfig`` or a
+        dict), written as ``config.json`` beside the weights and committed with them, so
+        the directory is a model ``transformers`` loads as it stands. Through a mapping
+        that reads a quantized release dequantized, its ``quantization_config`` is left
+        out (the tensors written are plain). Other files there (a tokenizer) are kept.
     """
     with gc_paused():
         session = prepare_save(Location.resolve(path, storage_options, filesystem), tree, SaveOptions(
-            layout, max_shard_size, metadata, overwrite, mapping, checksums, progress, memory_budget), copy=False)
+            layout, max_shard_size, metadata, overwrite, mapping, checksums, progress, memory_budget,
+            config), copy=False)
         return session.wait(session.start())
 
 
@@ -147,6 +154,7 @@ def async_save(
     mapping: mapping_rules.Mapping | None = None,
     checksums: bool = True,
     progress: bool = False,
+    config: Any = None,
 ) -> SaveFuture:
     """Like ``save``, but returns once this process's shards are copied to host memory.
 
@@ -161,7 +169,8 @@ def async_save(
     """
     with gc_paused():  # not while the background writes run: the caller trains meanwhile
         session = prepare_save(Location.resolve(path, storage_options, filesystem), tree, SaveOptions(
-            layout, max_shard_size, metadata, overwrite, mapping, checksums, progress), copy=True)
+            layout, max_shard_size, metadata, overwrite, mapping, checksums, progress,
+            config=config), copy=True)
     return session.start()
 
 
@@ -209,7 +218,8 @@ def prepare_save(location: Location, tree: Any, options: SaveOptions, *, copy: b
         raise
     stats = SaveStats(tensors_resharded=resharded, blocking_seconds=time.perf_counter() - started)
     layout = _LAYOUTS[options.layout](location, shards, specs, options)
-    return WriteSession(Operation(peers, layout.progress()), commit, layout, stats, started)
+    return WriteSession(Operation(peers, layout.progress()), commit, layout, stats, started,
+                        files_beside(options.config))
 
 
 def _reshard_below(location: Location, peers: Peers, options: SaveOptions, *, mapped: bool) -> int:
@@ -254,7 +264,8 @@ def _checked_array(name: str, leaf: Any) -> jax.Array | np.ndarray:
     if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
         raise ArgumentTypeError(
             f"leaf {name!r} is a typed PRNG key ({leaf.dtype}), which has no safetensors dtype: "
-            "save jax.random.key_data(key) (uint32) and rebuild it with jax.random.wrap_key_data")
+            + ("save the params alone, nnx.state(model, nnx.Param), or " if ".rngs." in f".{name}." else "")
+            + "save jax.random.key_data(key) (uint32) and rebuild it with jax.random.wrap_key_data")
     if isinstance(leaf, jax.Array):
         return leaf
     if isinstance(leaf, (np.ndarray, np.generic)):

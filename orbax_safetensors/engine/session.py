@@ -140,7 +140,8 @@ class WriteSession:
     """A write whose location is taken: plans, writes and commits once ``run`` or ``start``.
 
     ``stats`` holds what the caller measured before (its host copies); the
-    session adds what it writes. ``started`` is when the caller began.
+    session adds what it writes. ``started`` is when the caller began. ``beside``: small
+    files committed with the tensors (name, bytes), a model's ``config.json``.
     """
 
     operation: Operation
@@ -148,6 +149,7 @@ class WriteSession:
     planner: Planner
     stats: SaveStats
     started: float
+    beside: tuple[tuple[str, bytes], ...] = ()
 
     def run(self) -> SaveStats:
         """Plans, writes and commits in this thread (steps 2-5 of the module docstring)."""
@@ -156,7 +158,7 @@ class WriteSession:
             try:
                 strategy = op.run("planned", self.planner.strategy)
                 written = strategy.write(op, commit)
-                write.commit_written(op, commit, written)
+                write.commit_written(op, commit, written, self.beside)
             except BaseException as e:
                 op.peers.fail(e)
                 if op.is_primary and not op.committing:

@@ -47,6 +47,9 @@ class LoadTarget:
             raise ArgumentError(f'strict must be True, False or "target", not {self.strict!r}')
         if self.nest and self.tree is not None:
             raise ArgumentError("nest=True shapes a load without a target; a target gives its own structure")
+        if self.mapping is not None and not isinstance(self.mapping, mapping_rules.Mapping):
+            raise ArgumentTypeError(f"mapping= takes an ost.Mapping, e.g. ost.mappings.llama(config), "
+                                    f"not {type(self.mapping).__name__}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +99,12 @@ def select(checkpoint: Checkpoint, target: LoadTarget) -> Selection:
 def leaf_request(name: str, leaf: Any, seen: dict[tuple[Any, ...], LeafRequest]) -> LeafRequest:
     """What target leaf ``name`` asks for; ``seen`` holds the requests of leaves alike."""
     if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            raise ArgumentTypeError(
+                f"target leaf {name!r} is a typed PRNG key ({leaf.dtype}), which no checkpoint holds: "
+                + ("load the params alone, nnx.split(abstract_model, nnx.Param, ...), or "
+                   if ".rngs." in f".{name}." else "")
+                + "leave it out of the target")
         sharding = getattr(leaf, "sharding", None)
         key = (leaf.dtype, leaf.shape, sharding)
         try:
@@ -176,12 +185,13 @@ def map_leaves(checkpoint: Checkpoint, target: LoadTarget, names: list[str], req
     if from_checkpoint:
         names = sorted(shapes)  # a quantized tensor's twin, its scales not a tensor of their own
     unmapped = set(mapping.unmapped(names, side))
-    problems = [f"no single rule maps the {side} names: {', '.join(sorted(unmapped))}"] if unmapped else []
+    problems = [f"no single rule maps the {side} names: {_some(sorted(unmapped))}"] if unmapped else []
     if from_checkpoint:
         names = list(dict.fromkeys(leaf for n in names if n not in unmapped for leaf in mapping.tree_names(n)))
         requests = [_ANY] * len(names)
         unmapped = set()
     assemblies: list[Assembly | None] = []
+    failed: dict[str, list[str]] = {}  # what stops leaves → the leaves it stops
     used: set[str] = set()
     any_missing = False
     for name, request in zip(names, requests):
@@ -199,14 +209,27 @@ def map_leaves(checkpoint: Checkpoint, target: LoadTarget, names: list[str], req
                     raise MappingError(f"shape mismatch: {'; '.join(wrong)}")
                 used.update(stored for p in assembly.pieces for stored in p.stored_tensors)
             except MappingError as e:
-                problems.append(f"{name}: {e}")
+                failed.setdefault(str(e), []).append(name)
                 assembly = None
         assemblies.append(assembly)
+    problems += [f"{leaves[0]}: {cause}" if len(leaves) == 1 else
+                 f"{cause} (in {len(leaves)} tensors, e.g. {leaves[0]})" for cause, leaves in failed.items()]
     unexpected = sorted(n for n in set(checkpoint.tensors) - used if not mapping.ignores(n))
     if strict is True and unexpected and not from_checkpoint:
         problems.append(f"in the checkpoint but not the target: {', '.join(unexpected)}")
     if strict and problems:
         error = MissingTensorError if any_missing else SafetensorsError
-        raise error(f"target does not map to the checkpoint ({_LOOSER[strict]}): " + " | ".join(problems))
+        head = ("the checkpoint does not load through the mapping" if from_checkpoint
+                else f"target does not map to the checkpoint ({_LOOSER[strict]})")
+        raise error(f"{head}: " + " | ".join(problems))
     return names, requests, assemblies
 
+
+_NAMED = 5  # names a message lists before it counts the rest
+
+
+def _some(names: list[str]) -> str:
+    """The first few ``names`` and how many more: a mapping of another model family leaves
+    every tensor unmapped, thousands of names no one reads on one line."""
+    more = f", ... ({len(names)} in all)" if len(names) > _NAMED else ""
+    return ", ".join(names[:_NAMED]) + more

@@ -5,10 +5,18 @@ and dataclass/attribute fields alike. That makes a nested Flax params tree
 (``{"model": {"layers": [{"mlp": ...}]}}``) and the flat dict a PyTorch
 ``state_dict`` gives (``"model.layers.0.mlp"``) name the same tensors, which
 is what lets either side load the other's checkpoint by name.
+
+A Flax NNX ``Variable`` (``nnx.Param``, ...) is a node of its own, whose one
+child sits under its ``value`` attribute: the name of an ``nnx.split`` state's
+leaf leaves that attribute out (``down.kernel``, not ``down.kernel.value``),
+so an NNX state, a Linen params dict and a PyTorch ``state_dict`` name the
+same tensors alike. The leaves and the tree's structure stay JAX's, so what a
+load returns for an NNX target is an NNX state again.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -36,11 +44,39 @@ def path_name(path: tuple[Any, ...]) -> str:
     return ".".join([key_name(k) for k in path])
 
 
+def _named_paths(tree: Any, paths: list[tuple[Any, ...]],
+                 is_leaf: Callable[[Any], bool] | None) -> list[tuple[Any, ...]]:
+    """``paths`` (the leaves' key paths, in order) without each NNX ``Variable``'s own key.
+
+    Only where Flax is imported can a tree hold a ``Variable``, and only a path through a
+    ``value`` attribute can lead into one: any other tree costs a look at its paths. A
+    ``Variable``'s leaves are found again with the ``Variable`` as the root, where its own
+    key comes first; a flatten without paths finds the ``Variable``s (one with paths is
+    several times slower on a large tree)."""
+    variable = getattr(sys.modules.get("flax.nnx"), "Variable", None)
+    if variable is None or not any(type(key) is jax.tree_util.GetAttrKey and key.name == "value"
+                                   for path in paths for key in path):
+        return paths
+    outer = jax.tree_util.tree_leaves(
+        tree, is_leaf=lambda x: isinstance(x, variable) or (is_leaf is not None and is_leaf(x)))
+    named: list[tuple[Any, ...]] = []
+    for node in outer:
+        if not isinstance(node, variable):
+            named.append(paths[len(named)])
+            continue
+        for inner, _ in jax.tree_util.tree_flatten_with_path(node, is_leaf=is_leaf)[0]:
+            path = paths[len(named)]  # the Variable's path, its key (inner[0]), the rest of inner
+            named.append(path[:len(path) - len(inner)] + inner[1:])
+    return named
+
+
 def flatten_with_names(
     tree: Any, *, is_leaf: Callable[[Any], bool] | None = None
 ) -> tuple[list[str], list[Any], Any]:
     """``(names, leaves, treedef)``; raises if two leaves would share a name."""
     pairs, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+    named = _named_paths(tree, [path for path, _ in pairs], is_leaf)
+    pairs = [(path, leaf) for path, (_, leaf) in zip(named, pairs)]
     names = [path_name(path) for path, _ in pairs]
     first_path: dict[str, Any] = {}
     for name, (path, _) in zip(names, pairs):

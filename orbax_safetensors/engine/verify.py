@@ -28,7 +28,7 @@ from orbax_safetensors.engine import catalog
 from orbax_safetensors.storage.executor import Executor
 from orbax_safetensors.engine.integrity import Damage, Verifier, damage_message
 from orbax_safetensors.engine.progress import Progress
-from orbax_safetensors.errors import MissingFileError, located
+from orbax_safetensors.errors import located
 from orbax_safetensors.index import encode_crc
 from orbax_safetensors.storage import Location
 
@@ -117,9 +117,7 @@ def verify(
     findings = catalog.Findings(collect=True)
     found = catalog.survey(location, findings, leftovers=True)
     if found.layout == catalog.Layout.NOTHING:
-        what = "safetensors file" if location.is_single_file else "safetensors checkpoint"
-        reason = catalog.missing_reason(location).removeprefix("file ")
-        raise MissingFileError(f"no {what} here: it {reason}", file=location.url)
+        catalog.raise_missing(location)
     checkpoint = catalog.read(found, location.storage, findings)
     report = VerifyReport(
         location.url, found.layout,

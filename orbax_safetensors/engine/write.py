@@ -520,15 +520,17 @@ def check_stored(storage: Storage, paths: dict[str, int]) -> None:
         pool.map(check, paths)
 
 
-def commit_written(op: Operation, commit: Commit, written: Written) -> None:
-    """Process 0 checks the files against the store's own checksums and puts them and the
-    index in place; on a failure it has rolled back, and the files are discarded. Every
-    process learns the outcome."""
+def commit_written(op: Operation, commit: Commit, written: Written,
+                   beside: Sequence[tuple[str, bytes]] = ()) -> None:
+    """Process 0 checks the files against the store's own checksums and puts them, the files
+    ``beside`` them (a ``config.json``: name, bytes) and the index in place; on a failure it
+    has rolled back, and the files are discarded. Every process learns the outcome."""
     def put_in_place() -> None:
         try:
             check_stored(commit.storage, {commit.temporary(name): crc
                                           for name, crc in written.file_crcs.items()})
-            commit.commit(written.files, written.index, op.at_commit_point)
+            commit.commit(written.files, [*beside, *([written.index] if written.index else [])],
+                          op.at_commit_point)
         except BaseException:
             commit.discard(list(written.files) + ([written.index[0]] if written.index else []))
             raise

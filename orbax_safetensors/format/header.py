@@ -7,7 +7,7 @@ and may hold ``"__metadata__"``, a str→str map.
 
 Validation mirrors the Rust crate so that a file we accept is a file every
 other reader accepts, and one it rejects we reject too: header over 100 MB,
-header longer than the file, bad UTF-8 or JSON (by serde_json's rules:
+header or data longer than the file (a truncated file), bad UTF-8 or JSON (by serde_json's rules:
 ``-0``, out-of-range numbers, lone surrogates, nesting over 127), unknown dtype, offsets that overlap or leave gaps, a data buffer that
 does not end exactly at the end of the file, and byte lengths that differ from
 shape × dtype width. JSON whitespace (space, tab, CR, LF) may pad the header on both
@@ -85,19 +85,22 @@ def header_size(prefix: bytes, file_size: int, *, file: str) -> int:
     """Validates the 8-byte prefix and returns N, the JSON header's length."""
     if len(prefix) < PREFIX_SIZE or file_size < PREFIX_SIZE:
         raise SafetensorsError(
-            f"file is {file_size} bytes, too small for the 8-byte header length",
-            file=file,
-        )
+            f"is {file_size} bytes, too short for the 8-byte header length a safetensors file "
+            "starts with: truncated, or not safetensors? fetch it again", file=file)
     (n,) = struct.unpack("<Q", prefix[:PREFIX_SIZE])
     if n > MAX_HEADER_SIZE:
         raise SafetensorsError(
             f"header claims {n} bytes, over the {MAX_HEADER_SIZE}-byte limit", file=file
         )
     if PREFIX_SIZE + n > file_size:
-        raise SafetensorsError(
-            f"header claims {n} bytes but the file has only {file_size}", file=file
-        )
+        raise truncated(file_size, PREFIX_SIZE + n, file)
     return n
+
+
+def truncated(file_size: int, needed: int, file: str) -> SafetensorsError:
+    """A file shorter than its header says it is: cut short in a download or a copy."""
+    return SafetensorsError(f"is truncated: it has {file_size} bytes, its header needs {needed} "
+                            "(an interrupted download or copy? fetch it again)", file=file)
 
 
 def parse_header(raw: bytes, file_size: int, *, file: str) -> Header:
@@ -141,11 +144,8 @@ def parse_header(raw: bytes, file_size: int, *, file: str) -> Header:
             )
         expected_begin = info.end
     data_size = file_size - PREFIX_SIZE - len(raw)
-    beyond = next((t for t in tensors if t.end > data_size), None)
-    if beyond is not None:
-        raise SafetensorsError(
-            f"data_offsets [{beyond.begin}, {beyond.end}] run past the end of the "
-            f"{data_size}-byte data buffer", file=file, tensor=beyond.name)
+    if expected_begin > data_size:  # the tensors are back to back: the last one ends past the file
+        raise truncated(file_size, PREFIX_SIZE + len(raw) + expected_begin, file)
     if expected_begin != data_size:
         raise SafetensorsError(
             f"tensors cover {expected_begin} data bytes but the file holds {data_size}",

@@ -24,6 +24,7 @@ import sys
 import time
 import warnings
 from collections.abc import Sequence
+from typing import NoReturn
 
 from orbax_safetensors.engine import (
     DEFAULT_BLOCK_BYTES, DEFAULT_MAX_SHARD_SIZE, DEFAULT_MEMORY_BUDGET, Progress, consolidate, format_bytes,
@@ -47,15 +48,15 @@ _CONSOLIDATE_EXAMPLES = """examples:
 """
 _CONVERT_EXAMPLES = """examples:
   orbax-safetensors convert ./orbax/step_1000/default ./hf-ckpt --max-shard-size 2GB
-  orbax-safetensors convert ./hf-ckpt ./orbax-ckpt          # restore: ocp.StandardCheckpointer().restore(...)
+  orbax-safetensors convert ./hf-ckpt ./orbax-ckpt   # restore: ocp.StandardCheckpointer().restore(...)
   orbax-safetensors convert ./hf-ckpt ./orbax-ckpt --flat   # keep "a.b.c" names as flat keys
   orbax-safetensors convert ./orbax-ckpt ./hf-ckpt --overwrite --json
   orbax-safetensors convert ./Llama-3.1-8B ./maxtext-ckpt --mapping maxtext:llama3.1 --dtype float32
-      # MaxText: load_parameters_path=./maxtext-ckpt/0/items
-  orbax-safetensors convert ./maxtext-ckpt ./hf-out --mapping maxtext:llama3.1 \
-      --hf-config ./Llama-3.1-8B/config.json --dtype bfloat16   # then copy config.json in
+    # its summary ends: MaxText: load_parameters_path=/abs/path/maxtext-ckpt/0/items
+  orbax-safetensors convert ./maxtext-ckpt ./hf-out --mapping maxtext:llama3.1 --hf-config ./Llama-3.1-8B/config.json
+    # writes the config as hf-out/config.json: a model directory transformers loads
   orbax-safetensors convert ./DeepSeek-V3 ./deepseek-mt --mapping maxtext:deepseek3 --dtype bfloat16
-      # an FP8 (or MXFP4: gpt-oss) release, dequantized on the way
+    # an FP8 (or MXFP4: gpt-oss) release, dequantized on the way
 
 The direction follows SRC: an Orbax PyTree checkpoint (a directory with
 Orbax's _METADATA, or a CheckpointManager step with one item) becomes a
@@ -82,6 +83,7 @@ _EXAMPLES = ("examples:\n" + "".join(
     + "\nrun 'orbax-safetensors COMMAND --help' for a command's options.\n")
 
 
+_DTYPES = ("float32", "bfloat16")  # what a converted float tensor may be stored as
 _SIGPIPE_STATUS = 141  # 128 + SIGPIPE: what a shell reports for a tool a closed pipe ended
 
 
@@ -177,20 +179,28 @@ def _convert(args: argparse.Namespace) -> int:
     _quiet_libraries()
     from orbax_safetensors.integrations.orbax_convert import convert
 
-    mapping = None
+    mapping = config = None
     if args.mapping is not None:
         from orbax_safetensors.mappings import by_name
 
-        mapping = by_name(args.mapping, _hf_config(args), scan_layers=args.scan_layers)
+        config = _hf_config(args)
+        mapping = by_name(args.mapping, config, scan_layers=args.scan_layers)
     stats = convert(args.src, args.dst, mapping=mapping, dtype=args.dtype,
                     memory_budget=args.memory_budget, max_shard_size=args.max_shard_size,
                     block_bytes=args.block_bytes, nest=not args.flat, overwrite=args.overwrite,
-                    progress=_progress(args))
+                    progress=_progress(args), config=config)
     if args.json:
         print(json.dumps({"src": args.src, "dst": args.dst, **stats.to_json()}))
+        return 0
+    # One line, as every command's summary, ending in how to use what was written.
+    if stats.item_path and mapping is not None and mapping.checkpoint_form == "maxtext":
+        use = f"MaxText: load_parameters_path={stats.item_path}"
+    elif stats.item_path:
+        use = f"restore: ocp.StandardCheckpointer().restore({stats.item_path!r})"
     else:
-        print(summary_line(stats.bytes_written, args.dst, stats.seconds)
-              + f": {stats.tensors} tensors, {stats.source_format} -> {stats.target_format}")
+        use = "with config.json, a model transformers loads" if config is not None else "load: ost.load"
+    print(summary_line(stats.bytes_written, args.dst, stats.seconds)
+          + f": {stats.tensors} tensors, {stats.source_format} -> {stats.target_format}; {use}")
     return 0
 
 
@@ -225,8 +235,16 @@ def _add_job_options(command: argparse.ArgumentParser) -> None:
                          help="print one JSON line (bytes, seconds, GB/s) instead of the summary")
 
 
+class _Parser(argparse.ArgumentParser):
+    """A bad command line is one line on stderr, as any failure of the command is: what is
+    wrong, and where the options are listed (argparse's usage block would bury it)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="orbax-safetensors",
         description="Inspect, verify and convert safetensors checkpoints "
                     "(local paths or fsspec URLs), and convert Orbax checkpoints to and from them.",
@@ -284,9 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="layers stacked on one axis (default for maxtext:)")
     change.add_argument("--no-scan-layers", dest="scan_layers", action="store_false",
                         help="one subtree per layer (default for the Flax-style families)")
-    change.add_argument("--dtype", default=None,
-                        help="the output's floating-point dtype with --mapping (float32, bfloat16); "
-                             "default: the input's")
+    change.add_argument("--dtype", default=None, choices=_DTYPES,
+                        help="the output's floating-point dtype with --mapping "
+                             f"({', '.join(_DTYPES)}); default: the input's")
     change.add_argument("--memory-budget", default=DEFAULT_MEMORY_BUDGET,
                         help=f"memory for the conversion's buffers (default {DEFAULT_MEMORY_BUDGET})")
     change.set_defaults(run=_convert, block_bytes=None)

@@ -63,6 +63,7 @@ from orbax_safetensors.engine import (
     describe_arguments,
     describe_spec,
     detect_layout,
+    model_config_json,
     open_checkpoint,
     write_blocks,
 )
@@ -96,6 +97,9 @@ class ConvertStats:
     bytes_written: int = 0  # tensor bytes (before Orbax's compression), by this process
     files: int = 0  # safetensors files written (0 for an Orbax target)
     seconds: float = 0.0
+    item_path: str = ""
+    """An Orbax output's item directory, what restores it: ``dst`` itself, or MaxText's
+    ``dst/0/items`` (its ``load_parameters_path``); "" for a safetensors output."""
 
     @property
     def gb_per_s(self) -> float:
@@ -104,7 +108,8 @@ class ConvertStats:
     def to_json(self) -> dict[str, Any]:
         return {"source_format": self.source_format, "target_format": self.target_format,
                 "tensors": self.tensors, "bytes_written": self.bytes_written, "files": self.files,
-                "seconds": round(self.seconds, 3), "gb_per_s": round(self.gb_per_s, 3)}
+                "seconds": round(self.seconds, 3), "gb_per_s": round(self.gb_per_s, 3),
+                "item_path": self.item_path}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,6 +189,7 @@ def convert(
     checksums: bool = True,
     storage_options: MappingABC[str, Any] | None = None,
     filesystem: fsspec.AbstractFileSystem | None = None,
+    config: Any = None,
 ) -> ConvertStats:
     """Converts an Orbax PyTree checkpoint to safetensors, or safetensors to Orbax.
 
@@ -238,6 +244,11 @@ def convert(
       progress: a progress line on stderr; ``None`` shows it on a terminal.
       checksums: safetensors output: write block checksums as ``ost.save``
         does. A safetensors source's own are checked as its bytes are read.
+      config: the model's Hugging Face config (a transformers config or a dict): a
+        safetensors output gets it as ``config.json``, committed with the tensors, so it
+        is a model directory transformers loads (``ost.save``'s ``config``; through a
+        dequantizing mapping without its ``quantization_config``). An Orbax output
+        has no place for it.
       storage_options / filesystem: for a safetensors ``src``/``dst`` given
         as an fsspec URL, as in ``ost.load``. The Orbax side goes through
         Orbax's own paths (local or ``gs://``).
@@ -264,7 +275,8 @@ def convert(
     if block_bytes is None:
         block_bytes = max(1, min(parse_size(DEFAULT_BLOCK_BYTES), budget // 32))
     options = ConvertOptions(
-        StreamOptions(max_shard_size, metadata, overwrite, block_bytes, progress, checksums),
+        StreamOptions(max_shard_size, metadata, overwrite, block_bytes, progress, checksums,
+                      None if config is None else model_config_json(config, mapping)),
         mapping, None if dtype is None else np.dtype(dtype), budget, nest)
     form = options.form
     target = Location.resolve(dst, storage_options, filesystem)
@@ -285,7 +297,8 @@ def convert(
                                        cache_bytes=options.node_cache_bytes, nest=options.nest,
                                        metadata=options.stream.metadata,
                                        progress=options.stream.progress, label=label)
-        return ConvertStats(SAFETENSORS, ORBAX, tensors, written, 0, time.perf_counter() - started)
+        return ConvertStats(SAFETENSORS, ORBAX, tensors, written, 0, time.perf_counter() - started,
+                            target.storage.url("/".join([target.path.rstrip("/"), *form.item])))
 
 
 def _open_source(src: str | os.PathLike, target: Location, options: ConvertOptions,

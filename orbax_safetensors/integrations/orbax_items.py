@@ -54,6 +54,9 @@ class SafetensorsSave(ocp_args.CheckpointArgs):
     filesystem: fsspec.AbstractFileSystem | None = None
     mapping: NameMapping | None = None
     checksums: bool = True
+    config: Any = None
+    """The model's Hugging Face config, written as ``config.json`` in the item's directory
+    (``ost.save``'s ``config``): a step's item is then a model transformers loads."""
     overwrite: bool = False
     """Only where the path is the caller's (``SafetensorsLayout.save_checkpointables`` on a
     plain path): replace a checkpoint there, as ``ost.save(..., overwrite=True)`` does.
@@ -96,7 +99,7 @@ def _url(path: Any) -> str:
 def _options(args: SafetensorsSave) -> SaveOptions:
     """``ost.save``'s options, as ``args`` ask for them (checked and resolved as they are built)."""
     return SaveOptions(args.layout, args.max_shard_size, args.metadata, overwrite=args.overwrite,
-                       mapping=args.mapping, checksums=args.checksums)
+                       mapping=args.mapping, checksums=args.checksums, config=args.config)
 
 
 def prepare_item_save(directory: Any, args: SafetensorsSave, *, fresh: bool) -> WriteSession:

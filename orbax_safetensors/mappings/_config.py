@@ -34,6 +34,16 @@ def attention_dims(config: Any, family: str) -> dict[str, int]:
             "head_dim": head_dim if head_dim is not None else hidden // heads}
 
 
+def heads_without_config(config: Any, family: str,
+                         sizes: tuple[str, ...] = ("heads", "kv_heads", "head_dim")) -> str | None:
+    """What a load says where ``family``'s mapping, made without a config, meets attention
+    heads it cannot split (no target gives their ``sizes``); ``None`` with a config."""
+    if config is not None:
+        return None
+    return (f"{family}() needs the model's config to split heads ({', '.join(sizes)}): "
+            f"pass it, {family}(config), or load with a target")
+
+
 # A decoder config's sizes and where its checkpoint shows them: (field, stored name after the
 # prefix, axis; None: how many values the placeholder takes). A family has some of these
 # tensors; those it lacks check nothing.

@@ -70,7 +70,7 @@ from collections.abc import Callable
 from typing import Any
 
 from orbax_safetensors.errors import ArgumentError
-from orbax_safetensors.mappings._config import config_sizes, config_value
+from orbax_safetensors.mappings._config import config_sizes, config_value, heads_without_config
 from orbax_safetensors.mappings._quantized import quantized_mapping
 from orbax_safetensors.planning.rules import Mapping, Rule, Strided
 
@@ -91,6 +91,9 @@ _MOE = "DeepSeekMoeBlock_0"
 # per_layer(stored, tree, dense, *, experts=False, **layout) -> rules; dense: True / False for
 # a dense / MoE layer's own tensor, None for one every layer has.
 PerLayer = Callable[..., list[Rule]]
+
+
+_MLA_SIZES = ("heads", "qk_head_dim", "kv_head_dim", "v_head_dim")  # what _dims gives
 
 
 def _dims(config: Any) -> dict[str, int]:
@@ -213,7 +216,8 @@ def deepseek_v3(config: Any = None, *, scan_layers: bool = False, dtype: Any = N
     rules = _outer(config, ("model.embed_tokens.embedding", "model.norm.scale", "lm_head.kernel"), dtype)
     rules += _rules(config, per_layer, maxtext=False, dtype=dtype)
     return quantized_mapping(rules, config, dequantize=dequantize, dims=_dims(config),
-                             ignore=_prediction_layers(config), sizes=config_sizes(config))
+                             ignore=_prediction_layers(config), sizes=config_sizes(config),
+                             undeclared=heads_without_config(config, "ost.mappings.deepseek_v3", _MLA_SIZES))
 
 
 def maxtext_deepseek3(config: Any, scan_layers: bool, *, dtype: Any, dequantize: bool) -> Mapping:

@@ -53,7 +53,7 @@ from __future__ import annotations
 from typing import Any
 
 from orbax_safetensors.errors import ArgumentError
-from orbax_safetensors.mappings._config import attention_dims, config_sizes, config_value
+from orbax_safetensors.mappings._config import attention_dims, config_sizes, config_value, heads_without_config
 from orbax_safetensors.mappings._quantized import quantized_mapping
 from orbax_safetensors.mappings.deepseek import deepseek_v3
 from orbax_safetensors.planning.rules import Mapping, Rule
@@ -107,8 +107,9 @@ def _decoder(config: Any, family: str, *, scan_layers: bool, dtype: Any, dequant
         rules.append(layer(f"{router}.weight", f"{router}.kernel", **linear))
         rules += [layer(f"{experts}.{{e}}.{p}.weight", f"{experts}.{p}.kernel", experts=True, **linear)
                   for p in projections]
-    return quantized_mapping(rules, config, dequantize=dequantize,
-                             dims=attention_dims(config, f"ost.mappings.{family}"), sizes=config_sizes(config))
+    name = f"ost.mappings.{family}"
+    return quantized_mapping(rules, config, dequantize=dequantize, dims=attention_dims(config, name),
+                             sizes=config_sizes(config), undeclared=heads_without_config(config, name))
 
 
 def _fused_experts(layer: Any) -> list[Rule]:

@@ -278,8 +278,9 @@ class Rule:
         if self.dtype is not None:
             try:
                 object.__setattr__(self, "dtype", np.dtype(self.dtype))
-            except TypeError as e:
-                raise MappingError(f"{where}: dtype {self.dtype!r}: {e}") from None
+            except TypeError:
+                raise MappingError(f"{where}: dtype {self.dtype!r} is not a dtype: pass a NumPy dtype "
+                                   "or its name, e.g. 'float32' or 'bfloat16'") from None
 
     def resolve(
         self,
@@ -287,10 +288,12 @@ class Rule:
         stored_shape: Sequence[int] | None = None,
         tree_shape: Sequence[int] | None = None,
         dims: MappingABC[str, int] | None = None,
+        undeclared: str | None = None,
     ) -> Transform:
         """The transform of one piece between concrete shapes (the piece's, not the
         leaf's: without the stacked axes, its own part of a concatenated axis);
-        either shape may be unknown, not both."""
+        either shape may be unknown, not both. ``undeclared``: the whole message where a
+        size is neither in ``dims`` nor inferred (what gives it, e.g. a family's config)."""
         where = self._where
         if stored_shape is None and tree_shape is None:
             raise MappingError(f"{where}: needs the stored or the tree shape")
@@ -299,7 +302,7 @@ class Rule:
             raise MappingError(f"{where}: takes one index {dict(self.take)} of a stored tensor that holds "
                                "other leaves too, so it is read only: a save cannot write the stored tensor "
                                "from it, and a load needs the stored shape")
-        layout = self._layout(self._transposed(stored), None if self.take else tree, dims or {})
+        layout = self._layout(self._transposed(stored), None if self.take else tree, dims or {}, undeclared)
         takes = self._takes(layout.tree_shape)
         shape = dataclasses.replace(layout, takes=takes).tree_shape
         if tree is not None and shape != tree:
@@ -369,14 +372,14 @@ class Rule:
         return tuple(stored[p] for p in self.transpose)
 
     def _layout(self, transposed: tuple[int, ...] | None, tree: tuple[int, ...] | None,
-                dims: MappingABC[str, int]) -> Transform:
+                dims: MappingABC[str, int], undeclared: str | None) -> Transform:
         """The transpose and the reshape groups, walking the transposed and the tree axes."""
         ndim = len(self.transpose) if self.transpose is not None else (
             None if transposed is None else len(transposed))
         groups: list[Group] = []
         i = j = 0  # next transposed axis, next tree axis
         while (i < ndim) if ndim is not None else (j < len(tree)):
-            src, out = self._group(i, j, transposed, tree, dims)
+            src, out = self._group(i, j, transposed, tree, dims, undeclared)
             groups.append((src, out))
             i, j = i + len(src), j + len(out)
         if any(a >= i for a in itertools.chain(self.split, self.merge)):
@@ -385,19 +388,20 @@ class Rule:
         return Transform(perm, tuple(groups))
 
     def _group(self, i: int, j: int, transposed: tuple[int, ...] | None, tree: tuple[int, ...] | None,
-               dims: MappingABC[str, int]) -> Group:
+               dims: MappingABC[str, int], undeclared: str | None) -> Group:
         """The reshape group at transposed axis ``i`` and tree axis ``j``: a split, a merge,
         or one axis kept as it is."""
         if i in self.split:
             count = len(self.split[i])
             sizes = _sizes(self.split[i], None if tree is None else tree[j:j + count],
-                           None if transposed is None else transposed[i], dims, f"{self._where}: split {i}")
+                           None if transposed is None else transposed[i], dims, f"{self._where}: split {i}",
+                           undeclared=undeclared)
             return (math.prod(sizes),), sizes
         if i in self.merge:
             count = len(self.merge[i])
             total = None if tree is None or j >= len(tree) else tree[j]
             sizes = _sizes(self.merge[i], None if transposed is None else transposed[i:i + count],
-                           total, dims, f"{self._where}: merge {i}")
+                           total, dims, f"{self._where}: merge {i}", undeclared=undeclared)
             return sizes, (math.prod(sizes),)
         if transposed is not None:
             return (transposed[i],), (transposed[i],)
@@ -431,10 +435,12 @@ def _shape(shape: Sequence[int] | None) -> tuple[int, ...] | None:
 
 
 def _sizes(spec: Sequence[Size], actual: Sequence[int] | None, total: int | None,
-           dims: MappingABC[str, int], where: str, *, add: bool = False) -> tuple[int, ...]:
+           dims: MappingABC[str, int], where: str, *, add: bool = False,
+           undeclared: str | None = None) -> tuple[int, ...]:
     """Concrete sizes of a split or merge (they multiply to ``total``) or a concat
     (``add``: they add up to it): ``actual`` when known, checked against ``spec``; else
-    from ``spec``, its one unknown size inferred from ``total``. Either total may be unknown."""
+    from ``spec``, its one unknown size inferred from ``total``. Either total may be unknown.
+    ``undeclared``: the message where sizes are unknown and cannot be inferred."""
     declared = [_declared(item, dims) for item in spec]
     if actual is not None:
         if len(actual) != len(spec) or any(d is not None and d != a for d, a in zip(declared, actual)):
@@ -443,7 +449,8 @@ def _sizes(spec: Sequence[Size], actual: Sequence[int] | None, total: int | None
         declared = list(actual)
     unknown = [k for k, d in enumerate(declared) if d is None]
     if len(unknown) > 1 or (unknown and total is None):
-        raise MappingError(f"{where}: cannot infer sizes {tuple(spec)} (give them in dims=)")
+        raise MappingError(undeclared or f"{where}: cannot infer sizes {tuple(spec)}: give them in "
+                           f"Mapping(dims=...), e.g. dims={{{', '.join(f'{s!r}: ...' for s in spec)}}}")
     combine = sum if add else math.prod
     if unknown:
         known = combine(d for d in declared if d is not None)
@@ -528,13 +535,18 @@ class Mapping:
     ``sizes``: what the config says the checkpoint holds (``ConfigSize``: layers,
     experts, hidden size...); a checkpoint that differs is refused (``check_sizes``),
     naming the config field, before anything is read or written.
+    ``undeclared``: what a load says where a size is neither in ``dims`` nor inferred from
+    the shapes (a family's mapping made without its config: pass the config), the whole
+    message for every leaf it stops, so that they are reported as one.
     """
 
     def __init__(self, rules: Iterable[Rule], *, dims: MappingABC[str, int] | None = None,
                  checkpoint_form: str | None = None, quantization: Quantization | None = None,
-                 ignore: Iterable[str] = (), sizes: Iterable[ConfigSize] = ()):
+                 ignore: Iterable[str] = (), sizes: Iterable[ConfigSize] = (),
+                 undeclared: str | None = None):
         self.rules = tuple(rules)
         self.dims = dict(dims or {})
+        self.undeclared = undeclared
         self.sizes = tuple(sizes)
         self.checkpoint_form = checkpoint_form
         self.quantization = quantization
@@ -623,7 +635,8 @@ class Mapping:
                   tree_shape: Sequence[int] | None = None) -> Transform:
         """The transform of a tree leaf that is one stored tensor, between the shapes given."""
         _, rule = self.stored_rule(tree_name)
-        return rule.resolve(stored_shape=stored_shape, tree_shape=tree_shape, dims=self.dims)
+        return rule.resolve(stored_shape=stored_shape, tree_shape=tree_shape, dims=self.dims,
+                            undeclared=self.undeclared)
 
     def ignores(self, stored_name: str) -> bool:
         """Whether the tree leaves a stored tensor out (``ignore``)."""
@@ -681,8 +694,11 @@ class Mapping:
         if tree_shape is None and stored_shape is None:
             raise MappingError(f"{where}: the stored tensor {name!r} is missing")
         try:
-            return rule.resolve(stored_shape=stored_shape, tree_shape=tree_shape, dims=self.dims)
+            return rule.resolve(stored_shape=stored_shape, tree_shape=tree_shape, dims=self.dims,
+                                undeclared=self.undeclared)
         except MappingError as e:
+            if self.undeclared is not None and str(e) == self.undeclared:
+                raise  # the same for every leaf it stops: not located, so they are said once
             raise MappingError(f"{where} ({name!r}): {e}") from None
 
     def _stack_counts(self, rule: Rule, values: MappingABC[str, str],
@@ -719,10 +735,10 @@ class Mapping:
         actual = None
         if stored_shapes is not None and all(name in stored_shapes for name in first):
             piece_axis = rule._tiling.concat_piece_axis
-            actual = [rule.resolve(stored_shape=stored_shapes[name], dims=self.dims).tree_shape[piece_axis]
-                      for name in first]
+            actual = [rule.resolve(stored_shape=stored_shapes[name], dims=self.dims,
+                                   undeclared=self.undeclared).tree_shape[piece_axis] for name in first]
         return _sizes(spec, actual, None if tree is None else tree[axis], self.dims,
-                      f"{where}: concat {axis}", add=True)
+                      f"{where}: concat {axis}", add=True, undeclared=self.undeclared)
 
     def tree_shapes(self, stored_shapes: MappingABC[str, Sequence[int]]) -> dict[str, tuple[int, ...]]:
         """The tree leaves a checkpoint's tensors make and their shapes (from headers alone,

@@ -216,9 +216,13 @@ class Commit:
         """Before any process writes: what must happen before files change. ``files``: the
         name of every file the save writes, on every process (the index excluded)."""
 
-    def commit(self, new: Sequence[str], index: tuple[str, bytes] | None,
+    def commit(self, new: Sequence[str], whole: Sequence[tuple[str, bytes]] = (),
                at_commit_point: Callable[[], None] = lambda: None) -> None:
-        """Puts ``new`` (written to ``temporary``) and the index in place, replacing ``old``.
+        """Puts ``new`` (written to ``temporary``) and ``whole`` in place, replacing ``old``.
+
+        ``whole``: small files this writer writes here, at the commit, as (name,
+        bytes): a model's ``config.json``, then the index, last of all since it is
+        what marks the checkpoint committed.
 
         ``at_commit_point`` is called right before the step that makes the new
         checkpoint the committed one; what it raises (``KeyboardInterrupt`` for
@@ -267,13 +271,13 @@ class StagedCommit(Commit):
         for path in self._leftovers(self.storage.listdir(self.directory)):
             self.storage.remove(path)
 
-    def commit(self, new: Sequence[str], index: tuple[str, bytes] | None,
+    def commit(self, new: Sequence[str], whole: Sequence[tuple[str, bytes]] = (),
                at_commit_point: Callable[[], None] = lambda: None) -> None:
         storage = self.storage
         names = list(new)
-        if index is not None:
-            storage.write(self.temporary(index[0]), [index[1]])
-            names.append(index[0])
+        for name, data in whole:
+            storage.write(self.temporary(name), [data])
+            names.append(name)
         if len(names) == 1 and self.old <= {names[0]}:  # one file replacing itself: atomic
             at_commit_point()
             storage.rename(self.temporary(names[0]), self.path(names[0]), durable=False)
@@ -371,12 +375,12 @@ class DirectCommit(Commit):
         for name in sorted(self.markers):
             self.storage.remove(self.path(name))
 
-    def commit(self, new: Sequence[str], index: tuple[str, bytes] | None,
+    def commit(self, new: Sequence[str], whole: Sequence[tuple[str, bytes]] = (),
                at_commit_point: Callable[[], None] = lambda: None) -> None:
         at_commit_point()
-        if index is not None:
-            self.storage.write(self.path(index[0]), [index[1]])
-        kept = set(new) | ({index[0]} if index is not None else set())
+        for name, data in whole:
+            self.storage.write(self.path(name), [data])
+        kept = set(new) | {name for name, _ in whole}
         stale = [self.path(n) for n in self.old - kept]
         for path in stale + self._leftovers(self.storage.listdir(self.directory)):
             self.storage.remove(path)
