@@ -275,6 +275,17 @@ def _misspelt_dtype(tmp: Path):
     return lambda: ost.mappings.llama(dtype="flaot32"), ["'flaot32' is not a dtype", "'float32'"]
 
 
+def _convert_misspelt_dtype(tmp: Path):
+    ost.save(tmp / "c", TREE)
+    return (lambda: ost.convert(tmp / "c", tmp / "o", mapping=ost.Mapping([ost.Rule("a", "b")]),
+                                dtype="flaot32"),
+            ["dtype='flaot32'", "float32 or bfloat16", "pass one of them"])
+
+
+def _convert_missing_source(tmp: Path):
+    return lambda: ost.convert(tmp / "nowhere", tmp / "o"), ["nowhere", "does not exist", "check the path"]
+
+
 def _unknown_family(tmp: Path):
     return lambda: ost.mappings.by_name("lama", {}), ["no shipped mapping 'lama'", "choose", "llama"]
 
@@ -298,6 +309,8 @@ TOUR: dict[str, Callable[[Path], tuple[Callable[[], object], list[str]]]] = {
     "max_shard_size on a file": _max_shard_size_on_a_file,
     "save over a checkpoint": _save_over_a_checkpoint,
     "bare array as the tree": _bare_array,
+    "convert to a misspelt dtype": _convert_misspelt_dtype,
+    "convert a missing source": _convert_missing_source,
     "config of the wrong type": _config_of_a_string,
     "empty file": _empty_file,
     "Orbax root to metadata": _orbax_step_to_metadata,

@@ -27,6 +27,7 @@ from orbax_safetensors.engine.targets import target
 from orbax_safetensors.engine.tree_names import flatten_with_names, nest
 from orbax_safetensors.engine.verify import Problem, VerifyReport, verify
 from orbax_safetensors.engine.write_options import (
+    CONVERT_DTYPES,
     DEFAULT_BLOCK_BYTES,
     DEFAULT_MAX_SHARD_SIZE,
     DEFAULT_MEMORY_BUDGET,
@@ -43,7 +44,7 @@ __all__ = [
     "StreamOptions", "check_metadata", "check_tree", "detect_layout", "flatten_with_names",
     "format_bytes", "format_seconds", "metadata_of", "open_checkpoint", "prepare_save",
     "summary_line", "unwatch", "watch_at_exit", "write_blocks",
-    "DEFAULT_BLOCK_BYTES", "DEFAULT_MAX_SHARD_SIZE", "DEFAULT_MEMORY_BUDGET", "WriteSession",
+    "CONVERT_DTYPES", "DEFAULT_BLOCK_BYTES", "DEFAULT_MAX_SHARD_SIZE", "DEFAULT_MEMORY_BUDGET", "WriteSession",
     "Operation", "Peers", "StoredBlocks", "TreeBlocks", "describe_arguments", "describe_spec",
     "model_config_json",
 ]

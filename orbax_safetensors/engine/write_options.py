@@ -28,6 +28,7 @@ from orbax_safetensors.storage import Location
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # bytes per file of a checkpoint directory, as transformers
 DEFAULT_BLOCK_BYTES = "64MB"  # the most bytes of one tensor a block source hands over at once
 DEFAULT_MEMORY_BUDGET = "1GB"  # convert's buffers, all told
+CONVERT_DTYPES = ("float32", "bfloat16")  # what convert may write floats as: no range lost to either
 DEFAULT_SAVE_BUDGET = "1GB"  # a blocking save's copies off accelerators, ahead of the writes
 _DEFAULT_MAX_SHARD_BYTES = parse_size(DEFAULT_MAX_SHARD_SIZE)
 

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from orbax_safetensors.engine import (
-    DEFAULT_BLOCK_BYTES, DEFAULT_MAX_SHARD_SIZE, DEFAULT_MEMORY_BUDGET, Progress, consolidate, format_bytes,
+    CONVERT_DTYPES, DEFAULT_BLOCK_BYTES, DEFAULT_MAX_SHARD_SIZE, DEFAULT_MEMORY_BUDGET, Progress, consolidate, format_bytes,
     format_seconds, summary_line, verify)
 from orbax_safetensors.engine import metadata as read_metadata
 from orbax_safetensors.errors import ArgumentError, Error
@@ -83,7 +83,6 @@ _EXAMPLES = ("examples:\n" + "".join(
     + "\nrun 'orbax-safetensors COMMAND --help' for a command's options.\n")
 
 
-_DTYPES = ("float32", "bfloat16")  # what a converted float tensor may be stored as
 _SIGPIPE_STATUS = 141  # 128 + SIGPIPE: what a shell reports for a tool a closed pipe ended
 
 
@@ -302,9 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="layers stacked on one axis (default for maxtext:)")
     change.add_argument("--no-scan-layers", dest="scan_layers", action="store_false",
                         help="one subtree per layer (default for the Flax-style families)")
-    change.add_argument("--dtype", default=None, choices=_DTYPES,
+    change.add_argument("--dtype", default=None, choices=CONVERT_DTYPES,
                         help="the output's floating-point dtype with --mapping "
-                             f"({', '.join(_DTYPES)}); default: the input's")
+                             f"({', '.join(CONVERT_DTYPES)}); default: the input's")
     change.add_argument("--memory-budget", default=DEFAULT_MEMORY_BUDGET,
                         help=f"memory for the conversion's buffers (default {DEFAULT_MEMORY_BUDGET})")
     change.set_defaults(run=_convert, block_bytes=None)

@@ -50,6 +50,7 @@ from etils import epath
 from fsspec.registry import known_implementations
 
 from orbax_safetensors.engine import (
+    CONVERT_DTYPES,
     DEFAULT_BLOCK_BYTES,
     DEFAULT_MAX_SHARD_SIZE,
     DEFAULT_MEMORY_BUDGET,
@@ -277,7 +278,7 @@ def convert(
     options = ConvertOptions(
         StreamOptions(max_shard_size, metadata, overwrite, block_bytes, progress, checksums,
                       None if config is None else model_config_json(config, mapping)),
-        mapping, None if dtype is None else np.dtype(dtype), budget, nest)
+        mapping, _output_dtype(dtype), budget, nest)
     form = options.form
     target = Location.resolve(dst, storage_options, filesystem)
     label = f"convert {os.fspath(src)} -> {target.url}"
@@ -299,6 +300,21 @@ def convert(
                                        progress=options.stream.progress, label=label)
         return ConvertStats(SAFETENSORS, ORBAX, tensors, written, 0, time.perf_counter() - started,
                             target.storage.url("/".join([target.path.rstrip("/"), *form.item])))
+
+
+def _output_dtype(dtype: Any) -> np.dtype | None:
+    """``dtype=`` as convert writes floats: float32 or bfloat16, which hold every float32's
+    range (a float16 output would turn what it cannot hold into inf without a word)."""
+    if dtype is None:
+        return None
+    try:
+        resolved = np.dtype(dtype)
+    except TypeError:
+        resolved = None
+    if resolved is None or resolved.name not in CONVERT_DTYPES:
+        raise ArgumentError(f"dtype={dtype!r}: convert writes floats as {' or '.join(CONVERT_DTYPES)}; "
+                            "pass one of them, or None to keep the input's")
+    return resolved
 
 
 def _open_source(src: str | os.PathLike, target: Location, options: ConvertOptions,
@@ -340,7 +356,7 @@ def detect_format(
         detect_layout(Location.resolve(src, storage_options, filesystem))
     except (FileNotFoundError, SafetensorsError) as e:
         if not _exists(text):
-            raise MissingFileError("does not exist", file=text) from None
+            raise MissingFileError("does not exist: check the path", file=text) from None
         detail = ("neither a directory nor a .safetensors file"
                   if isinstance(e, FileNotFoundError) else str(e))
         raise SafetensorsError(
