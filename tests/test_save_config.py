@@ -8,6 +8,7 @@ What a failure at any storage operation does to a ``config.json`` already there 
 from __future__ import annotations
 
 import json
+import os
 
 import fsspec
 import numpy as np
@@ -129,3 +130,19 @@ def test_convert_to_safetensors_writes_the_config_and_to_orbax_has_no_place_for_
     ost.convert(tmp_path / "orbax", tmp_path / "back", config={"model_type": "llama"})
     assert json.loads((tmp_path / "back" / "config.json").read_text()) == {"model_type": "llama"}
     np.testing.assert_array_equal(ost.load(tmp_path / "back")["a"], _tree()["a"])
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo"])
+def test_a_config_json_that_is_no_file_is_refused_and_left_alone(tmp_path, kind):
+    """A save replaces config.json by renaming over it: a directory or FIFO there is the user's,
+    never moved to a backup name or read, with or without overwrite."""
+    path = tmp_path / "m"
+    path.mkdir()
+    if kind == "directory":
+        (path / "config.json").mkdir()
+    else:
+        os.mkfifo(path / "config.json")
+    for overwrite in (False, True):
+        with pytest.raises(ost.LocationTakenError, match="config.json.*not a file|not a file.*config.json"):
+            ost.save(path, _tree(), config={"v": 1}, overwrite=overwrite)
+    assert os.listdir(path) == ["config.json"]

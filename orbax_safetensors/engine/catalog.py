@@ -32,7 +32,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from orbax_safetensors.storage.executor import Executor
@@ -233,17 +233,18 @@ def survey(location: Location, findings: Findings, storage: Storage | None = Non
                                present=frozenset(shards | committed), index=index)
 
 
-def refuse_non_files(found: Survey) -> None:
+def refuse_non_files(found: Survey, beside: Iterable[str] = ()) -> None:
     """Raises ``FileExistsError`` naming the first entry where a save would put a file that is
     no regular file: a directory, FIFO, device, socket or dangling link named like a checkpoint
-    file (``model.safetensors``, a shard, an index). A save replaces files by renaming over
+    file (``model.safetensors``, a shard, an index) or like a file written ``beside`` the
+    tensors (``config.json``). A save replaces files by renaming over
     their names, which would fail halfway on a directory and silently replace a FIFO; neither
     is ours to replace, with or without ``overwrite``, so the save stops before writing."""
     location = found.location
     if location.is_single_file:
         paths = [location.path]
     else:
-        paths = [location.join(n) for n in sorted(found.present)]
+        paths = [location.join(n) for n in sorted(found.present) + sorted(beside)]
     storage = location.storage
     for path in paths:
         kind = storage.special_kind(path) or ("a directory" if storage.isdir(path) else None)

@@ -171,14 +171,15 @@ def write_blocks(location: Location, source: BlockSource, options: StreamOptions
                      + [f"tensor {describe_spec(spec)}" for spec in source.specs]
                      + [f"metadata of the source={dict(sorted(source.metadata.items()))!r}"],
                      "arguments or sources")
-    commit = take_location(location, peers, overwrite=options.overwrite)
+    beside = files_beside(options.config)
+    commit = take_location(location, peers, overwrite=options.overwrite, beside=[n for n, _ in beside])
     mine = plan.files[jax.process_index()::jax.process_count()]  # shared out round-robin
     report = Progress(label, sum(t.nbytes for f in mine for t in f.tensors),
                       enabled=options.progress).start()
     with Executor(_PREFETCH, name="orbax_safetensors-prefetch") as pool:
         blocks = _Blocks(source, plan, mine, options.block_bytes, pool)
         return WriteSession(Operation(peers, report), commit, blocks, SaveStats(), started,
-                            files_beside(options.config)).run()
+                            beside).run()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -206,7 +206,9 @@ def prepare_save(location: Location, tree: Any, options: SaveOptions, *, copy: b
         peers.check_same("tree", [_describe(spec, arrays[spec.name]) for spec in tree_specs]
                          + describe_arguments(options, leave_out=("progress", "memory_budget")),
                          "the tree or options")
-    commit = take_location(location, peers, overwrite=options.overwrite, fresh=new_directory)
+    beside = files_beside(options.config)
+    commit = take_location(location, peers, overwrite=options.overwrite, fresh=new_directory,
+                           beside=[name for name, _ in beside])
     try:
         shards, resharded = host_shards.copy_to_host(
             arrays, {s.name: s for s in tree_specs}, copy=copy, assemblies=assemblies,
@@ -218,8 +220,7 @@ def prepare_save(location: Location, tree: Any, options: SaveOptions, *, copy: b
         raise
     stats = SaveStats(tensors_resharded=resharded, blocking_seconds=time.perf_counter() - started)
     layout = _LAYOUTS[options.layout](location, shards, specs, options)
-    return WriteSession(Operation(peers, layout.progress()), commit, layout, stats, started,
-                        files_beside(options.config))
+    return WriteSession(Operation(peers, layout.progress()), commit, layout, stats, started, beside)
 
 
 def _reshard_below(location: Location, peers: Peers, options: SaveOptions, *, mapped: bool) -> int:

@@ -32,6 +32,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Collection
 from typing import Protocol
 
 import jax
@@ -80,9 +81,11 @@ class Planner(Protocol):
         """Plans the write (files, headers, this process's bytes) and picks how they move."""
 
 
-def take_location(location: Location, peers: Peers, *, overwrite: bool, fresh: bool = False) -> Commit:
+def take_location(location: Location, peers: Peers, *, overwrite: bool, fresh: bool = False,
+                  beside: Collection[str] = ()) -> Commit:
     """Process 0 takes the location; every process gets the same ``Commit`` (token, the files
-    it replaces), or every process raises.
+    it replaces), or every process raises. ``beside``: the names of the small files the write
+    commits with its tensors (``WriteSession.beside``), which must be files where they exist.
 
     ``fresh``: the caller made the location for this save and owns it (Orbax's
     step temporary), so nothing there is looked at, locked or removed.
@@ -91,7 +94,8 @@ def take_location(location: Location, peers: Peers, *, overwrite: bool, fresh: b
     commit, error = None, None
     if peers.is_primary and not fresh:
         try:
-            commit = Commit.take(location, token, lambda: _replaced(location, overwrite=overwrite))
+            commit = Commit.take(location, token,
+                                 lambda: _replaced(location, overwrite=overwrite, beside=beside))
         except BaseException as e:
             error = e
     shared = json.loads(peers.share("location", json.dumps({
@@ -108,7 +112,8 @@ def take_location(location: Location, peers: Peers, *, overwrite: bool, fresh: b
     return commit or Commit.for_location(location, shared["token"], shared["old"], shared["markers"])
 
 
-def _replaced(location: Location, *, overwrite: bool) -> tuple[frozenset[str], frozenset[str]]:
+def _replaced(location: Location, *, overwrite: bool,
+              beside: Collection[str] = ()) -> tuple[frozenset[str], frozenset[str]]:
     """What a save to ``location`` replaces, and which of those files mark the checkpoint
     committed (its index), as the catalog finds them (under the lock).
 
@@ -122,7 +127,7 @@ def _replaced(location: Location, *, overwrite: bool) -> tuple[frozenset[str], f
     the new), never other files (config.json, a tokenizer, a README).
     """
     found = catalog.survey(location, catalog.Findings(collect=True))
-    catalog.refuse_non_files(found)
+    catalog.refuse_non_files(found, beside)
     if found.committed and not overwrite:
         raise LocationTakenError("already holds a checkpoint; pass overwrite=True to replace it",
                                  location.url)
