@@ -1,7 +1,7 @@
 """Every python snippet of docs/ runs as written, on 1 and 8 CPU devices.
 
-A page's snippets run in order in one fresh interpreter, in an empty directory, sharing one
-namespace as a reader following the page would. The names a page takes from its reader (the
+A page's snippets run in order in a fresh interpreter (one for every page), in an empty
+directory of the page's own, sharing one namespace as a reader following the page would. The names a page takes from its reader (the
 model's ``params``, an ``abstract_params`` target, a ``train_step``) are given by ``_READER``,
 on tiny arrays; checkpoints a page names (``hf-ckpt/``, ``Qwen3-8B/``) are made first. The few
 snippets that need what CI has not (a bucket, the Hub, MaxText's own code) are listed in
@@ -72,17 +72,21 @@ transformers.LlamaForCausalLM(transformers.LlamaConfig(**tiny)).save_pretrained(
 
 _PAGE_SETUP = {"concepts.md": 'ost.save("ckpt/", params)', "models.md": _CHECKPOINTS}
 
-# Runs each snippet with top-level await allowed (as in a notebook cell), in one namespace.
+# Runs each page in its own directory and namespace, its snippets in order, with top-level await
+# allowed (as in a notebook cell): one interpreter for every page, as importing JAX is most of it.
 _RUNNER = """
-import ast, asyncio, inspect, json, sys
-snippets = json.loads(sys.argv[1])
-namespace = {"__name__": "__main__"}
-for label, source in snippets:
-    code = compile(source, label, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
-    result = eval(code, namespace)
-    if inspect.iscoroutine(result):
-        asyncio.run(result)
-    print("ran", label, flush=True)
+import ast, asyncio, inspect, json, os, sys
+for page, snippets in json.loads(sys.argv[1]):
+    os.makedirs(page)
+    os.chdir(page)
+    namespace = {"__name__": "__main__"}
+    for label, source in snippets:
+        code = compile(source, label, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+        result = eval(code, namespace)
+        if inspect.iscoroutine(result):
+            asyncio.run(result)
+        print("ran", label, flush=True)
+    os.chdir("..")
 """
 
 
@@ -96,18 +100,17 @@ def test_every_snippet_is_run_or_says_why_not():
 
 
 @pytest.mark.parametrize("devices", [1, 8])
-@pytest.mark.parametrize("page", _PAGES)
-def test_the_snippets_of_a_page_run_as_written(tmp_path, page, devices):
-    setup = [("reader", _READER)]
-    if page in _PAGE_SETUP:
-        if "transformers" in _PAGE_SETUP[page]:
-            pytest.importorskip("torch")
-            pytest.importorskip("transformers")
-        setup.append(("checkpoints", _PAGE_SETUP[page]))
-    runs = [(f"{page}[{i}]", s) for i, s in enumerate(_snippets(page)) if (page, i) not in _NOT_RUN]
+def test_the_snippets_of_every_page_run_as_written(tmp_path, devices):
+    pytest.importorskip("torch")  # the checkpoints models.md loads are made by transformers
+    pytest.importorskip("transformers")
+    pages = []
+    for page in _PAGES:
+        setup = [("reader", _READER)] + ([("checkpoints", _PAGE_SETUP[page])] if page in _PAGE_SETUP else [])
+        pages.append((page, setup + [(f"{page}[{i}]", s) for i, s in enumerate(_snippets(page))
+                                     if (page, i) not in _NOT_RUN]))
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-    result = subprocess.run([sys.executable, "-c", _RUNNER, json.dumps(setup + runs)], cwd=tmp_path,
-                            env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run([sys.executable, "-c", _RUNNER, json.dumps(pages)], cwd=tmp_path,
+                            env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, f"{result.stdout[-1500:]}\n{result.stderr[-4000:]}"
-    assert result.stdout.count("ran ") == len(setup) + len(runs), result.stdout
+    assert result.stdout.count("ran ") == sum(len(snippets) for _, snippets in pages), result.stdout

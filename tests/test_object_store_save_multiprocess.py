@@ -9,6 +9,7 @@ import pytest
 import orbax_safetensors as ost
 from tests.object_stores import object_store_server
 from tests.sharding_cases import sources
+from tests.test_parallel_save_multiprocess import _CONFIG  # the children save with it
 
 pytestmark = pytest.mark.slow  # several JAX processes against object-store servers
 
@@ -30,7 +31,7 @@ def test_parallel_hf_save_to_a_bucket_equals_a_local_single_process_save(
                            args={"path": url, "scenario": scenario}, env=env,
                            timeout=300)  # the GCS emulator serves ~30 s of small requests here
     values = {**sources(), "host.counter": np.arange(7, dtype=np.int64)}
-    ost.save(tmp_path / "reference", values, max_shard_size=200_000)
+    ost.save(tmp_path / "reference", values, max_shard_size=200_000, config=_CONFIG)
     fs, root = fsspec.core.url_to_fs(url)
     names = sorted(os.listdir(tmp_path / "reference"))
     assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(root, detail=False)) == names  # no leftovers
