@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import orbax_safetensors as ost
+from tests.hf_reference import write_random_llama
 from tests.tolerances import assert_within, causal_lm_reference
 
 torch = pytest.importorskip("torch")
@@ -61,16 +62,7 @@ def _assert_same_tensors(directory, expected_directory) -> None:
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     directory = str(tmp_path_factory.mktemp("llama") / "tiny")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-        rope_theta=500.0, rms_norm_eps=1e-5)
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1.0 + 0.3 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
-    model.save_pretrained(directory)
+    write_random_llama(directory)
     return directory
 
 

@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import orbax_safetensors as ost
+from tests.hf_reference import write_random_llama
 from tests.tolerances import assert_within, causal_lm_reference
 
 nnx = pytest.importorskip("flax.nnx")
@@ -225,19 +226,10 @@ def test_nnx_llama_state_has_the_names_and_shapes_of_the_linen_llama_params(tmp_
 @pytest.fixture(scope="module")
 def hf_llama(tmp_path_factory) -> str:
     """A tiny transformers Llama (GQA, untied head) with every weight randomised, norms too."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
     directory = str(tmp_path_factory.mktemp("llama") / "tiny")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-        rope_theta=500.0, rms_norm_eps=1e-5)
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1.0 + 0.3 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
-    model.save_pretrained(directory, safe_serialization=True)
+    write_random_llama(directory)
     return directory
 
 
