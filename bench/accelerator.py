@@ -22,7 +22,7 @@ What it measures, each part in one run, every contender side by side in one tabl
   under ``--dir``; values checked against ``expected.npz`` beside it) loaded into ONE device,
   ``jax.devices()[0]`` (a mesh of 1, every tensor ``P()``: ``common.mesh_1d`` with
   ``OST_BENCH_DEVICES=1``). Contenders: ``ours`` (``ost.load(path, target)``, default options),
-  ``ours_pooled`` / ``ours_fresh`` (``ost.ReadOptions(staging="pooled")`` / ``"fresh"``: host
+  ``ours_pooled`` / ``ours_fresh`` (``ost.LoadOptions(staging="pooled")`` / ``"fresh"``: host
   staging recycled from a pool, registered for DMA where the platform allows, or fresh pages;
   the default ``"auto"`` pools on accelerators), ``ours_noverify``
   (``verify_checksums=False``), Orbax's v1 ``SafetensorsLayout``, ``safe_open`` +
@@ -123,9 +123,9 @@ QUICK_SIZE_GB = 0.1
 INSTALL = {"instanttensor": "`pip install instanttensor` (0.2.2 on PyPI, CUDA + torch)"}
 LOAD_NOTES = {
     **{c: load_bench.CONTENDER_NOTES[c] for c in ("ours", "ours_noverify", "orbax_layout", "safe_open")},
-    "ours_pooled": "`ost.load(path, target, options=ost.ReadOptions(staging=\"pooled\"))`: host staging "
+    "ours_pooled": "`ost.load(path, target, options=ost.LoadOptions(staging=\"pooled\"))`: host staging "
                    "recycled from a pool, registered for DMA where the platform allows",
-    "ours_fresh": "`ost.load(path, target, options=ost.ReadOptions(staging=\"fresh\"))`: fresh host pages",
+    "ours_fresh": "`ost.load(path, target, options=ost.LoadOptions(staging=\"fresh\"))`: fresh host pages",
     **{c: peers.CONTENDER_NOTES[c] for c in ("instanttensor", "fastsafetensors", "fastsafetensors_gpu", "runai")},
 }
 SAVE_NOTES = {"ours": save_bench.CONTENDER_NOTES["ours_hf"],
@@ -150,7 +150,7 @@ def prepare(contender: str, extra: dict):
     """Imports and set-up before the clock; returns the loader. Raises ``NotAvailable``."""
     if contender in OURS_OPTIONS:
         import orbax_safetensors as ost
-        extra["options"] = ost.ReadOptions(**OURS_OPTIONS[contender])
+        extra["options"] = ost.LoadOptions(**OURS_OPTIONS[contender])
         extra["stats"] = ost.LoadStats()
         return load_ours
     if contender in peers.CUDA_PEERS:
@@ -544,7 +544,7 @@ def checksums_table(args, measured: dict) -> list[str]:
                     f"**{median(on, 'seconds') / median(off, 'seconds') - 1:+.0%}**" if on and off else "—"]
         lines.append(f"| {label} | " + " | ".join(out) + " |")
     lines += ["", "*cost*: the checked median over the unchecked one, minus 1. Checked: `ours` (loads verify "
-              "every block checksum they read; saves write them); unchecked: `ost.ReadOptions(verify_checksums="
+              "every block checksum they read; saves write them); unchecked: `ost.LoadOptions(verify_checksums="
               "False)` / `ost.save(..., checksums=False)`."]
     return lines
 

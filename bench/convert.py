@@ -21,10 +21,10 @@ Contenders:
   ``config`` the HF ``config.json``, ``dtype="bfloat16"`` to MaxText (as MaxText's
   ``--save_dtype=bfloat16``), the stored dtype back;
 * ``ours_2proc``: the same call in two processes joined by ``jax.distributed`` on 127.0.0.1,
-  started the way the tests start them (``tests/_multiprocess_child.py``); its time is the
+  started the way the tests start them (``tests/support/_multiprocess_child.py``); its time is the
   slower process's exit, its RSS the larger process's peak;
 * ``maxtext``: MaxText 0.2.5's ``python -m maxtext.checkpoint_conversion.to_maxtext`` and
-  ``to_huggingface``, unmodified, in the MaxText venv (``tests/test_maxtext_mapping.py``'s
+  ``to_huggingface``, unmodified, in the MaxText venv (``tests/families/test_maxtext_mapping.py``'s
   ``ensure_maxtext_venv``; left out when it cannot be had), with the settings its conversion
   guide gives for a big model: ``model_name=llama3.1-8b scan_layers=True hardware=cpu
   skip_jax_distributed_system=True checkpoint_storage_use_ocdbt=True
@@ -143,7 +143,7 @@ def maxtext_python() -> str | None:
     """The MaxText venv's python (built if needed, as the MaxText tests build it), or None with why."""
     import pytest
 
-    from tests.test_maxtext_mapping import DEFAULT_VENV, ensure_maxtext_venv
+    from tests.families.test_maxtext_mapping import DEFAULT_VENV, ensure_maxtext_venv
     try:
         return ensure_maxtext_venv(os.environ.get("OST_MAXTEXT_VENV") or DEFAULT_VENV, {})
     except pytest.skip.Exception as e:
@@ -175,16 +175,16 @@ def maxtext_command(python: str, direction: str, s: dict, src: Path, dst: Path, 
 def ours_commands(processes: int, direction: str, src: Path, dst: Path, hf_dir: Path,
                   budget: str | None) -> list[list[str]]:
     """One ``--worker`` per process; with several, each joins ``jax.distributed`` first
-    (``tests/_multiprocess_child.py``), which then calls ``convert_share``. To MaxText in bf16,
+    (``tests/support/_multiprocess_child.py``), which then calls ``convert_share``. To MaxText in bf16,
     as ``--save_dtype=bfloat16`` (left to the mapping, the scaled query kernel stays float32)."""
     args = {"src": str(src), "dst": str(dst), "config": str(hf_dir / "config.json"), "budget": budget,
             "dtype": "bfloat16" if direction == "to_maxtext" else None}
     if processes == 1:
         return [[sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(args)]]
-    from tests.multiprocess import free_port
+    from tests.support.multiprocess import free_port
 
     address = f"127.0.0.1:{free_port()}"
-    return [[sys.executable, "-m", "tests._multiprocess_child", json.dumps({
+    return [[sys.executable, "-m", "tests.support._multiprocess_child", json.dumps({
         "target": "bench.convert:convert_share", "coordinator_address": address,
         "num_processes": processes, "process_id": i, "args": args,
         "result_path": str(dst.parent / f".{dst.name}.process_{i}.json"),

@@ -1,9 +1,9 @@
 """MaxText's ``safetensors_dynamic`` load, with Orbax's layout and with ours, against our mapped load.
 
-Runs in the MaxText 0.2.5 venv (Python 3.12; ``tests/test_maxtext_mapping.py`` builds it and,
+Runs in the MaxText 0.2.5 venv (Python 3.12; ``tests/families/test_maxtext_mapping.py`` builds it and,
 run as a script, prints its python)::
 
-    MAXTEXT_PY=$(.venv/bin/python tests/test_maxtext_mapping.py)
+    MAXTEXT_PY=$(.venv/bin/python tests/families/test_maxtext_mapping.py)
     $MAXTEXT_PY bench/maxtext_dynamic.py               # ~1.04 GB checkpoint, 3 repeats, cold and warm
     $MAXTEXT_PY bench/maxtext_dynamic.py --quick       # ~0.045 GB, 1 repeat: a smoke test
 
@@ -24,7 +24,7 @@ CPU devices, three ways:
   scan_layers=True))``: each leaf read from the files straight into its shards.
 
 MaxText's path reads its HF config table (``HF_MODEL_CONFIGS["llama3.1-8b"]``, the real 8B's
-sizes): the checkpoint's ``config.json`` is put there, as ``tests/maxtext_child.py`` does, and its
+sizes): the checkpoint's ``config.json`` is put there, as ``tests/support/maxtext_child.py`` does, and its
 pyconfig is built from the same ``config.json`` (``tests/maxtext_child.maxtext_overrides``).
 Targets are ``bench/scanned.py``'s: MaxText's logical axis rules resolved on a mesh
 ``("fsdp", "tensor")`` of (2, 4) (``--shardings fsdp`` for (8, 1)). Method as in
@@ -70,7 +70,7 @@ CONTENDER_NOTES = {
 def maxtext_config(checkpoint: Path, sharding: str):
     """MaxText's pyconfig for the checkpoint's model (its ``config.json``) on the bench's mesh."""
     from maxtext.configs import pyconfig
-    from tests.maxtext_child import maxtext_overrides
+    from tests.support.maxtext_child import maxtext_overrides
 
     hf = json.loads((checkpoint / "config.json").read_text())
     overrides = maxtext_overrides(scanned.FAMILY, MODEL_NAME, hf, True, 16, tempfile.mkdtemp(prefix="mt-out-"))

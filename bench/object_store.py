@@ -10,7 +10,7 @@ What it measures: the wall time of moving a synthetic llama-like bf16 checkpoint
 and uploaded once, untimed, into a bucket) between an S3 server and
 ``jax.Array``s on host CPU devices, FSDP-sharded (2-D tensors ``P("x", None)``
 over a 1-D mesh of 8 devices, 1-D tensors replicated). The server is
-``python -m moto.server`` on a free 127.0.0.1 port (``tests/object_stores.py``),
+``python -m moto.server`` on a free 127.0.0.1 port (``tests/support/object_stores.py``),
 one Python process on the same machine as the clients; everyone reaches it
 through s3fs, configured by ``fsspec.config.conf`` here and the
 ``FSSPEC_S3_*`` environment variables in the workers.
@@ -27,7 +27,7 @@ result after):
   abstract_state=target)`` (as ``bench/load.py`` calls it locally), awaited; n/a
   with its error if it cannot read the URL;
 * ``ours_2proc``: ``ost.load`` in 2 processes × 4 devices joined by
-  ``jax.distributed`` (``tests/multiprocess.py``), the FSDP mesh over all 8
+  ``jax.distributed`` (``tests/support/multiprocess.py``), the FSDP mesh over all 8
   devices, so each process reads only its half. Each process starts its clock
   after a ``sync_global_devices`` barrier; the table shows the slowest process;
 * ``download_2proc``: the naive multi-host user: every process downloads the
@@ -559,7 +559,7 @@ def _run_load(contender: str, home: Path, url: str, args) -> dict:
         return common.run_worker(Path(__file__).resolve(), [
             "--contender", contender, "--home", str(home), "--url", url,
             "--scratch", str(args.scratch), "--server-pid", str(args.server_pid)])
-    from tests.multiprocess import MultiProcessError, run_multiprocess
+    from tests.support.multiprocess import MultiProcessError, run_multiprocess
     try:
         results = run_multiprocess(
             MP_TARGET, num_processes=2, devices_per_process=4, timeout=common.WORKER_TIMEOUT,
@@ -914,7 +914,7 @@ def main() -> None:
     sys.path.insert(0, str(BENCH_DIR.parent))  # tests/ (the S3 server, the multi-process launcher)
     import psutil
     from importlib.metadata import version
-    from tests.object_stores import object_store_server
+    from tests.support.object_stores import object_store_server
 
     args.more_versions = ", ".join(f"{p} {version(p)}" for p in ("s3fs", "fsspec", "moto", "tensorstore"))
     spec = model_spec(args.size_mb / 1e3, args.max_shard_size)
@@ -940,7 +940,7 @@ def main() -> None:
         fs.put([str(p) for p in files], [f"{bucket_root}/{CHECKPOINT_KEY}/{p.name}" for p in files])
         proxy = None
         if args.network:  # from here on, everyone but the untimed probe goes through the proxy
-            from tests.fault_proxy import FaultProxy
+            from tests.support.fault_proxy import FaultProxy
             proxy = FaultProxy(args.endpoint, latency=latency / 1e3,
                                bandwidth_per_connection=bandwidth * 1e6 if bandwidth else None).start()
             os.environ["FSSPEC_S3_ENDPOINT_URL"] = proxy.url

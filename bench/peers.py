@@ -2,7 +2,7 @@
 Streamer, fastsafetensors and (CUDA only) InstantTensor.
 
     pip install -e '.[test,bench-peers]'      # torch==2.13.0, runai-model-streamer[s3]==0.17.0, fastsafetensors==0.5.0
-    pytest tests/test_bench_peers.py          # every peer on a tiny checkpoint, bitwise (local and S3)
+    pytest tests/benchmarks/test_bench_peers.py          # every peer on a tiny checkpoint, bitwise (local and S3)
 
 Each loader has the contract of the contenders in ``bench/load.py``: it takes the
 checkpoint (a local HF-sharded directory with ``model.safetensors.index.json``, or for

@@ -6,7 +6,7 @@ against load-then-dequantize and MaxText 0.2.5's dequantize scripts.
     .venv/bin/python bench/quantized.py --families fp8 --contenders ours,load_dequantize --repeats 5
 
 What it measures: loading a quantized Hugging Face checkpoint as bf16 ``jax.Array``s on 8 host
-CPU devices, from two synthetic checkpoints (``tests/quantized_checkpoints.py``, written once
+CPU devices, from two synthetic checkpoints (``tests/support/quantized_checkpoints.py``, written once
 and cached under ``--work-dir``):
 
 * ``fp8``: DeepSeek-V3-shaped (MLA attention, a dense first layer, then MoE layers of routed
@@ -21,7 +21,7 @@ experts ``[experts, in, out]``), each 2-D or 3-D tensor split 8 ways along its f
 divides (the rows of a ``Linear`` weight, which cut ``kv_a_proj_with_mqa``'s 128-row blocks and
 the 128-row blocks of the MLPs between devices; gpt-oss's stacked experts, expert-parallel), the
 rest replicated. (Splits that cut MXFP4's 32-value groups are tested, not benchmarked:
-``tests/test_bench_quantized.py``.)
+``tests/benchmarks/test_bench_quantized.py``.)
 
 Contenders:
 
@@ -31,7 +31,7 @@ Contenders:
   dequantized from the bytes and scales that cover it;
 * ``load_dequantize``: what a user writes without us: ``safetensors.safe_open(f,
   framework="numpy").get_tensor`` of each weight and its scales, whole, numpy dequantization
-  in float32 (``tests/quantized_checkpoints.py``'s ``dequantize_fp8`` / ``dequantize_mxfp4``),
+  in float32 (``tests/support/quantized_checkpoints.py``'s ``dequantize_fp8`` / ``dequantize_mxfp4``),
   then bf16, then
   ``jax.device_put(twin, sharding)``, tensor by tensor (safetensors 0.8's numpy backend looks
   float8 up on numpy, so the worker gives it ``ml_dtypes.float8_e4m3fn`` there first);
@@ -58,7 +58,7 @@ contender by contender and cold/warm; a run during which others used the CPU is 
 (``--attempts``). Every run's output is checked before its number counts: shapes, dtypes and
 shardings of every leaf, and the values of a sample (layer 0, the last layer and the
 non-layer tensors; every tensor with ``--quick`` or ``--check all``) bit for bit against the
-numpy reference (``tests/quantized_reference.py``); the maxtext rows check their written bf16 tensors as values (its e2m1 decoder
+numpy reference (``tests/support/quantized_reference.py``); the maxtext rows check their written bf16 tensors as values (its e2m1 decoder
 writes −0 as +0, 5.6 % of the tiny gpt-oss experts' elements; the float32
 ``e_score_correction_bias``, which it casts to bf16, is left out).
 
@@ -99,7 +99,7 @@ from convert import GNU_TIME, run_commands
 from convert import rows as convert_rows
 from load import checkpoint_files, warm_page_cache
 
-from tests import quantized_checkpoints as qc
+from tests.support import quantized_checkpoints as qc
 
 FAMILIES = {"fp8": (qc.DEEPSEEK, qc.deepseek_twins, qc.write_deepseek, "deepseek_dequantize.py"),
             "mxfp4": (qc.GPT_OSS, qc.gpt_oss_twins, qc.write_gpt_oss, "dequantize_mxfp4.py")}

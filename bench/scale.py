@@ -17,7 +17,7 @@ For one or two representative processes (0, and the middle one when there
 are several) it reports:
 
 * **load**: everything ``ost.load`` plans before its first read, with the
-  default ``ReadOptions`` on local disk (32 MB chunks, 16 KiB gaps, 2x
+  default ``LoadOptions`` on local disk (32 MB chunks, 16 KiB gaps, 2x
   over-read, 1 GB budget, 4 MB bounce blocks): ``replication_factor`` and
   ``reshard_parts`` of each (shape, sharding) over every process's boxes
   (several processes only, once per pair as the engine caches them), each
@@ -59,7 +59,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from orbax_safetensors.engine.write import (  # noqa: E402
+from orbax_safetensors.engine.saving.strategies import (  # noqa: E402
     _MAX_OBJECTS_PER_FILE,
     _SMALL_OBJECT,
     WRITE_CHUNK_BYTES,
@@ -91,7 +91,7 @@ LAYERS, HIDDEN, FFN, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 126, 16384, 53248, 128, 
 TP = 8
 DEVICES = (64, 512, 4096)
 PROCESSES = (1, 64, 512)
-# ost.load's defaults on a local disk (ReadOptions, LocalStorage's capabilities, read_policy.BOUNCE_BYTES)
+# ost.load's defaults on a local disk (LoadOptions, LocalStorage's capabilities, loading.options.BOUNCE_BYTES)
 PROFILE = ReadProfile(chunk_bytes=32 << 20, max_gap=16 << 10, max_overread=2.0,
                       memory_budget=1 << 30)
 BOUNCE_BYTES = 4 << 20
@@ -189,7 +189,7 @@ def sources(plan: WritePlan) -> dict[str, TensorSource]:
 
 def inputs(layout: Layout, process: int, specs: list[tuple[TensorSpec, Spec]],
            stored: dict[str, TensorSource]) -> Iterator[Inputs]:
-    """Per tensor, what ``engine.read_jobs.sharded_job`` derives from ``devices_indices_map``."""
+    """Per tensor, what ``engine.loading.jobs.sharded_job`` derives from ``devices_indices_map``."""
     mine = layout.devices_of(process)
     for spec, partition in specs:
         boxes = layout.boxes(spec.shape, partition)
@@ -266,7 +266,7 @@ def owned_boxes(layout: Layout, process: int, specs: list[tuple[TensorSpec, Spec
 
 def plan_save(specs: list[TensorSpec], owned: list[tuple[str, Box]], process: int) -> tuple:
     """What every process derives for an hf save: the files, its ranges, its part objects."""
-    plan = plan_hf_checkpoint(specs, max_shard_size="5GB")
+    plan = plan_hf_checkpoint(specs, max_shard_size=5 * 10**9)
     ranges = owned_ranges(plan.files, owned, WRITE_CHUNK_BYTES)
     uploads = plan_uploads(ranges, plan.files if process == 0 else (),
                            max_objects_per_file=_MAX_OBJECTS_PER_FILE, small_object=_SMALL_OBJECT)
@@ -365,7 +365,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="untimed runs: best of this many")
     args = parser.parse_args()
     specs = llama_405b()
-    stored = sources(plan_hf_checkpoint([s for s, _ in specs], max_shard_size="5GB"))
+    stored = sources(plan_hf_checkpoint([s for s, _ in specs], max_shard_size=5 * 10**9))
     rows = []
     for devices in DEVICES[:1] if args.quick else DEVICES:
         for processes in PROCESSES:

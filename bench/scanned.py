@@ -94,7 +94,7 @@ from common import (
     versions_line,
 )
 from load import checkpoint_files, random_bf16, warm_page_cache, weight_map
-from tests.trees import flat, nest
+from tests.support.trees import flat, nest
 
 CONTENDERS = ("unscanned", "scanned", "maxtext_host")
 SHARDINGS = ("fsdp", "tp")

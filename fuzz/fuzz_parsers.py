@@ -13,10 +13,10 @@ allocations. Run it (from the repository root) for as long as you like:
 
   .venv/bin/python fuzz/fuzz_parsers.py -max_len=4096 -timeout=10 /tmp/fuzz-corpus
 
-seeding ``/tmp/fuzz-corpus`` with ``tests/fuzz_corpus/*/*`` prefixed by the
-target byte (``tests/test_fuzz.py::test_atheris_harness_runs_clean`` shows
+seeding ``/tmp/fuzz-corpus`` with ``tests/format/fuzz_corpus/*/*`` prefixed by the
+target byte (``tests/format/test_fuzz.py::test_atheris_harness_runs_clean`` shows
 how, and runs this harness for 20000 inputs). Add every crash it finds to
-``tests/fuzz_corpus/`` with its expected message.
+``tests/format/fuzz_corpus/`` with its expected message.
 """
 
 from __future__ import annotations

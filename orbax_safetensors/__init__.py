@@ -4,13 +4,22 @@
     ost.save("ckpt/", params, max_shard_size="2GB")
     params = ost.load("ckpt/", target=abstract_params)   # sharded like the target
     loading = ost.async_load("ckpt/", abstract_params)     # planned; reads in the background
+
+The Orbax integration (``ost.SafetensorsSave``, ``ost.SafetensorsLayout``, ``ost.convert``, ...)
+is imported on first use, and Orbax with it; the handlers join Orbax's registries whenever
+Orbax is imported, before or after this package (``integrations/orbax_registration.py``).
 """
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from orbax_safetensors.engine import (
     CheckpointMetadata,
+    ConsolidateOptions,
+    LoadOptions,
     LoadStats,
     Problem,
-    ReadOptions,
+    SaveOptions,
     SaveStats,
     VerifyReport,
     async_load,
@@ -44,42 +53,57 @@ from orbax_safetensors.errors import (
     ReadOnlyLocationError,
     SafetensorsError,
     SkippedLeavesWarning,
+    StorageError,
     UnreachableError,
+    UnsupportedOrbaxError,
 )
 from orbax_safetensors.planning.quantization import FP8, MXFP4
 from orbax_safetensors.planning.rules import Mapping, Rule, Strided
 from orbax_safetensors.planning.transforms import Transform
 from orbax_safetensors import mappings
-from orbax_safetensors.storage import StorageError
-from orbax_safetensors.integrations.orbax_version import UnsupportedOrbaxError
+from orbax_safetensors.integrations.orbax_registration import register_with_orbax
+from orbax_safetensors.integrations.orbax_version import check_orbax_version
+
+if TYPE_CHECKING:  # type checkers see the Orbax names that __getattr__ imports on first use
+    from orbax_safetensors.integrations.orbax_convert import ConvertOptions, ConvertStats, convert
+    from orbax_safetensors.integrations.orbax_install import install_orbax_layout
+    from orbax_safetensors.integrations.orbax_items import SafetensorsRestore, SafetensorsSave
+    from orbax_safetensors.integrations.orbax_v0 import SafetensorsCheckpointHandler
+    from orbax_safetensors.integrations.orbax_v1 import SafetensorsHandler, SafetensorsLayout
 
 __version__ = "0.1.0"
 
-_ORBAX_NAMES = ("SafetensorsCheckpointHandler", "SafetensorsHandler", "SafetensorsLayout",
-                "SafetensorsRestore", "SafetensorsSave", "ConvertStats", "convert", "install_orbax_layout")
-try:
-    # orbax_items checks the installed Orbax version before it imports any of Orbax.
-    from orbax_safetensors.integrations.orbax_items import SafetensorsRestore, SafetensorsSave
-except UnsupportedOrbaxError as e:
-    # The engine works without Orbax; only touching an Orbax name raises.
-    _orbax_error: UnsupportedOrbaxError | None = e
-else:
-    _orbax_error = None
-    # Importing registers the handlers, so that a fresh CheckpointManager
-    # restores safetensors items without arguments.
-    from orbax_safetensors.integrations import orbax_shim  # noqa: F401
-    from orbax_safetensors.integrations.orbax_v0 import SafetensorsCheckpointHandler
-    from orbax_safetensors.integrations.orbax_v1 import SafetensorsHandler, SafetensorsLayout
+# Each Orbax name, and the module of orbax_safetensors.integrations that defines it.
+_ORBAX_NAMES = {
+    "SafetensorsSave": "orbax_items",
+    "SafetensorsRestore": "orbax_items",
+    "SafetensorsCheckpointHandler": "orbax_v0",
+    "SafetensorsHandler": "orbax_v1",
+    "SafetensorsLayout": "orbax_v1",
     # Orbax's own v1 safetensors entry points (ocp.v1.load_pytree, ...) through ours.
-    from orbax_safetensors.integrations.orbax_install import install_orbax_layout
+    "install_orbax_layout": "orbax_install",
     # Orbax PyTree checkpoint <-> safetensors (also the `orbax-safetensors convert` command).
-    from orbax_safetensors.integrations.orbax_convert import ConvertStats, convert
+    "ConvertStats": "orbax_convert",
+    "ConvertOptions": "orbax_convert",
+    "convert": "orbax_convert",
+}
 
 
-def __getattr__(name: str):
-    if name in _ORBAX_NAMES and _orbax_error is not None:
-        raise _orbax_error
-    raise AttributeError(f"module 'orbax_safetensors' has no attribute {name!r}")
+def __getattr__(name: str) -> Any:
+    """An Orbax name, imported on first use: importing Orbax costs more than JAX itself does,
+    and the engine never needs it. With an unsupported Orbax the engine works and only this
+    raises (``UnsupportedOrbaxError``), before anything of Orbax is imported."""
+    module = _ORBAX_NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'orbax_safetensors' has no attribute {name!r}")
+    check_orbax_version()
+    value = getattr(importlib.import_module(f"orbax_safetensors.integrations.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_ORBAX_NAMES})
 
 
 __all__ = [
@@ -88,10 +112,16 @@ __all__ = [
     "AccessDeniedError", "ReadOnlyLocationError", "UnreachableError", "LocationTakenError",
     "MissingDependencyError", "DistributedSetupError", "PeerTimeoutError",
     "CheckpointBusyError", "CheckpointMetadata", "ChecksumError", "DistributedError", "LoadStats", "MissingFileError",
-    "MissingTensorError", "PeerFailedError", "ProcessFailure", "Problem", "ReadOptions", "SafetensorsError", "SaveStats",
+    "MissingTensorError", "PeerFailedError", "ProcessFailure", "Problem", "LoadOptions", "SafetensorsError", "SaveStats",
     "SkippedLeavesWarning",
     "StorageError", "UnsupportedOrbaxError", "VerifyReport",
     "async_load", "async_save", "consolidate", "load", "metadata", "save", "target", "verify", "__version__",
     "SafetensorsCheckpointHandler", "SafetensorsHandler", "SafetensorsLayout",
-    "SafetensorsRestore", "SafetensorsSave", "ConvertStats", "convert", "install_orbax_layout",
+    "SafetensorsRestore", "SafetensorsSave", "ConvertOptions", "ConvertStats", "convert", "install_orbax_layout",
+    "SaveOptions", "ConsolidateOptions",
 ]
+
+
+# A fresh CheckpointManager restores safetensors items without arguments: Orbax finds our
+# handlers by the typestrs a step records, once registered (now, or once Orbax is imported).
+register_with_orbax()

@@ -193,6 +193,21 @@ class ReadOnlyLocationError(Error, OSError):
         super().__init__(errno.EROFS, message, url)
 
 
+class StorageError(Error, OSError):
+    """A storage operation that still failed after every retry, or failed for good."""
+
+    def __init__(self, message: str, *, url: str, code: int | None = None):
+        self.url = url
+        if code is None:
+            super().__init__(message)
+        else:  # errno and filename, as an OSError of the operating system has them
+            super().__init__(code, message, url)
+
+
+class UnsupportedOrbaxError(Error, ImportError):
+    """The installed orbax-checkpoint is outside the range the integration supports."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ProcessFailure:
     """What one process of a multi-process operation raised, as it crossed to the others."""

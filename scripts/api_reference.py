@@ -3,7 +3,7 @@
     .venv/bin/python scripts/api_reference.py          # rewrite docs/api.md
     .venv/bin/python scripts/api_reference.py --check  # exit 1 if docs/api.md is out of date
 
-Generated rather than written so it cannot drift from the code: ``tests/test_docs.py``
+Generated rather than written so it cannot drift from the code: ``tests/project/test_docs.py``
 fails when a signature or docstring changed and this was not re-run.
 """
 
@@ -22,9 +22,10 @@ OUTPUT = REPO / "docs" / "api.md"
 GROUPS = {
     "Save, load, inspect": ["save", "async_save", "load", "async_load", "target", "metadata", "verify", "consolidate",
                             "convert"],
-    "Options and results": ["ReadOptions", "LoadStats", "SaveStats", "CheckpointMetadata",
+    "Options and results": ["LoadOptions", "SaveOptions", "ConsolidateOptions", "ConvertOptions",
+                            "LoadStats", "SaveStats", "CheckpointMetadata",
                             "VerifyReport", "Problem", "ConvertStats"],
-    "Name and layout mapping": ["Mapping", "Rule", "Strided", "Transform", "FP8", "MXFP4", "MappingError", "mappings"],
+    "Name and arrangement mapping": ["Mapping", "Rule", "Strided", "Transform", "FP8", "MXFP4", "MappingError", "mappings"],
     "Orbax": ["SafetensorsSave", "SafetensorsRestore", "SafetensorsCheckpointHandler",
               "SafetensorsHandler", "SafetensorsLayout", "install_orbax_layout"],
     "Errors": ["Error", "ArgumentError", "ArgumentTypeError", "SafetensorsError", "MissingTensorError",

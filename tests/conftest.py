@@ -3,7 +3,7 @@
 The test process gets 8 CPU devices (set here, before anything imports jax),
 so single-process tests exercise real multi-device shardings. ``OST_TEST_DEVICE_COUNT``
 picks another count, to move XLA's reduction orders the way another CPU does when checking
-that a computed value's tolerance holds (``tests/tolerances.py``); tests that build an
+that a computed value's tolerance holds (``tests/support/tolerances.py``); tests that build an
 8-device mesh need the default.
 
 A suite started in the background (``cmd &`` in a script, as CI may) inherits SIGINT ignored,
@@ -28,12 +28,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest
 
-from tests.multiprocess import run_multiprocess
+from tests.support.multiprocess import run_multiprocess
 
 
 @pytest.fixture
 def multiprocess():
-    """Runs a function in several real JAX processes; see tests/multiprocess.py.
+    """Runs a function in several real JAX processes; see tests/support/multiprocess.py.
 
     Usage: ``multiprocess("tests.test_foo:child_fn", num_processes=2, args=...)``
     returns a list of ``ProcessResult`` ordered by process id and raises

@@ -11,6 +11,7 @@ from orbax_safetensors.format.header import (
     check_metadata,
     check_name,
     header_size,
+    is_encodable,
     parse_file_bytes,
     parse_header,
     reject_duplicate_keys,
@@ -21,5 +22,5 @@ __all__ = [
     "checksums",
     "DTYPES", "DType", "dtype_for_numpy", "from_bytes", "to_bytes",
     "MAX_HEADER_SIZE", "METADATA_KEY", "PREFIX_SIZE", "Header", "TensorInfo", "check_metadata", "check_name",
-    "header_size", "parse_file_bytes", "parse_header", "reject_duplicate_keys", "serialize_header",
+    "header_size", "is_encodable", "parse_file_bytes", "parse_header", "reject_duplicate_keys", "serialize_header",
 ]

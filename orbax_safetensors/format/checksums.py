@@ -224,7 +224,7 @@ def _bytes_of(view: memoryview | np.ndarray) -> memoryview:
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockLayout:
+class BlockGrid:
     """Where a file's checksum blocks lie: per tensor, from its first data byte.
 
     ``begins``/``ends`` are the tensors' absolute file offsets in data order,
@@ -239,13 +239,13 @@ class BlockLayout:
     count: int
 
     @staticmethod
-    def of(tensors: Iterable[TensorInfo], data_start: int, block_bytes: int = BLOCK_BYTES) -> BlockLayout:
+    def of(tensors: Iterable[TensorInfo], data_start: int, block_bytes: int = BLOCK_BYTES) -> BlockGrid:
         ordered = sorted(tensors, key=_data_order)
         begins = np.fromiter((t.begin for t in ordered), np.int64, len(ordered)) + data_start
         ends = np.fromiter((t.end for t in ordered), np.int64, len(ordered)) + data_start
         counts = -(-(ends - begins) // block_bytes)
         firsts = np.cumsum(counts) - counts
-        return BlockLayout(block_bytes, tuple(t.name for t in ordered), tuple(begins.tolist()),
+        return BlockGrid(block_bytes, tuple(t.name for t in ordered), tuple(begins.tolist()),
                            tuple(ends.tolist()), tuple(firsts.tolist()), int(counts.sum()))
 
     @functools.cached_property
@@ -282,7 +282,7 @@ class BlockLayout:
 
         Where views and blocks cut each other is found with numpy; Python only hashes each
         part, extending the crc of a block a view boundary cut: a read of many tiny
-        tensors costs a crc32c call per tensor, not a walk through the layout.
+        tensors costs a crc32c call per tensor, not a walk through the grid.
         """
         # Hashed as they are: a byte view of each costs more than hashing a small tensor.
         data = [view if type(view) is memoryview or type(view) is np.ndarray and view.flags.c_contiguous
@@ -346,23 +346,23 @@ class BlockLayout:
 
 @dataclasses.dataclass(frozen=True)
 class FileChecksums:
-    """A file's block layout and the crc32c of every block."""
+    """A file's block grid and the crc32c of every block."""
 
-    layout: BlockLayout
+    grid: BlockGrid
     crcs: np.ndarray  # uint32, one per block
 
     def metadata(self) -> dict[str, str]:
         """The ``__metadata__`` entries that store these checksums (fixed length: a plan's
         header holds zeros there until the data is written, then the same bytes change)."""
-        return _entries(self.layout.block_bytes, self.crcs)
+        return _entries(self.grid.block_bytes, self.crcs)
 
     @staticmethod
-    def zeros(layout: BlockLayout) -> FileChecksums:
-        return FileChecksums(layout, np.zeros(layout.count, np.uint32))
+    def zeros(grid: BlockGrid) -> FileChecksums:
+        return FileChecksums(grid, np.zeros(grid.count, np.uint32))
 
     @staticmethod
     def placeholder(count: int, block_bytes: int = BLOCK_BYTES) -> dict[str, str]:
-        """``metadata()`` of ``count`` zero checksums, known before the layout: what a planned
+        """``metadata()`` of ``count`` zero checksums, known before the grid: what a planned
         header holds until its data is written."""
         return _entries(block_bytes, np.zeros(count, np.uint32))
 
@@ -377,7 +377,7 @@ class FileChecksums:
         if BLOCKS_KEY in metadata or BLOCK_SIZE_KEY in metadata:
             stored = _stored(metadata, BLOCK_SIZE_KEY, BLOCKS_KEY, tensors, data_start)
             if isinstance(stored, str):
-                raise SafetensorsError(f"{stored}; ost.ReadOptions(verify_checksums=False) loads "
+                raise SafetensorsError(f"{stored}; ost.LoadOptions(verify_checksums=False) loads "
                                        "the file unchecked", file=file)
             return stored
         if LEGACY_BLOCKS_KEY in metadata and LEGACY_BLOCK_SIZE_KEY in metadata:
@@ -387,13 +387,13 @@ class FileChecksums:
 
     def data_crc(self) -> int:
         """The crc32c of the whole data buffer, from the blocks'."""
-        starts, stops = self.layout.block_bounds(np.arange(self.layout.count))
+        starts, stops = self.grid.block_bounds(np.arange(self.grid.count))
         return combine_all(self.crcs, stops - starts)
 
     def file_crc(self, header: bytes) -> int:
         """The crc32c of the whole file (what GCS reports for the object), from its header
         bytes (length prefix included) and the blocks'."""
-        return combine(crc32c(header), self.data_crc(), self.layout.nbytes)
+        return combine(crc32c(header), self.data_crc(), self.grid.nbytes)
 
 
 def _entries(block_bytes: int, crcs: np.ndarray) -> dict[str, str]:
@@ -411,15 +411,15 @@ def _stored(metadata: Mapping[str, str], size_key: str, blocks_key: str, tensors
     if _BLOCK_SIZE.fullmatch(size) is None or int(size) > _MAX_BLOCK_BYTES:
         return (f"__metadata__[{size_key!r}] = {size[:40]!r} is not a block size (a number of "
                 f"bytes from 1 to 2**40 in ASCII digits)")
-    layout = BlockLayout.of(tensors, data_start, int(size))
+    grid = BlockGrid.of(tensors, data_start, int(size))
     try:
         raw = base64.b64decode(blocks.encode("ascii"), validate=True)
     except (ValueError, UnicodeEncodeError):
         return f"__metadata__[{blocks_key!r}] is not base64"
-    if len(raw) != 4 * layout.count:
+    if len(raw) != 4 * grid.count:
         return (f"__metadata__[{blocks_key!r}] holds {len(raw)} bytes, not the 4 of each of the "
-                f"{layout.count} block checksums of this file's tensors")
-    return FileChecksums(layout, np.frombuffer(raw, ">u4").astype(np.uint32))
+                f"{grid.count} block checksums of this file's tensors")
+    return FileChecksums(grid, np.frombuffer(raw, ">u4").astype(np.uint32))
 
 
 class Tally:
@@ -431,8 +431,8 @@ class Tally:
     stay for another chain (a second read's, cut elsewhere, may have started arriving).
     """
 
-    def __init__(self, layout: BlockLayout):
-        self.layout = layout
+    def __init__(self, grid: BlockGrid):
+        self.grid = grid
         self._open: dict[int, dict[int, list[Piece]]] = {}
 
     def add(self, pieces: Pieces | Iterable[Piece]) -> np.ndarray:
@@ -440,7 +440,7 @@ class Tally:
         a whole block completes it at once (found for all of them with numpy)."""
         if not isinstance(pieces, Pieces):
             pieces = Pieces.of(pieces)
-        starts, stops = self.layout.block_bounds(pieces.blocks)
+        starts, stops = self.grid.block_bounds(pieces.blocks)
         whole = (pieces.starts == starts) & (pieces.lengths == stops - starts)
         done = [(pieces.blocks[whole], pieces.crcs[whole])]
         for k in np.flatnonzero(~whole).tolist():

@@ -9,7 +9,7 @@ tensor of a sub-byte dtype must hold a whole number of bytes, exactly as the
 Rust crate demands; anything else is a misaligned slice.
 
 It also says which casts to a target's dtype keep values (``cast_kind``), the
-rule a load follows under ``ReadOptions(casting="same_kind")``.
+rule a load follows under ``LoadOptions(casting="same_kind")``.
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ def _unpack(raw: np.ndarray, dtype: DType, count: int) -> np.ndarray:
 # A load converts each tensor to its target's dtype. ``numpy.astype`` does any conversion
 # without a word: -300.0 into int8 is -44, NaN into int32 is INT_MIN, 200 into int8 is -56.
 # Loading weights that silently became other numbers is worse than failing, so a load casts
-# only where every value keeps its meaning unless asked (``ReadOptions.casting="unsafe"``).
+# only where every value keeps its meaning unless asked (``LoadOptions.casting="unsafe"``).
 
 def cast_kind(stored: np.dtype | type, target: np.dtype | type) -> str:
     """How a cast of ``stored`` values to ``target`` can change them, numpy's ``same_kind``

@@ -212,7 +212,7 @@ def check_metadata(metadata: Mapping[object, object]) -> dict[str, str]:
             raise SafetensorsError(f"metadata[{key!r}] is {type(value).__name__}; metadata values "
                                    "must be strings (json.dumps structured values)")
         for text, what in ((key, "metadata key"), (value, f"metadata[{key!r}]")):
-            if not _is_utf8(text):
+            if not is_encodable(text):
                 raise SafetensorsError(f"{what} holds an unpaired surrogate (not valid UTF-8)")
     size = len(json.dumps(dict(metadata), separators=(",", ":"), ensure_ascii=False).encode("utf-8"))
     if size > MAX_HEADER_SIZE:
@@ -223,11 +223,12 @@ def check_metadata(metadata: Mapping[object, object]) -> dict[str, str]:
 
 def check_name(name: str) -> None:
     """A tensor name every reader can read back: valid UTF-8."""
-    if not _is_utf8(name):
+    if not is_encodable(name):
         raise SafetensorsError("the name holds an unpaired surrogate (not valid UTF-8)", tensor=name)
 
 
-def _is_utf8(text: str) -> bool:
+def is_encodable(text: str) -> bool:
+    """Whether ``text`` has no lone surrogate (Python's JSON accepts them, UTF-8 and the OS do not)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
@@ -290,7 +291,7 @@ def _reject_constant(name: str) -> None:
 
 
 def _check_text(value: str, what: str, file: str) -> None:
-    if not _is_utf8(value):
+    if not is_encodable(value):
         raise SafetensorsError(f"{what} holds an unpaired surrogate", file=file)
 
 

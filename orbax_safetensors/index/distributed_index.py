@@ -9,7 +9,7 @@ slice of a tensor.
 
 Next to them goes ``orbax_safetensors.distributed.json``, written last (it is
 the commit marker): every tensor's global dtype and shape and where each of
-its slices lives, so a reader learns the whole layout from one small file
+its slices lives, so a reader learns where every slice lies from one small file
 and opens only the files whose slices it needs. A directory of torch DCP
 output has no such index; the reader then rebuilds the same information from
 the files' headers.
@@ -26,12 +26,11 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 
 from orbax_safetensors.errors import SafetensorsError
-from orbax_safetensors.format import DTYPES, DType
+from orbax_safetensors.format import DTYPES, DType, is_encodable
 from orbax_safetensors.index.hf_index import (
     check_file_name,
     decode_crc,
     encode_crc,
-    is_encodable,
     load_json,
     short_repr,
 )
@@ -49,8 +48,8 @@ _MAX_DIM = 2**63 - 1  # numpy's (and JAX's) largest dimension and element count
 _GRID_CELLS_PER_SLICE = 16
 _GRID_MIN_CELLS = 1 << 12
 _PAIR_BATCH = 1 << 16  # slice pairs compared per vectorized step of the fallback sweep
-# The sweep's work limit (about 3 s): only slices laid out to defeat it (no sharding makes
-# such a layout) come near it, and they are refused rather than checked for minutes.
+# The sweep's work limit (about 3 s): only slices laid out to defeat it (no sharding cuts
+# a tensor so) come near it, and they are refused rather than checked for minutes.
 _MAX_PAIRS = 10**8
 
 
@@ -123,7 +122,7 @@ def check_slices(name: str, shape: Sequence[int], slices: Iterable[SliceEntry], 
     mapped to the cells of the grid their boundaries cut, and the cells are
     counted. Tilings whose grid would be much larger than the slice count
     fall back to a vectorized sweep that only compares slices whose extents
-    meet along one dimension; layouts built so that even that means over
+    meet along one dimension; tilings built so that even that means over
     ``_MAX_PAIRS`` comparisons are refused instead of checked for minutes.
     """
     shape = tuple(shape)
@@ -289,7 +288,7 @@ def parse_distributed_index(raw: bytes, *, file: str = DISTRIBUTED_INDEX_NAME) -
     it raises is a SafetensorsError.
 
     Every field is type-checked rather than coerced, and every slice set is
-    checked to tile its tensor, so a reader never plans reads from a layout
+    checked to tile its tensor, so a reader never plans reads from a tiling
     that cannot be right.
     """
     document = load_json(raw, file=file, what="distributed index")

@@ -19,7 +19,7 @@ import reprlib
 from collections.abc import Iterable, Mapping
 
 from orbax_safetensors.errors import SafetensorsError
-from orbax_safetensors.format import reject_duplicate_keys
+from orbax_safetensors.format import is_encodable, reject_duplicate_keys
 
 INDEX_NAME = "model.safetensors.index.json"
 # Index metadata: file name → crc32c of the whole file. Other tools read and write the index's
@@ -82,15 +82,6 @@ def short_repr(value: object) -> str:
     deep; the message should say what is wrong, not reproduce it.
     """
     return _SHORT.repr(value)
-
-
-def is_encodable(text: str) -> bool:
-    """Whether ``text`` has no lone surrogate (Python's JSON accepts them, UTF-8 and the OS do not)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def load_json(raw: bytes, *, file: str, what: str) -> object:

@@ -44,11 +44,11 @@ def parse_size(size: int | str) -> int:
     return value
 
 
-def pack_shards(sizes: Sequence[tuple[str, int]], max_shard_size: int | str, *,
+def pack_shards(sizes: Sequence[tuple[str, int]], max_shard_size: int, *,
                 file_overhead: int = 0) -> list[list[str]]:
-    """Groups ``(name, nbytes)`` in order into files of at most ``max_shard_size``, each
+    """Groups ``(name, nbytes)`` in order into files of at most ``max_shard_size`` bytes, each
     holding ``file_overhead`` bytes besides its tensors' ``nbytes``."""
-    room = parse_size(max_shard_size) - file_overhead
+    room = max_shard_size - file_overhead
     shards: list[list[str]] = []
     current: list[str] = []
     current_size = 0

@@ -27,8 +27,8 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from orbax_safetensors.engine import (
-    CONVERT_DTYPES, DEFAULT_BLOCK_BYTES, DEFAULT_MAX_SHARD_SIZE, DEFAULT_MEMORY_BUDGET, Progress, consolidate, format_bytes,
-    format_seconds, summary_line, verify)
+    CONVERT_DTYPES, DEFAULT_BLOCK_BYTES, DEFAULT_CONVERT_BUDGET, DEFAULT_MAX_SHARD_SIZE, Progress,
+    consolidate, format_bytes, format_seconds, summary_line, verify)
 from orbax_safetensors.engine import metadata as read_metadata
 from orbax_safetensors.errors import ArgumentError, Error
 from orbax_safetensors.format import dtype_for_numpy
@@ -88,7 +88,7 @@ _SIGPIPE_STATUS = 141  # 128 + SIGPIPE: what a shell reports for a tool a closed
 
 def _version() -> str:
     """``orbax-safetensors X.Y.Z``, then the versions a bug report needs (none imported;
-    the installed distribution's, which ``tests/test_packaging.py`` keeps equal to
+    the installed distribution's, which ``tests/project/test_packaging.py`` keeps equal to
     ``ost.__version__``)."""
     versions = []
     for name in ("orbax-safetensors", "jax", "jaxlib", "orbax-checkpoint"):
@@ -152,7 +152,7 @@ def _verify(args: argparse.Namespace) -> int:
         found = (f"{len(report.problems)} problem{'s' * (len(report.problems) != 1)}"
                  if report.problems else "ok")
         checked = f", {format_bytes(report.bytes_checked)} checked against checksums" if args.data else ""
-        print(f"{found}: {report.layout}, {len(report.files)} file(s), {report.tensors} tensors, "
+        print(f"{found}: {report.kind}, {len(report.files)} file(s), {report.tensors} tensors, "
               f"{format_bytes(report.bytes)}{checked}")
     return 0 if report.ok else 1
 
@@ -304,8 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
     change.add_argument("--dtype", default=None, choices=CONVERT_DTYPES,
                         help="the output's floating-point dtype with --mapping "
                              f"({', '.join(CONVERT_DTYPES)}); default: the input's")
-    change.add_argument("--memory-budget", default=DEFAULT_MEMORY_BUDGET,
-                        help=f"memory for the conversion's buffers (default {DEFAULT_MEMORY_BUDGET})")
+    change.add_argument("--memory-budget", default=DEFAULT_CONVERT_BUDGET,
+                        help=f"memory for the conversion's buffers (default {DEFAULT_CONVERT_BUDGET})")
     change.set_defaults(run=_convert, block_bytes=None)
     return parser
 

@@ -42,7 +42,7 @@ import posixpath
 import re
 import time
 from collections.abc import Mapping as MappingABC
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import fsspec
 import numpy as np
@@ -52,29 +52,32 @@ from fsspec.registry import known_implementations
 from orbax_safetensors.engine import (
     CONVERT_DTYPES,
     DEFAULT_BLOCK_BYTES,
+    DEFAULT_CONVERT_BUDGET,
     DEFAULT_MAX_SHARD_SIZE,
-    DEFAULT_MEMORY_BUDGET,
     BlockSource,
     CheckpointBlocks,
+    ConsolidateOptions,
     Operation,
     Peers,
     StoredBlocks,
-    StreamOptions,
     TreeBlocks,
     describe_arguments,
     describe_spec,
-    detect_layout,
+    files_beside,
+    detect_kind,
     model_config_json,
     open_checkpoint,
+    option_checks,
+    with_shorthand,
     write_blocks,
 )
 from orbax_safetensors.errors import (
     ArgumentError,
+    ArgumentTypeError,
     LocationTakenError,
     MissingFileError,
     SafetensorsError,
 )
-from orbax_safetensors.index import parse_size
 from orbax_safetensors.integrations.orbax_blocks import OrbaxBlocks
 from orbax_safetensors.integrations.orbax_writer import FORMS, OrbaxForm, write_orbax
 from orbax_safetensors.planning import Mapping
@@ -115,26 +118,95 @@ class ConvertStats:
 
 @dataclasses.dataclass(frozen=True)
 class ConvertOptions:
-    """``convert``'s arguments, checked and resolved once.
+    """How ``convert`` converts, as one value (``options=``) or as keywords. Every field is
+    checked when the options are built, naming it, and sizes are stored as ints. Every
+    process must pass the same options: ``agreed`` is what they compare.
 
-    The memory budget sets the unit of work: Orbax output chunks and
-    safetensors output blocks of ``block_bytes``, at most 64 MB and a 32nd of
-    the budget. A few blocks are in flight (the writer's read-ahead), each
-    with the boxes read for it in the other side's dtype (float32 for a
-    bfloat16 block: twice its bytes) and a transformed copy: about four times
-    its bytes. With a mapping an Orbax source also keeps a cache of decoded
-    chunks, a sixteenth of the budget, and bands of its stacked leaves, a
-    quarter (``StoredBlocks``). An Orbax output's OCDBT node cache is another
-    sixteenth (TensorStore's, ``orbax_writer``).
-
-    Every process must pass the same options: ``agreed`` is what they compare.
+    Attributes:
+      mapping: an ``ost.Mapping`` between the safetensors names and arrangements
+        and the Orbax tree (``ost.mappings.maxtext(...)``, ``ost.mappings.llama(...)``).
+      dtype: the output's floating-point dtype (``"float32"``, ``"bfloat16"``);
+        ``None`` keeps the input's (float32 where the mapping scales a tensor).
+        Integer tensors keep theirs. Held as a ``numpy.dtype``.
+      memory_budget: the memory the conversion's buffers and caches may take, all
+        told (default 1 GB). It sets the unit of work: Orbax output chunks and
+        safetensors output blocks of ``block_bytes``, at most 64 MB and a 32nd of
+        the budget. A few blocks are in flight (the writer's read-ahead), each
+        with the boxes read for it in the other side's dtype (float32 for a
+        bfloat16 block: twice its bytes) and a transformed copy: about four times
+        its bytes. With a mapping an Orbax source also keeps a cache of decoded
+        chunks, a sixteenth of the budget, and bands of its stacked leaves, a
+        quarter (``StoredBlocks``). An Orbax output's OCDBT node cache is another
+        sixteenth (TensorStore's, ``orbax_writer``). An Orbax source's largest
+        storage chunk comes on top: TensorStore decodes whole chunks.
+      max_shard_size: bytes per output file (safetensors output only).
+      block_bytes: the most bytes of one tensor moved at once (``None``: from
+        ``memory_budget``, see ``unit_bytes``); also the Orbax output's chunk size.
+      nest: safetensors → Orbax: split names on ``.`` into nested dicts;
+        ``False`` keeps the flat names as keys.
+      metadata: extra str→str for the output (``__metadata__``, or the Orbax
+        ``custom_metadata``), over the source's own (an Orbax source's values
+        that are not strings as their JSON text: ``"step": 5`` as ``"5"``).
+      overwrite: replace the checkpoint at ``dst``; without it an existing
+        ``dst`` is an error. An HF ``dst`` keeps its other files (config.json,
+        tokenizer files); an Orbax ``dst`` is replaced whole, so it must hold an
+        Orbax checkpoint and nothing else (a directory of your own is refused
+        even with ``overwrite``). The new Orbax checkpoint is written beside it
+        and swapped in, so a failure leaves the old one.
+      progress: a progress line on stderr; ``None`` shows it on a terminal.
+      checksums: safetensors output: write block checksums as ``ost.save``
+        does. A safetensors source's own are checked as its bytes are read.
+      config: the model's Hugging Face config (a transformers config or a dict): a
+        safetensors output gets it as ``config.json``, committed with the tensors, so it
+        is a model directory transformers loads (``ost.save``'s ``config``; through a
+        dequantizing mapping without its ``quantization_config``). An Orbax output
+        has no place for it. ``config_json`` holds what is written.
     """
 
-    stream: StreamOptions
-    mapping: Mapping | None
-    dtype: np.dtype | None
-    memory_budget: int
-    nest: bool
+    mapping: Mapping | None = None
+    dtype: Any = None
+    memory_budget: int | str = DEFAULT_CONVERT_BUDGET
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE
+    block_bytes: int | str | None = None
+    nest: bool = True
+    metadata: MappingABC[str, str] | None = None
+    overwrite: bool = False
+    progress: bool | None = None
+    checksums: bool = True
+    config: Any = None
+    # Derived, not given: a keyword ``mapping`` over ``options=`` changes what config.json says.
+    config_json: bytes | None = dataclasses.field(init=False, repr=False, default=None)
+
+    def __post_init__(self) -> None:
+        if self.mapping is not None and not isinstance(self.mapping, Mapping):
+            raise ArgumentTypeError(f"mapping= takes an ost.Mapping, e.g. ost.mappings.maxtext(...), "
+                                    f"not {type(self.mapping).__name__}")
+        object.__setattr__(self, "dtype", _output_dtype(self.dtype))
+        for field in ("memory_budget", "max_shard_size"):
+            object.__setattr__(self, field, option_checks.size(field, getattr(self, field)))
+        if self.block_bytes is not None:
+            object.__setattr__(self, "block_bytes", option_checks.size("block_bytes", self.block_bytes))
+        for field in ("nest", "overwrite", "checksums"):
+            option_checks.flag(field, getattr(self, field))
+        if self.progress is not None:
+            option_checks.flag("progress", self.progress)
+        if self.config is not None:
+            object.__setattr__(self, "config_json", model_config_json(self.config, self.mapping))
+
+    @property
+    def unit_bytes(self) -> int:
+        """The block (and Orbax chunk) size: ``block_bytes``, or a 32nd of the budget, at most
+        ``DEFAULT_BLOCK_BYTES``: derived when used, so that a ``memory_budget`` given as a
+        keyword over ``options=`` still sizes the blocks."""
+        if self.block_bytes is not None:
+            return int(self.block_bytes)
+        return max(1, min(option_checks.size("block_bytes", DEFAULT_BLOCK_BYTES), int(self.memory_budget) // 32))
+
+    @property
+    def stream(self) -> ConsolidateOptions:
+        """How a safetensors output is written: as ``consolidate`` writes, a block at a time."""
+        return ConsolidateOptions(self.max_shard_size, self.metadata, self.overwrite, self.unit_bytes,
+                                  self.progress, self.checksums)
 
     @property
     def form(self) -> OrbaxForm:
@@ -149,17 +221,17 @@ class ConvertOptions:
         """An Orbax source's decoded-chunk cache: only a mapping reads boxes that are not
         whole chunks (a column band of an unstacked kernel), which the next boxes would decode
         again."""
-        return 0 if self.mapping is None else self.memory_budget // 16
+        return 0 if self.mapping is None else int(self.memory_budget) // 16
 
     @property
     def band_bytes(self) -> int:
         """The bands of stacked leaves a mapped Orbax source keeps (``StoredBlocks``)."""
-        return self.memory_budget // 4
+        return int(self.memory_budget) // 4
 
     @property
     def node_cache_bytes(self) -> int:
         """TensorStore's cache of OCDBT nodes, on each process writing an Orbax output."""
-        return self.memory_budget // 16
+        return int(self.memory_budget) // 16
 
     def agreed(self, source: BlockSource) -> list[str]:
         """What shapes an Orbax output, as the processes compare it before any is written
@@ -167,30 +239,35 @@ class ConvertOptions:
         per argument, then the tensors this process will write (through the mapping: the
         tree's names, shapes and dtypes). The memory budget itself may differ (each host
         sized it from its own free memory); the block size it sets, the chunk grid, may not."""
-        return (describe_arguments(self.stream, leave_out=("progress", "block_bytes"))
-                + [f"block_bytes={self.stream.block_bytes} (memory_budget sets it unless "
-                   "block_bytes= is given)",
-                   f"dtype={self.dtype}", f"nest={self.nest}", f"mapping={self.mapping!r}"]
+        return (describe_arguments(self, leave_out=("progress", "memory_budget", "block_bytes", "config"))
+                + [f"block_bytes={self.unit_bytes} (memory_budget sets it unless block_bytes= is given)"]
                 + [f"tensor {describe_spec(spec)}" for spec in source.specs])
+
+
+class ConvertKeywords(TypedDict, total=False):
+    """``ConvertOptions``'s fields as keywords of ``convert`` (``**shorthand``)."""
+
+    mapping: Mapping | None
+    dtype: Any
+    memory_budget: int | str
+    max_shard_size: int | str
+    block_bytes: int | str | None
+    nest: bool
+    metadata: MappingABC[str, str] | None
+    overwrite: bool
+    progress: bool | None
+    checksums: bool
+    config: Any
 
 
 def convert(
     src: str | os.PathLike,
     dst: str | os.PathLike,
     *,
-    mapping: Mapping | None = None,
-    dtype: Any = None,
-    memory_budget: int | str = DEFAULT_MEMORY_BUDGET,
-    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-    block_bytes: int | str | None = None,
-    nest: bool = True,
-    metadata: MappingABC[str, str] | None = None,
-    overwrite: bool = False,
-    progress: bool | None = None,
-    checksums: bool = True,
+    options: ConvertOptions | None = None,
     storage_options: MappingABC[str, Any] | None = None,
     filesystem: fsspec.AbstractFileSystem | None = None,
-    config: Any = None,
+    **shorthand: Unpack[ConvertKeywords],
 ) -> ConvertStats:
     """Converts an Orbax PyTree checkpoint to safetensors, or safetensors to Orbax.
 
@@ -221,38 +298,13 @@ def convert(
     Args:
       src: the checkpoint to read.
       dst: the directory to write.
-      mapping: an ``ost.Mapping`` between the safetensors names and layouts
-        and the Orbax tree (``ost.mappings.maxtext(...)``, ``ost.mappings.llama(...)``).
-      dtype: the output's floating-point dtype (``"float32"``, ``"bfloat16"``);
-        ``None`` keeps the input's (float32 where the mapping scales a tensor).
-        Integer tensors keep theirs.
-      memory_budget: the memory the conversion's buffers and caches may take
-        (bytes or ``"1GB"``); it sizes the chunks and blocks, see ``ConvertOptions``.
-      max_shard_size: bytes per output file (safetensors output only).
-      block_bytes: the most bytes of one tensor moved at once (default: from
-        ``memory_budget``); also the Orbax output's chunk size.
-      nest: safetensors → Orbax: split names on ``.`` into nested dicts;
-        ``False`` keeps the flat names as keys.
-      metadata: extra str→str for the output (``__metadata__``, or the Orbax
-        ``custom_metadata``), over the source's own (an Orbax source's values
-        that are not strings as their JSON text: ``"step": 5`` as ``"5"``).
-      overwrite: replace the checkpoint at ``dst``; without it an existing
-        ``dst`` is an error. An HF ``dst`` keeps its other files (config.json,
-        tokenizer files); an Orbax ``dst`` is replaced whole, so it must hold an
-        Orbax checkpoint and nothing else (a directory of your own is refused
-        even with ``overwrite``). The new Orbax checkpoint is written beside it
-        and swapped in, so a failure leaves the old one.
-      progress: a progress line on stderr; ``None`` shows it on a terminal.
-      checksums: safetensors output: write block checksums as ``ost.save``
-        does. A safetensors source's own are checked as its bytes are read.
-      config: the model's Hugging Face config (a transformers config or a dict): a
-        safetensors output gets it as ``config.json``, committed with the tensors, so it
-        is a model directory transformers loads (``ost.save``'s ``config``; through a
-        dequantizing mapping without its ``quantization_config``). An Orbax output
-        has no place for it.
+      options: an ``ost.ConvertOptions``: a mapping and output dtype, the memory
+        budget that sizes every buffer, file size, metadata, overwrite, a config.json.
       storage_options / filesystem: for a safetensors ``src``/``dst`` given
         as an fsspec URL, as in ``ost.load``. The Orbax side goes through
         Orbax's own paths (local or ``gs://``).
+      **shorthand: any field of ``ConvertOptions`` as a keyword
+        (``memory_budget="4GB"``), replacing that field of ``options``.
 
     Returns:
       ``ConvertStats``.
@@ -269,16 +321,7 @@ def convert(
         the conversion staged is removed, and a directory it made for ``dst``.
     """
     started = time.perf_counter()
-    try:
-        budget = parse_size(memory_budget)
-    except ArgumentError as e:
-        raise ArgumentError(f"memory_budget={memory_budget!r}: {e}") from None
-    if block_bytes is None:
-        block_bytes = max(1, min(parse_size(DEFAULT_BLOCK_BYTES), budget // 32))
-    options = ConvertOptions(
-        StreamOptions(max_shard_size, metadata, overwrite, block_bytes, progress, checksums,
-                      None if config is None else model_config_json(config, mapping)),
-        mapping, _output_dtype(dtype), budget, nest)
+    options = with_shorthand(ConvertOptions, options, shorthand)
     form = options.form
     target = Location.resolve(dst, storage_options, filesystem)
     label = f"convert {os.fspath(src)} -> {target.url}"
@@ -290,14 +333,15 @@ def convert(
             "open", functools.partial(_open_source, src, target, options, opened, storage_options,
                                       filesystem))
         if fmt == ORBAX:
-            stats = write_blocks(target, source, options.stream, label=label, started=started)
+            stats = write_blocks(target, source, options.stream, label=label, started=started,
+                                 beside=files_beside(options.config_json))
             return ConvertStats(ORBAX, SAFETENSORS, len(source.specs), stats.bytes_written,
                                 stats.files, stats.seconds)
         peers.check_same("arguments", options.agreed(source), "convert arguments or sources")
-        tensors, written = write_orbax(source, target, form, chunk_bytes=options.stream.block_bytes,
+        tensors, written = write_orbax(source, target, form, chunk_bytes=options.unit_bytes,
                                        cache_bytes=options.node_cache_bytes, nest=options.nest,
-                                       metadata=options.stream.metadata,
-                                       progress=options.stream.progress, label=label)
+                                       metadata=options.metadata, progress=options.progress,
+                                       label=label)
         return ConvertStats(SAFETENSORS, ORBAX, tensors, written, 0, time.perf_counter() - started,
                             target.storage.url("/".join([target.path.rstrip("/"), *form.item])))
 
@@ -324,7 +368,7 @@ def _open_source(src: str | os.PathLike, target: Location, options: ConvertOptio
     once the destination is known to be one this conversion may write."""
     fmt, item = detect_format(src, storage_options, filesystem)
     _check_apart(src, target)
-    _check_destination(target, fmt, options.form, overwrite=options.stream.overwrite)
+    _check_destination(target, fmt, options.form, overwrite=options.overwrite)
     if options.dtype is not None and options.mapping is None:
         raise ArgumentError("dtype= needs a mapping (without one the tensors are copied as they are)")
     prefix = options.form.prefix
@@ -347,13 +391,13 @@ def detect_format(
 ) -> tuple[str, str]:
     """``("orbax", item directory)`` or ``("safetensors", src)``; raises for anything else.
     An Orbax item is recognised here (the engine knows nothing of Orbax); a safetensors
-    checkpoint by the catalog, which alone knows their layouts."""
+    checkpoint by the catalog, which alone knows their kinds."""
     text = os.fspath(src)
     item = _orbax_item_dir(text)
     if item is not None:
         return ORBAX, item
     try:
-        detect_layout(Location.resolve(src, storage_options, filesystem))
+        detect_kind(Location.resolve(src, storage_options, filesystem))
     except (FileNotFoundError, SafetensorsError) as e:
         if not _exists(text):
             raise MissingFileError("does not exist: check the path", file=text) from None

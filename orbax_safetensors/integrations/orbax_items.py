@@ -21,13 +21,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from orbax_safetensors.engine import (
     async_load,
-    ReadOptions,
+    LoadOptions,
     SaveOptions,
     WriteSession,
     check_tree,
     load,
     metadata,
     prepare_save,
+    with_shorthand,
 )
 from orbax_safetensors.planning.rules import Mapping as NameMapping
 from orbax_safetensors.storage import Location
@@ -38,37 +39,51 @@ check_orbax_version()  # before any Orbax import: a clear error instead of an od
 from orbax.checkpoint import args as ocp_args  # noqa: E402
 
 
+_SAVE_FIELDS = ("layout", "max_shard_size", "metadata", "mapping", "checksums", "config", "overwrite")
+
+
+def _given(args: Any, fields: tuple[str, ...]) -> dict[str, Any]:
+    """The option fields an Orbax argument was given (``None``: left to its ``options``)."""
+    return {name: getattr(args, name) for name in fields if getattr(args, name) is not None}
+
+
 @dataclasses.dataclass
 class SafetensorsSave(ocp_args.CheckpointArgs):
-    """Save ``item`` (a PyTree of arrays) as safetensors; the other fields are ``ost.save``'s.
+    """Save ``item`` (a PyTree of arrays) as safetensors, as ``ost.save`` does: its options
+    as ``options=ost.SaveOptions(...)``, or as the fields below (each ``None`` unless given,
+    when it replaces that field of ``options``; not all of ``SaveOptions``' fields are here:
+    the rest go through ``options``).
 
     In Orbax v1 the same object is the checkpointable that asks for
     safetensors: ``ocp.v1.save_checkpointables(path, {"params": SafetensorsSave(params)})``.
     """
 
     item: Any
-    layout: str = "hf"
+    layout: str | None = None
     max_shard_size: int | str | None = None  # None: ost.save's default (one file for *.safetensors)
     metadata: Mapping[str, str] | None = None
     storage_options: Mapping[str, Any] | None = None
     filesystem: fsspec.AbstractFileSystem | None = None
     mapping: NameMapping | None = None
-    checksums: bool = True
+    checksums: bool | None = None
     config: Any = None
     """The model's Hugging Face config, written as ``config.json`` in the item's directory
     (``ost.save``'s ``config``): a step's item is then a model transformers loads."""
-    overwrite: bool = False
+    overwrite: bool | None = None
     """Only where the path is the caller's (``SafetensorsLayout.save_checkpointables`` on a
     plain path): replace a checkpoint there, as ``ost.save(..., overwrite=True)`` does.
     Orbax's steps are fresh temporaries, which Orbax itself replaces."""
+    options: SaveOptions | None = None
+    save_options: SaveOptions = dataclasses.field(init=False, repr=False)
+    """What the save is asked to do: ``options`` with the fields given here, resolved once."""
 
     def __post_init__(self) -> None:
-        # A bad item raises here, at the caller's line; from inside the handler
+        # Bad options or a bad item raise here, at the caller's line; from inside the handler
         # Orbax would already have started the step and be left waiting on it.
-        _, specs = check_tree(self.item, self.layout)
-        if self.mapping is not None:
-            self.mapping.map_specs(specs)
-        _options(self)  # sizes and metadata
+        self.save_options = with_shorthand(SaveOptions, self.options, _given(self, _SAVE_FIELDS))
+        _, specs = check_tree(self.item, self.save_options.layout)
+        if self.save_options.mapping is not None:
+            self.save_options.mapping.map_specs(specs)
 
 
 @dataclasses.dataclass
@@ -80,26 +95,27 @@ class SafetensorsRestore(ocp_args.CheckpointArgs):
     single process; with several processes ``jax.Array``s
     replicated over all devices (a host array is not a global value there),
     which needs every device to fit the whole item, so pass a sharded
-    ``item`` for large models. The other fields are those of ``ost.load``.
+    ``item`` for large models. The other fields are those of ``ost.load``:
+    ``strict`` and ``mapping`` (``None`` unless given) replace those fields of
+    ``options``, an ``ost.LoadOptions``.
     """
 
     item: Any = None
-    strict: bool | str = True
-    options: ReadOptions | None = None
+    strict: bool | str | None = None
+    options: LoadOptions | None = None
     storage_options: Mapping[str, Any] | None = None
     filesystem: fsspec.AbstractFileSystem | None = None
     mapping: NameMapping | None = None
+    load_options: LoadOptions = dataclasses.field(init=False, repr=False)
+    """What the restore is asked to do: ``options`` with the fields given here, resolved once."""
+
+    def __post_init__(self) -> None:
+        self.load_options = with_shorthand(LoadOptions, self.options, _given(self, ("strict", "mapping")))
 
 
 def _url(path: Any) -> str:
     """Orbax hands over ``epath.Path``s; their ``str`` is the URL (``gs://...`` included)."""
     return str(path)
-
-
-def _options(args: SafetensorsSave) -> SaveOptions:
-    """``ost.save``'s options, as ``args`` ask for them (checked and resolved as they are built)."""
-    return SaveOptions(args.layout, args.max_shard_size, args.metadata, overwrite=args.overwrite,
-                       mapping=args.mapping, checksums=args.checksums, config=args.config)
 
 
 def prepare_item_save(directory: Any, args: SafetensorsSave, *, fresh: bool) -> WriteSession:
@@ -114,7 +130,7 @@ def prepare_item_save(directory: Any, args: SafetensorsSave, *, fresh: bool) -> 
     checkpoint there is refused unless ``args.overwrite``, then replaced whole).
     """
     return prepare_save(Location.resolve(_url(directory), args.storage_options, args.filesystem),
-                        args.item, _options(args), copy=True, new_directory=fresh)
+                        args.item, args.save_options, copy=True, new_directory=fresh)
 
 
 def restore_item(directory: Any, args: SafetensorsRestore | None) -> Any:
@@ -135,9 +151,8 @@ def _restore_call(directory: Any, args: SafetensorsRestore | None) -> tuple[str,
     target = args.item
     if target is None and jax.process_count() > 1:
         target = _replicated_target(path, args)
-    return path, target, dict(strict=args.strict, options=args.options,
-                              storage_options=args.storage_options, filesystem=args.filesystem,
-                              mapping=args.mapping)
+    return path, target, dict(options=args.load_options, storage_options=args.storage_options,
+                              filesystem=args.filesystem)
 
 
 def _replicated_target(path: str, args: SafetensorsRestore) -> dict[str, jax.ShapeDtypeStruct]:
@@ -145,13 +160,14 @@ def _replicated_target(path: str, args: SafetensorsRestore) -> dict[str, jax.Sha
     over all devices: a host array is not a global value when there are several processes."""
     replicated = NamedSharding(Mesh(np.array(jax.devices()), ("devices",)), PartitionSpec())
     stored = metadata(path, storage_options=args.storage_options, filesystem=args.filesystem).tensors
-    if args.mapping is None:
+    mapping = args.load_options.mapping
+    if mapping is None:
         leaves = {name: (t.shape, t.dtype) for name, t in stored.items()}
     else:
         shapes = {name: t.shape for name, t in stored.items()}
         leaves = {}
-        for leaf, shape in args.mapping.tree_shapes(shapes).items():
-            first = args.mapping.assembly(leaf, stored_shapes=shapes).pieces[0]
+        for leaf, shape in mapping.tree_shapes(shapes).items():
+            first = mapping.assembly(leaf, stored_shapes=shapes).pieces[0]
             leaves[leaf] = (shape, first.transform.tree_dtype(stored[first.stored].dtype))
     return {name: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
             for name, (shape, dtype) in leaves.items()}

@@ -41,7 +41,7 @@ target sharding's byte ranges with asyncio and coalesces strided runs under an
 over-read ratio; ours plans the same per-process ranges, serves strided
 (column-sharded) tensors through coalesced reads into bounce buffers, can read a
 tensor replicated across processes once and share it over the devices
-(``ReadOptions.replicated_read_once``), and moves thin strips across processes as
+(``LoadOptions.replicated_read_once``), and moves thin strips across processes as
 row blocks resharded on device (``reshard_thin_shards``). It opens the checkpoint
 through the catalog, which reads every header once more per call than Orbax's
 name-only ``validate_checkpointables``.
@@ -58,7 +58,7 @@ import numpy as np
 from orbax.checkpoint.experimental import v1 as ocp_v1
 from orbax.checkpoint.experimental.v1._src.context import context as orbax_context
 
-from orbax_safetensors.engine import ReadOptions, WriteSession, metadata_of, open_checkpoint
+from orbax_safetensors.engine import LoadOptions, WriteSession, metadata_of, open_checkpoint
 from orbax_safetensors.errors import ArgumentError, SafetensorsError
 from orbax_safetensors.storage import Location
 from orbax_safetensors.integrations.orbax_items import (
@@ -120,7 +120,8 @@ class _Writes:
 class SafetensorsHandler:
     """``ocp.v1.handlers.CheckpointableHandler`` writing a checkpointable as an HF safetensors directory.
 
-    Registered globally on import (``orbax_shim``). Saving picks it for a
+    Registered globally once Orbax and orbax_safetensors are both imported
+    (``orbax_registration``, through ``orbax_shim``). Saving picks it for a
     ``SafetensorsSave`` checkpointable; to send a plain PyTree through it,
     scope it to a name in a local registry:
     ``ocp.v1.handlers.local_registry().add(ost.SafetensorsHandler, checkpointable_name="params")``.
@@ -208,7 +209,7 @@ class SafetensorsLayout:
         Opens and plans now, so a missing tensor (``KeyError``) or a shape mismatch raises
         here; the awaitable gives the arrays once read."""
         del checkpointable_name
-        restore = SafetensorsRestore(abstract_state, strict="target", options=_read_options())
+        restore = SafetensorsRestore(abstract_state, strict="target", options=_load_options())
         return await SafetensorsHandler().load(path, restore)
 
     async def load_checkpointables(self, path: Any, abstract_checkpointables:
@@ -239,11 +240,11 @@ class SafetensorsLayout:
         return await _save(path, checkpointable)
 
 
-def _read_options() -> ReadOptions:
+def _load_options() -> LoadOptions:
     """The active Orbax context's knobs of a safetensors load, as ours: its in-flight budget
     (``MemoryOptions.read_concurrent_bytes``), read size and over-read ratio
     (``SafetensorsOptions``, where the installed Orbax has them); refused as Orbax refuses them.
-    A read size under ``ReadOptions.MIN_CHUNK_BYTES`` is raised to it (Orbax takes any: each
+    A read size under ``LoadOptions.MIN_CHUNK_BYTES`` is raised to it (Orbax takes any: each
     chunk is a request, and smaller ones only add requests)."""
     context = orbax_context.get_context()
     budget = getattr(context.memory_options, "read_concurrent_bytes", None)
@@ -254,6 +255,6 @@ def _read_options() -> ReadOptions:
     if ratio is not None and ratio < 1.0:
         raise ArgumentError(f"SafetensorsOptions.max_over_read_ratio must be >= 1.0, got {ratio}")
     if chunk is not None:
-        chunk = max(chunk, ReadOptions.MIN_CHUNK_BYTES)
+        chunk = max(chunk, LoadOptions.MIN_CHUNK_BYTES)
     chosen = dict(memory_budget=budget, chunk_bytes=chunk, max_overread=ratio)
-    return ReadOptions(**{k: v for k, v in chosen.items() if v is not None})
+    return LoadOptions(**{k: v for k, v in chosen.items() if v is not None})

@@ -14,15 +14,11 @@ from __future__ import annotations
 import importlib.metadata
 import re
 
-from orbax_safetensors.errors import Error
+from orbax_safetensors.errors import UnsupportedOrbaxError
 
 MINIMUM = (0, 12, 5)  # older ones lack the v1 API the layout implements (ocp.v1.save, load)
 BELOW = (0, 13, 0)
 SUPPORTED_RANGE = ">=0.12.5,<0.13"
-
-
-class UnsupportedOrbaxError(Error, ImportError):
-    """The installed orbax-checkpoint is outside the range the integration supports."""
 
 
 def _release(version: str) -> tuple[int, ...]:

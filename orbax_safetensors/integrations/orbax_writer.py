@@ -47,7 +47,7 @@ from orbax.checkpoint import type_handlers
 
 from orbax_safetensors.engine import BlockSource, Operation, Peers, Progress, TreeBlocks
 from orbax_safetensors.engine import nest as nest_names
-from orbax_safetensors.errors import ArgumentError
+from orbax_safetensors.errors import ArgumentError, StorageError
 from orbax_safetensors.format import TensorInfo, from_bytes
 from orbax_safetensors.planning import (
     Box,
@@ -56,7 +56,7 @@ from orbax_safetensors.planning import (
     chunk_boxes,
     chunk_shape,
 )
-from orbax_safetensors.storage import Location, StorageError
+from orbax_safetensors.storage import Location
 from orbax_safetensors.storage.commit import DirectorySwap
 
 

@@ -55,6 +55,6 @@ def _kept(rule: Rule, scheme: FP8) -> list[Rule]:
     linear = rule.transpose == (1, 0) and isinstance(rule.stored, str) and rule.stored.endswith(".weight")
     if not linear:
         return [rule]
-    layout = {"transpose": (1, 0), "stack": rule.stack, "strided": rule.strided}
-    return [Rule(rule.stored, rule.tree, **layout),
-            Rule(rule.stored + scheme.scale_suffix, rule.tree + "_scale", **layout)]
+    shared = {"transpose": (1, 0), "stack": rule.stack, "strided": rule.strided}
+    return [Rule(rule.stored, rule.tree, **shared),
+            Rule(rule.stored + scheme.scale_suffix, rule.tree + "_scale", **shared)]

@@ -34,7 +34,7 @@ MaxText's tree (``maxtext("deepseek3", ...)``), as MaxText 0.2.5's converter
 (``checkpoint_conversion/utils/param_mapping.py``, ``DEEPSEEK_MAXTEXT_TO_HF_*``)
 and ``layers/attention_mla.py`` have it: ``decoder.dense_layers_{k}.…`` for
 layer ``k < first_k_dense_replace`` and ``decoder.moe_layers_{k}.…`` for layer
-``first_k_dense_replace + k``, the same layouts under MaxText's names
+``first_k_dense_replace + k``, the same arrangements under MaxText's names
 (``self_attention.wq_a``, ``q_norm``, ``wq_b``/``query``, ``wkv_a``,
 ``kv_norm``, ``wkv_b``, ``out``; ``pre_``/``post_self_attention_layer_norm``;
 ``mlp.wi_0``/``wi_1``/``wo``; ``DeepSeekMoeBlock_0.MoeBlock_0.gate.kernel``,
@@ -42,7 +42,7 @@ layer ``k < first_k_dense_replace`` and ``decoder.moe_layers_{k}.…`` for layer
 ``kernel``), ``DeepSeekMoeBlock_0.shared_experts.wi_0.kernel`` …), plus
 ``token_embedder.embedding``, ``decoder.decoder_norm.scale`` and
 ``decoder.logits_dense.kernel``. MaxText's converter changes no value (its MLA
-scales the query itself, and reads HF's interleaved RoPE layout as it is), so
+scales the query itself, and reads HF's interleaved RoPE order as it is), so
 neither do these rules: a load is the checkpoint's values, and a save gives back
 a bfloat16 or float32 checkpoint bit for bit.
 
@@ -88,7 +88,7 @@ _QUERY_NORM = (("self_attn.q_a_layernorm", "self_attention.q_norm"),)
 _MLP = (("gate_proj", "wi_0"), ("up_proj", "wi_1"), ("down_proj", "wo"))
 _MOE = "DeepSeekMoeBlock_0"
 
-# per_layer(stored, tree, dense, *, experts=False, **layout) -> rules; dense: True / False for
+# per_layer(stored, tree, dense, *, experts=False, **transform) -> rules; dense: True / False for
 # a dense / MoE layer's own tensor, None for one every layer has.
 PerLayer = Callable[..., list[Rule]]
 
@@ -179,7 +179,7 @@ def _by_block(config: Any, where: str, *, scan_layers: bool, root: str, layer_ax
     blocks = {True: ("dense_layers", 0, dense_layers), False: ("moe_layers", dense_layers, layers)}
 
     def per_layer(stored: str, tree: str, dense: bool | None, *, experts: bool = False, scan_axis: int | None = None,
-                  **layout: Any) -> list[Rule]:
+                  **transform: Any) -> list[Rule]:
         rules = []
         for block, start, stop in (blocks.values() if dense is None else [blocks[dense]]):
             if start >= stop:
@@ -191,18 +191,18 @@ def _by_block(config: Any, where: str, *, scan_layers: bool, root: str, layer_ax
             else:
                 name, strided = f"{root}.{block}_{{k}}", Strided("k", stop - start, start=start, stop=stop)
             rules.append(Rule(f"model.layers.{{i}}.{stored}", f"{name}.{tree}", stack=stack,
-                              strided={"i": strided}, **layout))
+                              strided={"i": strided}, **transform))
         return rules
 
     return per_layer
 
 
 def _every_layer(stored: str, tree: str, dense: bool | None, *, experts: bool = False, scan_axis: int | None = None,
-                 **layout: Any) -> list[Rule]:
+                 **transform: Any) -> list[Rule]:
     """``per_layer`` of the unscanned Flax-style tree: layer ``i`` under ``model.layers_{i}``."""
     del dense, scan_axis  # a layer's own names say whether it is dense; nothing is scanned
     return [Rule(f"model.layers.{{i}}.{stored}", f"model.layers_{{i}}.{tree}", stack={"e": 0} if experts else {},
-                 **layout)]
+                 **transform)]
 
 
 def deepseek_v3(config: Any = None, *, scan_layers: bool = False, dtype: Any = None,

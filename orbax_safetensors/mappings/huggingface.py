@@ -1,7 +1,7 @@
 """Hugging Face decoder checkpoints ↔ Flax params trees, one function per family.
 
 The tree keeps Hugging Face's module names (so a reader can follow one into
-the other) with Flax's leaf names and layouts::
+the other) with Flax's leaf names and arrangements::
 
     model.embed_tokens.embedding                  (vocab, hidden)
     model.norm.scale                              (hidden,)
@@ -72,11 +72,11 @@ def _decoder(config: Any, family: str, *, scan_layers: bool, dtype: Any, dequant
     tree_layer = "model.layers" if scan_layers else "model.layers_{i}"
     layer_stack = {"i": 0} if scan_layers else {}
 
-    def layer(stored: str, tree: str, *, experts: bool = False, **layout) -> Rule:
+    def layer(stored: str, tree: str, *, experts: bool = False, **transform) -> Rule:
         stack = dict(layer_stack)
         if experts:
             stack["e"] = len(stack)
-        return Rule(f"model.layers.{{i}}.{stored}", f"{tree_layer}.{tree}", stack=stack, dtype=dtype, **layout)
+        return Rule(f"model.layers.{{i}}.{stored}", f"{tree_layer}.{tree}", stack=stack, dtype=dtype, **transform)
 
     linear = {"transpose": (1, 0)}
     rules = [Rule("model.embed_tokens.weight", "model.embed_tokens.embedding", dtype=dtype),

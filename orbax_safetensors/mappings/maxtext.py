@@ -73,7 +73,7 @@ but cannot save: a save through it is refused while it is planned
 Values follow MaxText's converter: Llama 3.1's, Mixtral's and Mistral's query
 kernel is scaled by ``1/sqrt(head_dim)`` (in float32; their MaxText attention
 does not scale), Llama 3.1's query and key heads are reordered from Hugging
-Face's rotate-half RoPE layout to MaxText's interleaved one. Gemma 3's norm
+Face's rotate-half RoPE order to MaxText's interleaved one. Gemma 3's norm
 scales are Hugging Face's ``w`` plus 1 (MaxText's RMSNorm multiplies by its
 scale, Hugging Face's by ``1 + w``), and its embedding is multiplied by
 ``sqrt(hidden_size)`` rounded to bfloat16 (50.5 for 2560: what MaxText's
@@ -258,7 +258,7 @@ def _fused_experts(moe: str, per_layer: Callable[..., list[Rule]], dtype: Any) -
 
 def _layer_rules(stored_prefix: str, scan_layers: bool, pattern: int | None, num_layers: int
                  ) -> Callable[..., list[Rule]]:
-    """``per_layer(stored, tree, *, experts=False, **layout)``: the rules of one per-layer tensor.
+    """``per_layer(stored, tree, *, experts=False, **transform)``: the rules of one per-layer tensor.
 
     Unscanned, layer ``i`` is ``decoder.layers_{i}``; scanned, ``decoder.layers`` with the
     layers at axis 1 (MaxText's ``param_scan_axis``; experts at 0). With an attention
@@ -266,18 +266,18 @@ def _layer_rules(stored_prefix: str, scan_layers: bool, pattern: int | None, num
     is index ``n`` of ``decoder.layers.layers_{k}``, and the ``num_layers % pattern`` left over
     are ``decoder.layers_remainder.layers_{k}``, unstacked.
     """
-    def per_layer(stored: str, tree: str, *, experts: bool = False, **layout: Any) -> list[Rule]:
+    def per_layer(stored: str, tree: str, *, experts: bool = False, **transform: Any) -> list[Rule]:
         source, stack = stored_prefix + stored, {"e": 0} if experts else {}
         if not scan_layers:
-            return [Rule(source, f"decoder.layers_{{i}}.{tree}", stack=stack, **layout)]
+            return [Rule(source, f"decoder.layers_{{i}}.{tree}", stack=stack, **transform)]
         if pattern is None:
-            return [Rule(source, f"decoder.layers.{tree}", stack={**stack, "i": 1}, **layout)]
+            return [Rule(source, f"decoder.layers.{tree}", stack={**stack, "i": 1}, **transform)]
         scanned = num_layers - num_layers % pattern
         rules = [Rule(source, f"decoder.layers.layers_{{k}}.{tree}", stack={**stack, "i": 1},
-                      strided={"i": Strided("k", pattern, stop=scanned)}, **layout)] if scanned else []
+                      strided={"i": Strided("k", pattern, stop=scanned)}, **transform)] if scanned else []
         if scanned < num_layers:
             rules.append(Rule(source, f"decoder.layers_remainder.layers_{{k}}.{tree}", stack=stack,
-                              strided={"i": Strided("k", pattern, start=scanned, stop=num_layers)}, **layout))
+                              strided={"i": Strided("k", pattern, start=scanned, stop=num_layers)}, **transform))
         return rules
 
     return per_layer

@@ -37,7 +37,7 @@ from typing import NamedTuple
 import numpy as np
 
 from orbax_safetensors.format import DTYPES, DType, TensorInfo
-from orbax_safetensors.format.checksums import BlockLayout
+from orbax_safetensors.format.checksums import BlockGrid
 from orbax_safetensors.planning.boxes import (
     Box,
     box_shape,
@@ -412,7 +412,7 @@ def plan_whole_reads(slices: Sequence[StoredSlice]) -> TensorReads:
 
 @dataclasses.dataclass(frozen=True)
 class ReadProfile:
-    """How a plan cuts its requests and batches (see ``ost.ReadOptions``)."""
+    """How a plan cuts its requests and batches (see ``ost.LoadOptions``)."""
 
     chunk_bytes: int
     max_gap: int
@@ -496,7 +496,7 @@ class ReadPlan:
 
 
 def plan_reads(tensors: Sequence[TensorReads], profile: ReadProfile,
-               blocks: Mapping[str, BlockLayout] | None = None) -> ReadPlan:
+               blocks: Mapping[str, BlockGrid] | None = None) -> ReadPlan:
     """Batches of ``tensors`` in file order (those ``first`` before the rest), each at most
     half the budget (so the next batch is read while the last one is finished), with every
     request coalesced and chunked. Batches finish in order, so a ``first`` tensor's finish
@@ -522,7 +522,7 @@ def plan_reads(tensors: Sequence[TensorReads], profile: ReadProfile,
 
 
 def _batch(tensors: Sequence[TensorReads], group: list[int], profile: ReadProfile,
-           blocks: Mapping[str, BlockLayout]) -> Batch:
+           blocks: Mapping[str, BlockGrid]) -> Batch:
     def cut(runs: Runs, file: str) -> Transfers:
         return coalesce(runs, max_gap=profile.max_gap, max_overread=profile.max_overread,
                         chunk_bytes=profile.chunk_bytes, blocks=blocks.get(file))
@@ -576,7 +576,7 @@ class BlockPart:
 
 
 def plan_block(source: TensorSource, block: Box,
-               blocks: Mapping[str, BlockLayout] | None = None) -> list[BlockPart]:
+               blocks: Mapping[str, BlockGrid] | None = None) -> list[BlockPart]:
     """Reads of one box of a tensor, from every stored slice it intersects.
 
     A row block is read exactly (no gaps, no chunking: it is bounded already).
@@ -593,9 +593,9 @@ def plan_block(source: TensorSource, block: Box,
         part = intersect(block, stored.box)
         if part is None:
             continue
-        layout = None if blocks is None else blocks.get(stored.file)
+        grid = None if blocks is None else blocks.get(stored.file)
         transfers = coalesce(stored.runs(part, itemsize, 0), max_gap=0, max_overread=1.0,
-                             chunk_bytes=BLOCK_REQUEST_BYTES if layout else 1 << 62, blocks=layout)
+                             chunk_bytes=BLOCK_REQUEST_BYTES if grid else 1 << 62, blocks=grid)
         parts.append(BlockPart(stored.file, box_shape(part), transfers,
                                relative_slices(part, block)))
     return parts

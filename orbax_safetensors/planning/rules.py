@@ -1,4 +1,4 @@
-"""Mapping checkpoint names and layouts to a params tree: ``Rule`` and ``Mapping``.
+"""Mapping checkpoint names and arrangements to a params tree: ``Rule`` and ``Mapping``.
 
 A Hugging Face checkpoint is a PyTorch ``state_dict``: ``q_proj.weight`` is a
 ``Linear`` weight of shape ``(heads * head_dim, hidden)`` per layer, while a
@@ -19,7 +19,7 @@ and a ``Mapping`` (a list of rules) answers for every name:
    they can and are checked against them, and ``_sizes`` infers the one
    unknown size, for all three.
 3. ``Rule.resolve``: a rule between two concrete shapes (one may be unknown)
-   is a ``Transform`` (``planning.transforms``): the layout and the values.
+   is a ``Transform`` (``planning.transforms``): the arrangement and the values.
 4. ``Mapping.assembly``: the stored tensors a leaf is made of (a placeholder
    only the stored side has is *stacked* into a leaf axis; several stored
    patterns are *concatenated*), each a ``Piece`` placed by the rule's
@@ -153,8 +153,8 @@ class Rule:
     ``stored`` and ``tree`` are names with ``{placeholders}``, each matching one
     dot-separated segment and carried to the other side, e.g.
     ``Rule("model.layers.{i}.mlp.up_proj.weight", "model.layers_{i}.mlp.up_proj.kernel",
-    transpose=(1, 0))``. Each stored tensor becomes a *piece* of the tree leaf:
-    transposed (``np.transpose(stored, transpose)``), then reshaped:
+    transpose=(1, 0))``. Each stored tensor becomes a *piece* of the tree leaf, first its
+    arrangement: transposed (``np.transpose(stored, transpose)``), then reshaped:
 
     * ``split={axis: sizes}``: axis ``axis`` of the transposed tensor becomes
       ``len(sizes)`` adjacent axes, e.g. ``{1: ("heads", "head_dim")}``;
@@ -220,7 +220,7 @@ class Rule:
         where = f"rule {self.stored_patterns[0]!r}"
         self._check_names()
         self._check_tiling(where)
-        self._check_layout(where)
+        self._check_arrangement(where)
         self._check_values(where)
 
     def _check_names(self) -> None:
@@ -251,7 +251,7 @@ class Rule:
             if next(iter(self.concat)) in self.stack.values():
                 raise MappingError(f"{where}: the concat axis is a stack axis")
 
-    def _check_layout(self, where: str) -> None:
+    def _check_arrangement(self, where: str) -> None:
         if self.transpose is not None and sorted(self.transpose) != list(range(len(self.transpose))):
             raise MappingError(f"{where}: transpose {self.transpose} is not a permutation")
         for kind, entries in (("split", self.split), ("merge", self.merge)):
@@ -302,12 +302,13 @@ class Rule:
             raise MappingError(f"{where}: takes one index {dict(self.take)} of a stored tensor that holds "
                                "other leaves too, so it is read only: a save cannot write the stored tensor "
                                "from it, and a load needs the stored shape")
-        layout = self._layout(self._transposed(stored), None if self.take else tree, dims or {}, undeclared)
-        takes = self._takes(layout.tree_shape)
-        shape = dataclasses.replace(layout, takes=takes).tree_shape
+        arranged = self._arrangement(self._transposed(stored), None if self.take else tree, dims or {},
+                                     undeclared)
+        takes = self._takes(arranged.tree_shape)
+        shape = dataclasses.replace(arranged, takes=takes).tree_shape
         if tree is not None and shape != tree:
             raise MappingError(f"{where}: stored shape {stored} maps to {shape}, not the tree's {tree}")
-        return dataclasses.replace(layout, permutes=self._permutes(layout.tree_shape), takes=takes,
+        return dataclasses.replace(arranged, permutes=self._permutes(arranged.tree_shape), takes=takes,
                                    scale=self.scale, offset=self.offset, dtype=self.dtype)
 
     def _takes(self, reshaped: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
@@ -371,9 +372,10 @@ class Rule:
                 f"{self._where}: transpose {self.transpose} does not fit stored shape {stored}")
         return tuple(stored[p] for p in self.transpose)
 
-    def _layout(self, transposed: tuple[int, ...] | None, tree: tuple[int, ...] | None,
-                dims: MappingABC[str, int], undeclared: str | None) -> Transform:
-        """The transpose and the reshape groups, walking the transposed and the tree axes."""
+    def _arrangement(self, transposed: tuple[int, ...] | None, tree: tuple[int, ...] | None,
+                     dims: MappingABC[str, int], undeclared: str | None) -> Transform:
+        """The piece's arrangement alone (the transpose and the reshape groups, walking the
+        transposed and the tree axes), a ``Transform`` whose value transforms come after."""
         ndim = len(self.transpose) if self.transpose is not None else (
             None if transposed is None else len(transposed))
         groups: list[Group] = []
@@ -515,7 +517,7 @@ class ConfigSize:
 
 
 class Mapping:
-    """Rules that translate stored tensor names and layouts to a params tree, both ways.
+    """Rules that translate stored tensor names and arrangements to a params tree, both ways.
 
     ``dims`` names sizes the rules' ``split``/``merge``/``concat`` refer to (e.g.
     ``{"heads": 32, "head_dim": 128}``); they are needed only where no shape

@@ -33,7 +33,7 @@ from typing import NamedTuple
 import numpy as np
 
 from orbax_safetensors.errors import ArgumentError
-from orbax_safetensors.format.checksums import BlockLayout
+from orbax_safetensors.format.checksums import BlockGrid
 
 GAP = -1  # Segment.target of bytes read only because they lie between two needed runs
 
@@ -186,7 +186,7 @@ class WholeRuns:
 
 
 def coalesce(runs: Runs, *, max_gap: int, max_overread: float, chunk_bytes: int,
-             blocks: BlockLayout | None = None) -> Transfers:
+             blocks: BlockGrid | None = None) -> Transfers:
     """Ranged requests that deliver every run, under the over-read and chunk bounds; with
     ``blocks`` (the file's checksum blocks), reading every block a run touches whole."""
     if max_overread < 1.0:

@@ -1,8 +1,9 @@
-"""Value and layout transforms of one stored tensor: ``Transform``, applied per box.
+"""Arrangement and value transforms of one stored tensor: ``Transform``, applied per box.
 
-A stored tensor and the tree piece it becomes differ by a layout and by values:
+A stored tensor and the tree piece it becomes differ by an arrangement of its axes and
+by values:
 
-1. layout: ``np.transpose(stored, perm)``, then a reshape in ``groups`` that
+1. arrangement: ``np.transpose(stored, perm)``, then a reshape in ``groups`` that
    only ever splits one axis into adjacent ones or merges adjacent ones (a
    PyTorch ``(heads * head_dim, hidden)`` weight → a Flax ``(hidden, heads,
    head_dim)`` kernel), so each group's box math is independent of the others;
@@ -42,7 +43,7 @@ offset) * (1 / scale)`` in the same precision. What comes back bit for bit:
   smaller nonzero ``w`` loses its bits below ``2**-24`` (``2**-23`` when
   positive), ``-0.0`` comes back as ``+0.0``, a NaN as a NaN.
 
-The layout is a view of the bytes read; ``copy_into`` is the one copy a load
+The arrangement is a view of the bytes read; ``copy_into`` is the one copy a load
 pays, done in cache-sized tiles where it transposes. Which transform a tensor
 gets is the rules' business (``planning.rules``).
 
@@ -75,7 +76,7 @@ Permutation = str | Callable[[int], Sequence[int]]
 
 
 def halves_to_interleaved(n: int) -> tuple[int, ...]:
-    """RoPE's two layouts of a head: ``[x0..x_{n/2-1}, y0..y_{n/2-1}]`` (Hugging Face) →
+    """RoPE's two orders of a head's features: ``[x0..x_{n/2-1}, y0..y_{n/2-1}]`` (Hugging Face) →
     ``[x0, y0, x1, y1, ...]`` (MaxText): tree index ``2m`` holds ``m``, ``2m+1`` holds ``n/2+m``."""
     if n % 2:
         raise MappingError(f"halves_to_interleaved: an axis of odd size {n}")
@@ -92,10 +93,10 @@ PERMUTATIONS: dict[str, Callable[[int], tuple[int, ...]]] = {
 
 @dataclasses.dataclass(frozen=True)
 class Transform:
-    """Stored tensor → tree piece: ``np.transpose(stored, perm)``, a grouped reshape, then
-    the value transforms (``permutes`` of single axes, ``scale``, then ``offset``); ``dtype``:
-    saved as; ``takes``: ``(axis, index)`` pairs, ascending, of the reshaped piece's axes
-    that the tree piece holds one index of, and lacks (read only).
+    """Stored tensor → tree piece: its arrangement (``np.transpose(stored, perm)``, a grouped
+    reshape), then the value transforms (``permutes`` of single axes, ``scale``, then
+    ``offset``); ``dtype``: saved as; ``takes``: ``(axis, index)`` pairs, ascending, of the
+    reshaped piece's axes that the tree piece holds one index of, and lacks (read only).
 
     ``groups`` cover the transposed axes and the tree axes in order: each is
     ``(transposed sizes, tree sizes)`` with equal products, so the reshape only
@@ -136,15 +137,15 @@ class Transform:
         return tuple(shape)
 
     @property
-    def _same_layout(self) -> bool:
-        """Whether the layout is the stored one (no transpose, no split or merge)."""
+    def _same_arrangement(self) -> bool:
+        """Whether the arrangement is the stored one (no transpose, no split or merge)."""
         return not self.takes and self.perm == tuple(range(len(self.perm))) and all(
             len(src) == len(tree) == 1 for src, tree in self.groups)
 
     @property
     def is_identity(self) -> bool:
         """Whether the tree piece is the stored tensor, bytes and all (``dtype`` aside)."""
-        return self._same_layout and not self.permutes and not self.changes_values
+        return self._same_arrangement and not self.permutes and not self.changes_values
 
     @property
     def changes_values(self) -> bool:
@@ -257,14 +258,14 @@ class Transform:
     def to_tree(self, data: np.ndarray, stored_box: Box, tree_box: Box,
                 out: np.ndarray | None = None) -> np.ndarray:
         """The values of ``tree_box`` from ``data`` holding ``stored_box = self.stored_box(tree_box)``,
-        written into ``out`` (cast to its dtype) when given: the layout is a view of ``data``
+        written into ``out`` (cast to its dtype) when given: the arrangement is a view of ``data``
         and this is the one copy it costs."""
         if box_size(tree_box) == 0:
             x = self._scaled(np.zeros(box_shape(tree_box), data.dtype))
         else:
             box = self._with_taken(tree_box)
             reshaped = self._unpermuted(box)
-            x = self._layout_to_tree(data, stored_box, reshaped)
+            x = self._arrange_to_tree(data, stored_box, reshaped)
             for axis, order in self.permutes:
                 a, b = box[axis]
                 x = np.take(x, np.asarray(order[a:b]) - reshaped[axis][0], axis=axis)
@@ -274,7 +275,7 @@ class Transform:
         copy_into(out, x)
         return out
 
-    def _layout_to_tree(self, data: np.ndarray, stored_box: Box, tree_box: Box) -> np.ndarray:
+    def _arrange_to_tree(self, data: np.ndarray, stored_box: Box, tree_box: Box) -> np.ndarray:
         x = np.transpose(data.reshape(box_shape(stored_box)), self.perm)
         transposed = tuple(stored_box[p] for p in self.perm)
         axis = 0
@@ -306,7 +307,7 @@ class Transform:
         data = np.asarray(data).reshape(box_shape(tree_box))
         dtype = data.dtype if self.dtype is None else self.dtype
         stored = [item for box, values in self._unpermuted_parts(tree_box, self._scaled(data, inverse=True))
-                  for item in self._layout_to_stored(box, values)]
+                  for item in self._arrange_to_stored(box, values)]
         return [(box, values if values.dtype == dtype else values.astype(dtype)) for box, values in stored]
 
     def _unpermuted_parts(self, tree_box: Box, data: np.ndarray) -> list[tuple[Box, np.ndarray]]:
@@ -325,8 +326,8 @@ class Transform:
                      for box, x in parts for p, lo, hi in runs]
         return parts
 
-    def _layout_to_stored(self, tree_box: Box, data: np.ndarray) -> list[tuple[Box, np.ndarray]]:
-        if self._same_layout:
+    def _arrange_to_stored(self, tree_box: Box, data: np.ndarray) -> list[tuple[Box, np.ndarray]]:
+        if self._same_arrangement:
             return [(tree_box, np.ascontiguousarray(data))]
         # Per group: the tree box cut into parts contiguous in the group's flat order.
         parts_per_group = [

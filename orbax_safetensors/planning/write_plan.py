@@ -21,13 +21,12 @@ import numpy as np
 
 from orbax_safetensors.errors import ProtocolError
 from orbax_safetensors.format import DType, TensorInfo, serialize_header
-from orbax_safetensors.format.checksums import BLOCK_BYTES, BLOCKS_KEY, BlockLayout, FileChecksums
+from orbax_safetensors.format.checksums import BLOCK_BYTES, BLOCKS_KEY, BlockGrid, FileChecksums
 from orbax_safetensors.index import (
     dcp_metadata,
     distributed_file_name,
     natural_key,
     pack_shards,
-    parse_size,
     serialize_index,
     shard_file_name,
 )
@@ -73,9 +72,9 @@ class FilePlan:
         return self.data_start + sum(t.nbytes for t in self.tensors)
 
     @functools.cached_property
-    def layout(self) -> BlockLayout:
+    def grid(self) -> BlockGrid:
         """Where the checksum blocks of this file lie."""
-        return BlockLayout.of(self.tensors, self.data_start)
+        return BlockGrid.of(self.tensors, self.data_start)
 
     def header_with(self, crcs: np.ndarray) -> bytes:
         """The header that stores ``crcs`` (one per block), as long as the planned one: the
@@ -85,8 +84,8 @@ class FilePlan:
         The zeros' text appears once: as the value of a key no tensor (whose values are
         objects) and no caller's metadata (reserved) can have, and JSON escapes the quotes
         of any string that holds it."""
-        planned = _json_item(BLOCKS_KEY, FileChecksums.zeros(self.layout).metadata()[BLOCKS_KEY])
-        final = _json_item(BLOCKS_KEY, FileChecksums(self.layout, crcs).metadata()[BLOCKS_KEY])
+        planned = _json_item(BLOCKS_KEY, FileChecksums.zeros(self.grid).metadata()[BLOCKS_KEY])
+        final = _json_item(BLOCKS_KEY, FileChecksums(self.grid, crcs).metadata()[BLOCKS_KEY])
         at = self.header.find(planned)
         if len(final) != len(planned) or at < 0 or self.header.find(planned, at + 1) >= 0:
             raise ProtocolError(f"{self.name}: the planned header does not hold its checksums once")
@@ -141,13 +140,13 @@ _ENTRY_SYNTAX = len(':{"dtype":"","shape":[],"data_offsets":[,]},')
 _HEADER_SLACK = 7 + 4  # the header's padding to 8 bytes; base64's rounding of the checksums
 
 
-def _stored_sizes(specs: Sequence[TensorSpec], max_shard_size: int | str, checksums: bool,
+def _stored_sizes(specs: Sequence[TensorSpec], max_shard_size: int, checksums: bool,
                   extra: Sequence[int] | None = None) -> list[tuple[str, int]]:
     """Each tensor's bytes plus at least what it adds to its file's header, to pack by: its
     entry (offsets as long as any inside the limit) and, with ``checksums``, its blocks'
     share of the base64 checksum text (4 bytes a block: 16/3 characters); ``extra``: more
     header bytes per tensor (the distributed layout's slice offsets)."""
-    offsets = 2 * len(str(parse_size(max_shard_size)))
+    offsets = 2 * len(str(max_shard_size))
     sizes = []
     for i, spec in enumerate(specs):
         nbytes = spec.nbytes
@@ -167,17 +166,18 @@ def _file_overhead(metadata: Mapping[str, str], checksums: bool) -> int:
 def plan_hf_checkpoint(
     specs: Sequence[TensorSpec],
     *,
-    max_shard_size: int | str,
+    max_shard_size: int,
     metadata: Mapping[str, str] | None = None,
     checksums: bool = False,
 ) -> WritePlan:
     """Shards ``specs`` like transformers: one ``model.safetensors`` or indexed shards, filled
-    in the names' natural order (``layers.2`` before ``layers.10``)."""
+    in the names' natural order (``layers.2`` before ``layers.10``). ``max_shard_size`` in
+    bytes: the options a call is given parse sizes, once, where it is made."""
     header_metadata = {**HF_METADATA, **(metadata or {})}
     by_name = {s.name: s for s in specs}
     overhead = _file_overhead(header_metadata, checksums)
     sizes = dict(_stored_sizes(specs, max_shard_size, checksums))
-    if sum(sizes.values()) <= parse_size(max_shard_size) - overhead:
+    if sum(sizes.values()) <= max_shard_size - overhead:
         groups = [list(sizes)]  # all in one file, in any order: no natural sort (100 000 names: 1 s)
     else:
         ordered = sorted(specs, key=lambda s: natural_key(s.name))
@@ -222,7 +222,7 @@ def plan_distributed_files(
     process: int,
     slices: Sequence[SliceSpec],
     *,
-    max_shard_size: int | str,
+    max_shard_size: int,
     metadata: Mapping[str, str] | None = None,
     checksums: bool = False,
 ) -> tuple[tuple[FilePlan, tuple[SliceSpec, ...]], ...]:

@@ -47,8 +47,9 @@ import json
 import re
 from collections.abc import Iterable
 
+from orbax_safetensors.errors import StorageError
 from orbax_safetensors.storage.base import Storage
-from orbax_safetensors.storage.retry import SNAPSHOT_REREADS, StorageError
+from orbax_safetensors.storage.retry import SNAPSHOT_REREADS
 
 _LOCK = ".orbax_safetensors.lock"
 _JOURNAL = re.compile(r"^\.orbax_safetensors\.commit-([0-9a-f]{12})\.json$")

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
-from orbax_safetensors.errors import Error, PeerFailedError
+from orbax_safetensors.errors import PeerFailedError, StorageError
 
 T = TypeVar("T")
 
@@ -47,17 +47,6 @@ _TRANSIENT_CODES = frozenset({
     "SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling",
     "ThrottlingException", "RequestTimeTooSkewed",
 })
-
-
-class StorageError(Error, OSError):
-    """A storage operation that still failed after every retry, or failed for good."""
-
-    def __init__(self, message: str, *, url: str, code: int | None = None):
-        self.url = url
-        if code is None:
-            super().__init__(message)
-        else:  # errno and filename, as an OSError of the operating system has them
-            super().__init__(code, message, url)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,196 @@
+"""A tree leaf made of several stored tensors (``planning.assembly.Assembly``: layers stacked,
+projections concatenated), read as one job per stored tensor and put on its devices once whole."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from orbax_safetensors.engine.loading.casting import Cast, cast_rule, device_dtype
+from orbax_safetensors.engine.loading.device_assembly import device_array
+from orbax_safetensors.engine.loading.host_work import host_array, host_map
+from orbax_safetensors.engine.loading.jobs import Job, Staging, local_boxes, planned_reads
+from orbax_safetensors.engine.loading.options import ReadPolicy
+from orbax_safetensors.errors import SafetensorsError
+from orbax_safetensors.planning import Box, TensorSource, box_shape, box_size, full_box, relative_slices
+from orbax_safetensors.planning.assembly import Assembly, Piece
+from orbax_safetensors.planning.transforms import Transform, copy_into
+
+
+class AssembledLeaf:
+    """A leaf assembled from its pieces' stored tensors; ``value`` once its last job finished.
+
+    Each job reads only the stored boxes behind the parts of this process's
+    device boxes its tensor holds (a device holding layers 0-7 never reads
+    layer 8), transforms them and copies them into the leaf's host buffers,
+    one per device box. The job that completes the leaf puts it on the
+    devices, so a leaf's host buffers live from its first piece to its last
+    (on CPU they become the array itself: 64-byte aligned, adopted by XLA).
+
+    A quantized piece (``Piece.quantized``) is two jobs: its scales, read
+    ``first`` (every such job finishes before any other: ``plan_reads``) and
+    kept, and its values, dequantized box by box with them as they are
+    finished. Each reads only the blocks its boxes touch.
+    """
+
+    def __init__(self, name: str, tensors: Mapping[str, TensorSource], assembly: Assembly,
+                 dtype: np.dtype, sharding: jax.sharding.Sharding | None, policy: ReadPolicy):
+        self.name, self.assembly, self.sharding = name, assembly, sharding
+        self.dtype = np.dtype(dtype) if sharding is None else device_dtype(dtype)
+        sources = [_read_as(piece, tensors) for piece in assembly.pieces]
+        casts = [cast_rule(piece.stored, source, piece.transform, self.dtype, policy.casting, leaf=name)
+                 for piece, source in zip(assembly.pieces, sources)]
+        # Every piece's refused cast (``refuse_casts``), whether or not this process reads it.
+        self.refused = tuple(cast.refused for cast in casts if cast.refused is not None)
+        shape = assembly.shape
+        self.local = {full_box(shape): []} if sharding is None else local_boxes(name, shape, sharding)
+        self.buffers: dict[Box, np.ndarray] = {}
+        self.value: Any = None
+        self.jobs: list[Job] = []
+        for piece, source, cast in zip(assembly.pieces, sources, casts):
+            parts = {box: part for box in self.local for part in [piece.part(box)] if part is not None}
+            if parts and piece.quantized is not None:
+                self.jobs += self._quantized_jobs(piece, parts, tensors, policy, cast)
+            elif parts:
+                self.jobs.append(self._job(piece, parts, source, policy, cast))
+        self._remaining = sum(not job.reads.first for job in self.jobs)
+        if not self.jobs:  # this process holds none of it (or it is empty)
+            self.value = self._result()
+
+    def _job(self, piece: Piece, parts: dict[Box, tuple[Box, Box]], source: TensorSource, policy: ReadPolicy,
+             cast: Cast) -> Job:
+        """The job of one piece: the stored boxes behind its ``parts`` of this process's boxes;
+        ``cast.check``: of the stored values read, before the transform casts them into the
+        leaf's buffers."""
+        if source.dtype.is_packed:
+            raise SafetensorsError(f"a {source.dtype.code} tensor cannot be part of a stacked or "
+                                   f"concatenated leaf ({self.name!r})", tensor=piece.stored)
+        transform = piece.transform
+        staged = Staging(source, piece.stored, [transform.stored_box(own) for _, own in parts.values()])
+        needed = sum(box_size(inside) for inside, _ in parts.values()) * source.dtype.bits // 8
+
+        def values(buffers: list[np.ndarray]) -> Callable[[Box, Box, np.ndarray], Any]:
+            views = staged.views(buffers, cast.check)
+            return lambda stored, own, into: transform.to_tree(views(stored), stored, own, out=into)
+
+        return Job(planned_reads(source, staged.boxes, needed, policy), self._fill(transform, parts, values),
+                   scratch=True, prepare=self._prepare(parts))
+
+    def _quantized_jobs(self, piece: Piece, parts: dict[Box, tuple[Box, Box]], tensors: Mapping[str, TensorSource],
+                        policy: ReadPolicy, cast: Cast) -> list[Job]:
+        """A quantized piece's two jobs: its scales' (first, kept; a NaN or infinite one
+        refused) and its values', dequantized under ``cast``'s check of the products."""
+        quantized, transform = piece.quantized, piece.transform
+        boxes = {twin: quantized.boxes(twin) for twin in dict.fromkeys(
+            transform.stored_box(own) for _, own in parts.values())}
+        weight, scales = tensors[quantized.weight], tensors[quantized.scales]
+        file = weight.slices[0].file if weight.slices else None
+        staged_weight = Staging(weight, quantized.weight, [w for w, _ in boxes.values()])
+        staged_scales = Staging(scales, quantized.scales, [s for _, s in boxes.values()])
+        held: dict[Box, np.ndarray] = {}
+
+        def keep(buffers: list[np.ndarray]) -> None:
+            views = staged_scales.views(buffers)
+            held.update((twin, np.array(views(s))) for twin, (_, s) in boxes.items())
+            for kept in held.values():
+                problem = quantized.scale_problem(kept)
+                if problem is not None:
+                    raise SafetensorsError(problem, file=scales.slices[0].file if scales.slices else None,
+                                           tensor=quantized.scales)
+
+        def values(buffers: list[np.ndarray]) -> Callable[[Box, Box, np.ndarray], Any]:
+            views = staged_weight.views(buffers)
+
+            def write(twin: Box, own: Box, into: np.ndarray) -> None:
+                """Dequantized straight into the leaf's buffer where the arrangement is the stored
+                one, else rounded to its dtype first unless the transform computes with them
+                (then its results are what the cast checks)."""
+                if not transform.changes_values:
+                    staged = into if transform.is_identity else np.empty(box_shape(twin), into.dtype)
+                    quantized.dequantize(views(boxes[twin][0]), held[twin], twin, out=staged, check=cast.check,
+                                         file=file)
+                    if staged is not into:
+                        transform.to_tree(staged, twin, own, out=into)
+                    return
+                products = quantized.dequantize(views(boxes[twin][0]), held[twin], twin,
+                                                out=np.empty(box_shape(twin), np.float32), file=file)
+                if cast.check is None:
+                    transform.to_tree(products, twin, own, out=into)
+                    return
+                result = np.empty(into.shape, np.float32)
+                transform.to_tree(products, twin, own, out=result)
+                cast.check(result)
+                copy_into(into, result)
+
+            return write
+
+        def nbytes(source: TensorSource, which: int) -> int:
+            return sum(box_size(b[which]) for b in boxes.values()) * source.dtype.bits // 8
+
+        scale_reads = planned_reads(scales, staged_scales.boxes, nbytes(scales, 1), policy)
+        return [Job(dataclasses.replace(scale_reads, first=True), keep, scratch=True),
+                Job(planned_reads(weight, staged_weight.boxes, nbytes(weight, 0), policy),
+                    self._fill(transform, parts, values), scratch=True, prepare=self._prepare(parts))]
+
+    def _fill(self, transform: Transform, parts: dict[Box, tuple[Box, Box]],
+              values: Callable[[list[np.ndarray]], Callable[[Box, Box, np.ndarray], Any]],
+              ) -> Callable[[list[np.ndarray]], Any]:
+        """A finish that fills the piece's ``parts`` of the leaf's buffers: ``values`` of the
+        read buffers writes the part of each stored box (``transform.stored_box`` of its tree
+        box) into the view of the leaf's buffer it gets."""
+
+        def finish(buffers: list[np.ndarray]) -> Any:
+            write = values(buffers)
+
+            def fill(part: tuple[Box, tuple[Box, Box]]) -> None:
+                box, (inside, own) = part
+                into = self.buffers[box][relative_slices(inside, box)].reshape(
+                    box_shape(own), copy=False)  # drops the stacked axes; never a copy (raises instead)
+                write(transform.stored_box(own), own, into)
+
+            host_map(fill, list(parts.items()))
+            self._remaining -= 1  # finishes run on the one transfer thread, in turn
+            if self._remaining == 0:
+                self.value = self._result()
+                return self.value
+            return None
+
+        return finish
+
+    def _prepare(self, parts: dict[Box, tuple[Box, Box]]) -> Callable[[], None]:
+        """A job's ``prepare``: the leaf's buffers of the boxes it fills that no earlier job
+        made, faulted in before its reads are done, by the one thread that starts batches
+        (while the previous batch finishes on another)."""
+
+        def prepare() -> None:
+            for box in parts:
+                if box not in self.buffers:
+                    self.buffers[box] = host_array(box_shape(box), self.dtype)
+
+        return prepare
+
+    def _result(self) -> Any:
+        buffers, self.buffers = self.buffers, {}
+        if self.sharding is None:
+            box = full_box(self.assembly.shape)
+            return buffers[box] if box in buffers else np.zeros(self.assembly.shape, self.dtype)
+        return device_array(self.assembly.shape, self.sharding, Cast(self.dtype), self.local,
+                            lambda box: buffers[box] if box in buffers else np.zeros(box_shape(box), self.dtype))
+
+
+def _read_as(piece: Piece, tensors: Mapping[str, TensorSource]) -> TensorSource:
+    """The tensor a piece's values are read as: its stored tensor, or a quantized one's
+    float32 twin (in the values' file, for messages)."""
+    if piece.quantized is None:
+        return tensors[piece.stored]
+    return TensorSource(piece.quantized.dtype, piece.quantized.shape, tensors[piece.quantized.weight].slices)
+
+
+def leaf_dtype(assembly: Assembly, tensors: Mapping[str, TensorSource]) -> np.dtype:
+    """The dtype of an assembled leaf no target names one for: its first piece's values."""
+    piece = assembly.pieces[0]
+    return piece.transform.tree_dtype(_read_as(piece, tensors).dtype.numpy)

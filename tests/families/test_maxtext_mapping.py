@@ -1,0 +1,548 @@
+"""``ost.mappings.maxtext`` against MaxText 0.2.5 itself: same logits as transformers.
+
+One tiny Hugging Face model per family the mapping supports, every weight random (norms, q/k
+norms and routers included), untied head, saved with ``save_pretrained`` and run by transformers
+in float32 (eager attention) for the reference logits:
+
+* ``llama3.1``: ``LlamaForCausalLM``, llama3 RoPE scaling, GQA (MaxText ``llama3.1-8b``);
+* ``qwen3``: ``Qwen3ForCausalLM``, q/k norms, ``head_dim`` != hidden/heads (``qwen3-0.6b``; the
+  q/k RMSNorms undo a wrong query or key scale, so only the converter check catches one);
+* ``qwen3-moe``: ``Qwen3MoeForCausalLM``, every layer sparse, 4 experts top-2, renormalised
+  (``qwen3-30b-a3b``);
+* ``mixtral``: ``MixtralForCausalLM``, 4 experts top-2 (``mixtral-8x7b``);
+* ``mistral``: ``MistralForCausalLM``, GQA (``mistral-7b``: MaxText has the model but no
+  converter, so its tensors are checked by the logits and the round trip alone);
+* ``gemma3``: ``Gemma3ForCausalLM``, 14 layers (two 6-layer attention patterns, 5 sliding-window
+  layers then a global one, scanned as ``layers_0..5``, and 2 left over in ``layers_remainder``),
+  sliding window 4 of the 16 tokens, q/k norms, tied embedding, linear RoPE scaling on the global
+  layers (``gemma3-4b``; MaxText's converter is ``Gemma3ForConditionalGeneration``'s, compared
+  through its ``model.language_model.`` names). Its norm weights are bfloat16 values, for which
+  MaxText's ``1 + w`` in float32 round-trips exactly;
+* ``deepseek3``: ``DeepseekV3ForCausalLM``, MLA with a low-rank query, 1 dense layer then 2 MoE
+  layers (8 experts top-2, sigmoid scores with the random ``e_score_correction_bias``, one group,
+  a shared expert), DeepSeek-V3's yarn RoPE (``deepseek3-671b``; scanned as MaxText's
+  ``dense_layers`` and ``moe_layers`` stacks);
+* ``gpt-oss``: ``GptOssForCausalLM``, 4 layers (two sliding-window / global pairs, scanned as
+  ``layers_0``, ``layers_1``), sliding window 4, yarn RoPE, q/k/v/o biases, attention sinks, 4
+  experts top-2 with a router bias and fused, interleaved gate/up (``gpt-oss-20b``). Its mapping
+  loads only (``wi_0``/``wi_1`` from one stored ``gate_up_proj``): no round trip
+  (``tests/families/test_gpt_oss_mapping.py`` checks that a save is refused).
+
+MaxText needs Python 3.12 and its own pinned stack (JAX 0.12, Flax 0.12), so
+``tests/support/maxtext_child.py`` runs in a separate venv, once for every family: MaxText's own model
+(its model yml overridden to the tiny config; MoE through its dense, dropless ``dense_matmul``),
+its abstract params sharded over a 4-device CPU mesh (fsdp 2 x tensor 2, MaxText's logical axis
+rules), scanned and unscanned layers; ``ost.load`` through the mapping fills it, MaxText's
+forward must give the reference logits, every tensor must equal what MaxText's own converter
+(``checkpoint_conversion``'s tables and ``to_maxtext.py``'s stacking) makes of the checkpoint,
+and ``ost.save`` through the mapping must write the checkpoint's tensors back byte for byte.
+The tests are parametrized by (family, scan) so a failure names both.
+
+The venv is ``$OST_MAXTEXT_VENV`` or ``~/.cache/orbax_safetensors/maxtext-0.2.5-venv``, built on
+first use (about 1 min from local wheels): Python 3.12 (pyenv's, else ``python3.12``), ``pip
+install --no-deps maxtext==0.2.5``, then the pinned requirements file
+``tests/support/maxtext_requirements.txt`` (MaxText's model code pinned for CPU; or
+``$OST_MAXTEXT_REQUIREMENTS``), then whatever of this project's runtime dependencies is missing;
+``--no-compile`` (the child compiles only what it imports: about half the install time).
+Skipped, with the reason, when there is no Python 3.12, the venv has to be built and the
+requirements file is absent, or an install fails (offline). orbax_safetensors itself is not
+installed there: the child imports this checkout (a venv shared by several checkouts would
+otherwise test whichever was installed last).
+
+    python -m pytest tests/families/test_maxtext_mapping.py -m slow -s
+
+``OST_MAXTEXT_LOADER=path/to/module.py`` swaps the mapping for another loader (see the child's
+``--loader``), to debug the harness itself.
+
+``test_maxtext_load_dynamic_with_our_layout`` runs MaxText's own Hugging Face loader instead,
+``source_checkpoint_layout="safetensors_dynamic"`` (``load_dynamic.load_safetensors_dynamic_state``:
+Orbax's ``pytree_metadata``/``load_pytree`` under ``CheckpointLayout.SAFETENSORS``, then MaxText's
+hooks), on the llama3.1 case with ``ost.install_orbax_layout()`` in force (child ``--loader
+dynamic-ost``): the same logits, shardings and converter checks, and proof that Orbax called
+our layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+
+import numpy as np
+import pytest
+from tests.support import REPO
+
+pytestmark = pytest.mark.slow
+
+REPO = str(REPO)
+CHILD = os.path.join(REPO, "tests", "support", "maxtext_child.py")
+MAXTEXT_VERSION = "0.2.5"
+REQUIREMENTS = os.environ.get("OST_MAXTEXT_REQUIREMENTS") or os.path.join(REPO, "tests", "support", "maxtext_requirements.txt")
+DEFAULT_VENV = os.path.join(os.path.expanduser("~"), ".cache", "orbax_safetensors",
+                            f"maxtext-{MAXTEXT_VERSION}-venv")
+VARIANTS = ("scan", "unscan")  # scan_layers=True / False
+DEVICES, MESH = 4, "fsdp=2,tensor=2"
+CHILD_TIMEOUT = 600
+PIP_TIMEOUT = 1800
+TOKENS = np.random.default_rng(7).integers(0, 256, (2, 16), dtype=np.int32)
+_COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               tie_word_embeddings=False, hidden_act="silu", attention_bias=False)
+LLAMA31 = dict(
+    _COMMON, intermediate_size=128, head_dim=16, rms_norm_eps=1e-5, mlp_bias=False,
+    max_position_embeddings=131072,
+    rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                         high_freq_factor=4.0, original_max_position_embeddings=8192),
+)
+QWEN3 = dict(  # head_dim 32: 4 heads x 32 != hidden 64, as in the real Qwen3s
+    _COMMON, intermediate_size=96, head_dim=32, rms_norm_eps=1e-6, max_position_embeddings=40960,
+    rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+)
+QWEN3_MOE = dict(  # intermediate_size is for dense layers: there are none (decoder_sparse_step 1)
+    _COMMON, intermediate_size=96, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], head_dim=16, rms_norm_eps=1e-6,
+    max_position_embeddings=40960, rope_parameters=dict(rope_type="default", rope_theta=10000000.0),
+)
+MIXTRAL = dict(
+    _COMMON, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, head_dim=16, rms_norm_eps=1e-5,
+    sliding_window=None, router_jitter_noise=0.0, max_position_embeddings=32768,
+    rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+)
+MISTRAL = dict(
+    _COMMON, intermediate_size=128, head_dim=16, rms_norm_eps=1e-5, sliding_window=None,
+    max_position_embeddings=32768, rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+)
+GEMMA3 = dict(  # 14 layers: two 6-layer attention patterns scanned, 2 left over (layers_remainder)
+    {k: v for k, v in _COMMON.items() if k != "hidden_act"}, num_hidden_layers=14, intermediate_size=96, head_dim=16,
+    query_pre_attn_scalar=16, rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh",
+    sliding_window=4,
+    max_position_embeddings=32768, final_logit_softcapping=None, attn_logit_softcapping=None,
+    rope_parameters=dict(full_attention=dict(rope_type="linear", rope_theta=1000000.0, factor=8.0),
+                         sliding_attention=dict(rope_type="default", rope_theta=10000.0)),
+)
+DEEPSEEK3 = dict(  # MLA with a low-rank query; 1 dense layer, then 2 MoE layers of 8 experts and a shared one;
+    # DeepSeek-V3's own yarn RoPE; one expert group (so the router margin below is HF's choice)
+    _COMMON, num_hidden_layers=3, first_k_dense_replace=1, num_key_value_heads=4, head_dim=8, intermediate_size=96,
+    q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, moe_intermediate_size=32,
+    n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1, norm_topk_prob=True,
+    routed_scaling_factor=2.5, rms_norm_eps=1e-6, max_position_embeddings=163840, rope_interleave=True,
+    rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=4096,
+                         beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+)
+GPT_OSS = dict(  # 4 layers: sliding, full, sliding, full (scanned as two pairs)
+    {k: v for k, v in _COMMON.items() if k not in ("hidden_act", "attention_bias")}, num_hidden_layers=4,
+    intermediate_size=32, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+    rms_norm_eps=1e-5, max_position_embeddings=131072,
+    rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                         original_max_position_embeddings=4096, truncate=False),
+)
+# case -> (family for ost.mappings.maxtext, transformers model class, config class, config)
+CASES = {
+    "llama3.1": ("llama3.1", "LlamaForCausalLM", "LlamaConfig", LLAMA31),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM", "Qwen3Config", QWEN3),
+    "qwen3-moe": ("qwen3", "Qwen3MoeForCausalLM", "Qwen3MoeConfig", QWEN3_MOE),
+    "mixtral": ("mixtral", "MixtralForCausalLM", "MixtralConfig", MIXTRAL),
+    "mistral": ("mistral", "MistralForCausalLM", "MistralConfig", MISTRAL),
+    "gemma3": ("gemma3", "Gemma3ForCausalLM", "Gemma3TextConfig", GEMMA3),
+    "deepseek3": ("deepseek3", "DeepseekV3ForCausalLM", "DeepseekV3Config", DEEPSEEK3),
+    "gpt-oss": ("gpt-oss", "GptOssForCausalLM", "GptOssConfig", GPT_OSS),
+}
+# Cases whose mapping only loads (a save through it is refused): no round trip.
+READ_ONLY = {"gpt-oss"}
+# Cases whose MaxText model has no converter (no PARAM_MAPPING entry in MaxText 0.2.5), so the
+# tensors are checked by the forward pass alone: Mistral's mapping is derived from MaxText's
+# mistral block (models/mistral.py: Llama's layer, its unscaled Attention with rotate-half RoPE).
+NO_CONVERTER = {"mistral"}
+# Cases whose norm weights are bfloat16 values (stored as float32): the mapping adds 1 in float32
+# (MaxText's 1 + w), exact for those, so the round trip stays byte for byte.
+BF16_NORMS = {"gemma3"}
+# Routers' k-th and (k+1)-th logits at least this far apart for every token, so float32
+# rounding (MaxText's vs transformers') cannot pick different experts.
+ROUTER_MARGIN = 1e-3
+# Cases whose seed-0 weights route some token within ROUTER_MARGIN of a tie: another seed.
+SEEDS = {"deepseek3": 1}
+# (case, variant) -> mark: known disagreements of the mapping with MaxText (strict xfail, flips
+# to a failure when fixed) and families MaxText cannot run here (skip).
+KNOWN: dict[tuple[str, str], tuple[str, str]] = {}
+# (case, variant) -> leaves where MaxText 0.2.5's own converter contradicts MaxText's own tree, so
+# the child compares them with its hooks stacked at param_scan_axis instead (its
+# "converter_workarounds"). to_maxtext.py's _build_single_axis_stacked_tensor takes any scanned key
+# containing "MoeBlock" for an unscanned expert stack and stacks its layers at axis 0: Mixtral's
+# scanned router becomes (layers, embed, experts), the tree's leaf is (embed, layers, experts), and
+# to_maxtext.py stops with "Shape mismatch" (so it cannot convert Mixtral with scan_layers=True).
+MAXTEXT_CONVERTER_BUGS = {("mixtral", "scan"): {"decoder.layers.MoeBlock_0.gate.kernel"}}
+# (case, variant) -> why MaxText 0.2.5's own converter cannot compute some leaves of its own tree,
+# so there is nothing to compare them with (the forward pass still checks them): its DeepSeek
+# hooks reshape a scanned moe_layers leaf to every layer's count, the dense ones included.
+MAXTEXT_CONVERTER_FAILS = {("deepseek3", "scan"): "MaxText's DeepSeek hooks cannot reshape its scanned moe_layers"}
+
+# Run inside the venv: which of the requirements (argv[1], JSON) are not installed as asked.
+_PROBE = r"""
+import json, re, sys
+import importlib.metadata as md
+try:
+    from packaging.requirements import Requirement
+except ImportError:
+    Requirement = None
+unmet = []
+for line in json.loads(sys.argv[1]):
+    name = re.split(r"[\s<>=!~;\[]", line, maxsplit=1)[0]
+    try:
+        version = md.version(name)
+    except md.PackageNotFoundError:
+        unmet.append(line)
+        continue
+    if Requirement is None:
+        if "==" in line and line.split("==", 1)[1].strip() != version:
+            unmet.append(line)
+    elif not Requirement(line).specifier.contains(version, prereleases=True):
+        unmet.append(line)
+print(json.dumps({"python": sys.version.split()[0], "unmet": unmet}))
+"""
+
+
+def _clean_env(**extra):
+    """The 3.11 test process's environment minus what would leak into the 3.12 venv."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "XLA_FLAGS", "PYTHONSTARTUP")}
+    env.update(JAX_PLATFORMS="cpu", DECOUPLE_GCLOUD="TRUE", PIP_DISABLE_PIP_VERSION_CHECK="1", **extra)
+    return env
+
+
+def _version_key(path):
+    match = re.search(r"3\.12\.(\d+)", path)
+    return int(match.group(1)) if match else -1
+
+
+def _find_python312():
+    candidates = [os.environ.get("OST_MAXTEXT_PYTHON")]
+    roots = []
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        roots.append(subprocess.run(["pyenv", "root"], capture_output=True, text=True, timeout=30,
+                                    check=False).stdout.strip())
+    roots.append(os.path.expanduser("~/.pyenv"))
+    for root in filter(None, roots):
+        candidates += sorted(glob.glob(os.path.join(root, "versions", "3.12*", "bin", "python")),
+                             key=_version_key, reverse=True)
+    candidates.append(shutil.which("python3.12"))
+    for python in filter(None, candidates):
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            out = subprocess.run([python, "-c", "import sys, venv; print(sys.version_info[:2])"],
+                                 capture_output=True, text=True, timeout=60, env=_clean_env(), check=False)
+            if out.returncode == 0 and out.stdout.strip() == "(3, 12)":
+                return python
+    return None
+
+
+def _requirements_file_lines():
+    with open(REQUIREMENTS) as f:
+        return [line.split("#", 1)[0].strip() for line in f if line.split("#", 1)[0].strip()]
+
+
+def _project_dependencies():
+    import tomllib
+
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        return tomllib.load(f)["project"]["dependencies"]
+
+
+def _unmet(python, requirements):
+    out = subprocess.run([python, "-c", _PROBE, json.dumps(requirements)], capture_output=True, text=True,
+                         timeout=120, env=_clean_env(), check=False)
+    if out.returncode != 0:
+        return list(requirements)
+    return json.loads(out.stdout.strip().splitlines()[-1])["unmet"]
+
+
+def _run_or_skip(command, what, timings):
+    start = time.perf_counter()
+    try:
+        out = subprocess.run(command, capture_output=True, text=True, timeout=PIP_TIMEOUT, env=_clean_env(),
+                             check=False)
+    except subprocess.TimeoutExpired:
+        pytest.skip(f"MaxText venv: {what} timed out after {PIP_TIMEOUT} s")
+    timings[what] = round(time.perf_counter() - start, 1)
+    if out.returncode != 0:
+        tail = (out.stdout + out.stderr).strip().splitlines()[-15:]
+        pytest.skip(f"MaxText venv: {what} failed (offline?): " + "\n".join(tail))
+
+
+@contextlib.contextmanager
+def _locked(path):
+    import fcntl
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent sessions (xdist) build the venv once
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _venv_python(venv):
+    return os.path.join(venv, "bin", "python")
+
+
+def ensure_maxtext_venv(venv: str, timings: dict) -> str:
+    """The venv's python, with MaxText 0.2.5, its pinned stack and our runtime dependencies.
+
+    Idempotent: only what the probe finds missing is installed; nothing is ever deleted.
+    """
+    python = _venv_python(venv)
+    have_requirements = os.path.isfile(REQUIREMENTS)
+    stack = [f"maxtext=={MAXTEXT_VERSION}"] + (_requirements_file_lines() if have_requirements else [])
+    ours = _project_dependencies()
+    with _locked(venv.rstrip("/") + ".lock"):
+        start = time.perf_counter()
+        unmet = _unmet(python, stack + ours) if os.path.exists(python) else stack + ours
+        timings["probe"] = round(time.perf_counter() - start, 1)
+        if set(unmet) & set(stack):
+            if not have_requirements:
+                pytest.skip(f"no MaxText venv at {venv} ({sorted(set(unmet) & set(stack))} missing) "
+                            f"and no requirements file to build it: {REQUIREMENTS}")
+            if not os.path.exists(python):
+                base = _find_python312()
+                if base is None:
+                    pytest.skip("MaxText 0.2.5 needs Python 3.12: none found (pyenv, python3.12, $OST_MAXTEXT_PYTHON)")
+                _run_or_skip([base, "-m", "venv", venv], "create venv", timings)
+            _run_or_skip([python, "-m", "pip", "install", "--no-compile", "--no-deps", f"maxtext=={MAXTEXT_VERSION}"],
+                         "pip install maxtext", timings)
+            _run_or_skip([python, "-m", "pip", "install", "--no-compile", "-r", REQUIREMENTS],
+                         "pip install requirements", timings)
+            unmet = _unmet(python, stack + ours)
+        if unmet:  # e.g. orbax_safetensors' own runtime dependencies
+            _run_or_skip([python, "-m", "pip", "install", "--no-compile", *unmet], "pip install missing", timings)
+            unmet = _unmet(python, stack + ours)
+        if unmet:
+            pytest.skip(f"MaxText venv {venv}: still unmet after installing: {unmet}")
+        timings["venv_total"] = round(time.perf_counter() - start, 1)
+    return python
+
+
+@pytest.fixture(scope="module")
+def maxtext_python():
+    timings: dict = {}
+    python = ensure_maxtext_venv(os.environ.get("OST_MAXTEXT_VENV") or DEFAULT_VENV, timings)
+    print(f"\nMaxText venv {python}: {timings}")
+    return python
+
+
+def write_checkpoint(case: str, directory: str, seed: int = 0) -> str:
+    """A tiny model of ``case`` with every weight random, saved by transformers (float32 safetensors)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    _, model_class, config_class, config = CASES[case]
+    from tests.support.hf_families import saved_tensors  # not at the top: this file also runs as a script
+
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**config)).eval()
+    with torch.no_grad():
+        for name, p in saved_tensors(model):
+            p.copy_(1.0 + 0.3 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
+            if "norm" in name and case in BF16_NORMS:
+                p.copy_(p.to(torch.bfloat16).to(p.dtype))
+    model.save_pretrained(directory)
+    return directory
+
+
+def transformers_logits(directory: str, tokens: np.ndarray, case: str = "llama3.1"):
+    """(logits, each logit's atol (``tests/support/tolerances.py``), the smallest gap between a router's k-th
+    and (k+1)-th logit; inf without MoE)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from tests.support.tolerances import causal_lm_reference  # not at the top: this file also runs as a script
+
+    model = getattr(transformers, CASES[case][1]).from_pretrained(
+        directory, dtype=torch.float32, attn_implementation="eager").eval()
+    k = model.config.to_dict().get("num_experts_per_tok")
+    gaps, handles = [], []
+
+    def router(module):  # Mixtral's, Qwen3-MoE's and DeepSeek's gate, gpt-oss's router (with a bias)
+        gate = getattr(module, "gate", None)
+        return gate if gate is not None else getattr(module, "router", None)
+
+    def record(module, inputs):  # the sparse block's input, through its router
+        gate = router(module)
+        logits = torch.nn.functional.linear(inputs[0].reshape(-1, inputs[0].shape[-1]), gate.weight,
+                                            getattr(gate, "bias", None))
+        bias = getattr(gate, "e_score_correction_bias", None)  # DeepSeek: sigmoid scores + bias
+        scores = logits if bias is None else torch.sigmoid(logits) + bias
+        top = torch.topk(scores, k + 1, dim=-1).values
+        gaps.append(float((top[:, k - 1] - top[:, k]).min()))
+
+    for module in model.modules():
+        gate = router(module)
+        if k and getattr(gate, "weight", None) is not None and gate.weight.shape[0] > 1 and hasattr(module, "experts"):
+            handles.append(module.register_forward_pre_hook(record))
+    # MaxText's tied head (logits_via_embedding: attend_on_embedding) casts the embedding to bfloat16.
+    head_dtype = "bfloat16" if model.config.tie_word_embeddings else None
+    try:
+        logits, atol = causal_lm_reference(model, tokens, head_dtype=head_dtype)
+    finally:
+        for handle in handles:
+            handle.remove()
+    sparse = model.config.num_hidden_layers - (getattr(model.config, "first_k_dense_replace", None) or 0)
+    if k and len(gaps) != sparse:
+        raise AssertionError(f"{case}: found {len(gaps)} routers, expected one per sparse layer ({sparse})")
+    return logits, atol, min(gaps, default=float("inf"))
+
+
+def reference_checkpoint(case: str, root) -> tuple[str, np.ndarray, np.ndarray]:
+    """(hf_dir, transformers' logits, their atol) of a tiny ``case`` model written under ``root``."""
+    directory = write_checkpoint(case, str(root / case), seed=SEEDS.get(case, 0))
+    logits, atol, router_gap = transformers_logits(directory, TOKENS, case)
+    assert np.abs(logits).max() > 1.0, case  # large enough for a wrong layout to show
+    assert router_gap > ROUTER_MARGIN, (case, router_gap)  # routing cannot flip on rounding
+    return directory, logits, atol
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("maxtext")
+    return {case: reference_checkpoint(case, root) for case in CASES}
+
+
+def run_child(python, checkpoints, work, loader="ost", variants=VARIANTS):
+    """Runs tests/support/maxtext_child.py in the MaxText venv for every case of ``checkpoints`` ({case:
+    (hf_dir, reference logits, their atol)}); {(case, variant): result}, wall seconds, output."""
+    tokens_path, cases_path = os.path.join(work, "tokens.npy"), os.path.join(work, "cases.json")
+    np.save(tokens_path, TOKENS)
+    cases = []
+    for case, (hf_dir, reference, atol) in checkpoints.items():
+        reference_path, atol_path = (os.path.join(work, f"{what}-{case}.npy") for what in ("reference", "atol"))
+        np.save(reference_path, reference)
+        np.save(atol_path, atol)
+        cases.append({"case": case, "family": CASES[case][0], "hf_dir": hf_dir, "reference": reference_path,
+                      "atol": atol_path})
+    with open(cases_path, "w") as f:
+        json.dump(cases, f)
+    command = [python, CHILD, "--cases", cases_path, "--tokens", tokens_path,
+               "--variants", ",".join(variants), "--devices", str(DEVICES), "--mesh", MESH,
+               "--out-dir", os.path.join(work, "out"), "--loader", loader]
+    start = time.perf_counter()
+    try:
+        out = subprocess.run(command, capture_output=True, text=True, timeout=CHILD_TIMEOUT, cwd=work,
+                             env=_clean_env(), check=False)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"maxtext_child.py timed out after {CHILD_TIMEOUT} s:\n{e.stdout}\n{e.stderr}")
+    seconds = time.perf_counter() - start
+    results = {}
+    for line in out.stdout.splitlines():
+        if line.startswith("MAXTEXT_RESULT "):
+            result = json.loads(line[len("MAXTEXT_RESULT "):])
+            results[result["case"], result["variant"]] = result
+    return results, seconds, out
+
+
+def complete_child_run(python, checkpoints, work, loader):
+    """:func:`run_child` for every case of ``checkpoints`` and both variants, printing each result;
+    fails the test unless every (case, variant) reported. ({(case, variant): result}, output)."""
+    results, seconds, out = run_child(python, checkpoints, work, loader=loader)
+    print(f"\nmaxtext_child.py ({loader}): {seconds:.1f} s, exit {out.returncode}")
+    for result in results.values():
+        print(json.dumps({k: v for k, v in result.items() if k != "traceback"}))
+    expected = {(case, v) for case in checkpoints for v in VARIANTS}
+    if set(results) != expected:
+        pytest.fail(f"maxtext_child.py exited {out.returncode} with results for {sorted(results)} only:\n"
+                    f"{out.stdout[-4000:]}\n{out.stderr[-6000:]}")
+    return results, out
+
+
+def runnable(checkpoints):
+    """The cases of ``checkpoints`` MaxText can run in some variant (not every one ``KNOWN`` skip)."""
+    return {case: checkpoints[case] for case in checkpoints
+            if not all(KNOWN.get((case, v), (None,))[0] == "skip" for v in VARIANTS)}
+
+
+@pytest.fixture(scope="module")
+def child_results(maxtext_python, hf_checkpoints, tmp_path_factory):
+    return complete_child_run(maxtext_python, runnable(hf_checkpoints), str(tmp_path_factory.mktemp("child")),
+                              os.environ.get("OST_MAXTEXT_LOADER", "ost"))
+
+
+def assert_child_result(child_run, case, variant, *, round_trip=True):
+    """One (case, variant) of a :func:`complete_child_run`: loaded with the target's shardings,
+    equal to MaxText's own converter (its known bugs aside), transformers' logits, and (with
+    ``round_trip``) saved back byte for byte."""
+    results, out = child_run
+    result = results[case, variant]
+    assert "error" not in result, f"{result['error']}\n{result.get('traceback', '')}"
+    failures = result["failures"]
+    assert result.get("shardings_match"), failures
+    converter_fails = (case, variant) in MAXTEXT_CONVERTER_FAILS
+    assert bool(result.get("converter_errors")) == converter_fails, failures  # flips when MaxText is fixed
+    if converter_fails:
+        failures = [f for f in failures if not f.startswith("MaxText's own converter fails")]
+    assert result.get("converter") == (case not in NO_CONVERTER), result.get("converter")
+    if case not in NO_CONVERTER and not converter_fails:
+        assert set(result.get("converter_workarounds", {})) == MAXTEXT_CONVERTER_BUGS.get((case, variant), set()), \
+            result.get("converter_workarounds")
+        assert result.get("converter_max_abs_diff") == 0.0, failures  # exact: float32
+    assert result.get("logits_tolerance_used", np.inf) <= 1, failures
+    if round_trip and case not in READ_ONLY:
+        assert result.get("round_trip_identical"), failures
+    assert (result["ok"] or converter_fails) and not failures, failures
+    if all(r["ok"] for r in results.values()):
+        assert out.returncode == 0, out.stderr[-4000:]
+
+
+def case_params(known_marks=None):
+    """Every (case, variant), marked as ``known_marks`` (by default ``KNOWN``) says."""
+    for case in CASES:
+        for variant in VARIANTS:
+            known = (KNOWN if known_marks is None else known_marks).get((case, variant))
+            marks = ()
+            if known is not None:
+                kind, reason = known
+                marks = (pytest.mark.skip(reason=reason) if kind == "skip"
+                         else pytest.mark.xfail(strict=True, reason=reason))
+            yield pytest.param(case, variant, marks=marks, id=f"{case}-{variant}")
+
+
+@pytest.mark.timeout(PIP_TIMEOUT + CHILD_TIMEOUT)  # a first run builds the venv
+@pytest.mark.parametrize(("case", "variant"), list(case_params()))
+def test_maxtext_mapping(child_results, case, variant):
+    assert_child_result(child_results, case, variant)
+
+
+@pytest.fixture(scope="module")
+def dynamic_results(maxtext_python, tmp_path_factory):
+    """MaxText's own safetensors_dynamic load of the llama3.1 case with our layout installed."""
+    checkpoints = {"llama3.1": reference_checkpoint("llama3.1", tmp_path_factory.mktemp("dynamic"))}
+    results, _ = complete_child_run(maxtext_python, checkpoints, str(tmp_path_factory.mktemp("child")), "dynamic-ost")
+    return results
+
+
+@pytest.mark.timeout(PIP_TIMEOUT + CHILD_TIMEOUT)  # a first run builds the venv
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_maxtext_load_dynamic_with_our_layout(dynamic_results, variant):
+    """MaxText 0.2.5's ``source_checkpoint_layout="safetensors_dynamic"`` path
+    (``checkpoint_conversion/utils/load_dynamic.py``: ``load_safetensors_dynamic_state``, which
+    asks ``ocp.v1.pytree_metadata`` and ``ocp.v1.load_pytree`` under
+    ``Context(checkpoint_layout=SAFETENSORS)`` and applies MaxText's hooks on device), run with
+    ``ost.install_orbax_layout()`` in force: its params give transformers' logits, each within
+    its tolerance (``tests/support/tolerances.py``), with the target's shardings, and equal MaxText's own
+    converter's tensors."""
+    result = dynamic_results["llama3.1", variant]
+    assert "error" not in result, f"{result['error']}\n{result.get('traceback', '')}"
+    assert result["orbax_safetensors"] == os.path.join(REPO, "orbax_safetensors")  # this checkout's
+    assert result["layout_loads"] == 1  # Orbax's load_pytree went through ost.SafetensorsLayout
+    failures = result["failures"]
+    assert result.get("shardings_match"), failures
+    assert result.get("converter_max_abs_diff") == 0.0, failures
+    assert result.get("logits_tolerance_used", np.inf) <= 1, failures
+    assert (result["ok"] or converter_fails) and not failures, failures
+
+
+if __name__ == "__main__":  # .ci/run builds the venv in the background while the suite starts
+    import sys
+
+    try:
+        print(ensure_maxtext_venv(os.environ.get("OST_MAXTEXT_VENV") or DEFAULT_VENV, {}))
+    except pytest.skip.Exception as e:
+        print(f"MaxText venv not built: {e}", file=sys.stderr)

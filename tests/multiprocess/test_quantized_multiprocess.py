@@ -1,0 +1,117 @@
+"""Quantized checkpoints loaded by 2 real JAX processes × 4 CPU devices, with scale blocks
+(FP8) and groups (MXFP4) cut between the processes.
+
+* FP8 ``a.weight`` [576, 256], block 128, scales [5, 2] (DeepSeek-V3's kv_a_proj_with_mqa rows:
+  a partial last block of 64 rows), rows over the 8 devices: 72 each, so process 0 holds rows
+  0..287 and process 1 rows 288..575; scale block 2 (rows 256..383) is cut between them, and
+  blocks are cut between devices too.
+* MXFP4 ``e.w`` (gpt-oss layout: blocks [4, 24, 3, 16], twin [4, 96, 24]), the twin's axis 1
+  over the 8 devices: 12 values each, process 0 values 0..47, process 1 48..95; group 1 (values
+  32..63) is cut between them.
+
+Each process checks its addressable shards bit for bit against the numpy reference
+(``tests/support/quantized_reference.py``) and returns its ``ost.LoadStats``: each read only the
+values of its own shards and the scales of the blocks (groups) they touch, nothing of the
+other process's rows (the checkpoint is a plain safetensors file, as a Hub release is: no
+checksums; ``max_overread=1.0``: no gaps read). A group of MXFP4 values is read whole, so a
+group cut between two devices is read by both: with these tiny shards (12 values a device,
+groups of 32) process 0 reads 4 group-rows' bytes for its 2 groups, 4/3 of the whole tensor;
+gpt-oss's 2880 hidden values over 8 devices touch 12-13 groups for 11.25 a device.
+"""
+
+import dataclasses
+import os
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+import orbax_safetensors as ost
+from tests.support.quantized_reference import BF16, bits, fp8_reference, mxfp4_reference, random_fp8, random_mxfp4
+
+pytestmark = pytest.mark.slow  # several JAX processes
+
+_MODULE = "tests.multiprocess.test_quantized_multiprocess"
+ROWS, COLS, BLOCK = 576, 256, 128
+EXPERTS, OUT, GROUPS = 4, 24, 3
+
+
+def _sources():
+    """The stored tensors (deterministic: the parent saves them, each child recomputes them)."""
+    weight, scales = random_fp8(np.random.default_rng(0), (ROWS, COLS), (-(-ROWS // BLOCK), -(-COLS // BLOCK)))
+    blocks, exponents = random_mxfp4(np.random.default_rng(1), (EXPERTS, OUT), GROUPS)
+    return {"a.weight": weight, "a.weight_scale_inv": scales, "e.w_blocks": blocks, "e.w_scales": exponents}
+
+
+def _twins():
+    s = _sources()
+    return {"a.weight": fp8_reference(s["a.weight"], s["a.weight_scale_inv"], (BLOCK, BLOCK)).astype(BF16),
+            "e.w": mxfp4_reference(s["e.w_blocks"], s["e.w_scales"]).astype(BF16)}
+
+
+def _child_load(args):
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    specs = {"a.weight": PartitionSpec("x"), "e.w": PartitionSpec(None, "x")}
+    twins = _twins()
+    name = args["tensor"]
+    quantization = ost.FP8((BLOCK, BLOCK)) if name == "a.weight" else ost.MXFP4()
+    target = {name: jax.ShapeDtypeStruct(twins[name].shape, BF16, sharding=NamedSharding(mesh, specs[name]))}
+    stats = ost.LoadStats()
+    loaded = ost.load(args["path"], target, mapping=ost.Mapping([ost.Rule(name, name)], quantization=quantization),
+                      stats=stats, strict="target",  # the other tensor is left unread
+                      options=ost.LoadOptions(max_overread=1.0))  # no gaps read: the bytes are the boxes'
+
+    boxes = []
+    for shard in loaded[name].addressable_shards:
+        np.testing.assert_array_equal(bits(np.asarray(shard.data)), bits(twins[name][shard.index]))
+        boxes.append([[s.start or 0, s.stop if s.stop is not None else n] for s, n in
+                      zip(shard.index, twins[name].shape)])
+    return {"stats": dataclasses.asdict(stats), "boxes": boxes}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("quantized_multiprocess")
+    save_file(_sources(), os.path.join(directory, "model.safetensors"))
+    return str(directory)
+
+
+def _blocks_touched(a, c, block):
+    return -(-c // block) - a // block
+
+
+def _load(multiprocess, checkpoint, tensor, axis):
+    """Each process's load of ``tensor``: the ranges of ``axis`` its devices hold, its stats."""
+    results = multiprocess(f"{_MODULE}:_child_load", num_processes=2, devices_per_process=4,
+                           args={"path": checkpoint, "tensor": tensor})
+    return [(sorted(tuple(box[axis]) for box in r.value["boxes"]), r.value["stats"]) for r in results]
+
+
+def test_fp8_scale_block_cut_between_processes(multiprocess, checkpoint):
+    loads = _load(multiprocess, checkpoint, "a.weight", axis=0)
+    assert [(r[0][0], r[-1][1]) for r, _ in loads] == [(0, 288), (288, 576)]  # block 2 (256..383) on both sides
+    for ranges, stats in loads:
+        # Each device needs its rows of values (a byte each) and the rows of scale blocks they
+        # touch (2 float32 a row); the process reads its rows' values and, once, the scale rows
+        # its span touches: never a scale block its rows do not touch, nor other rows' values.
+        needed = sum((c - a) * COLS + _blocks_touched(a, c, BLOCK) * 2 * 4 for a, c in ranges)
+        once = sum((c - a) * COLS for a, c in ranges) + _blocks_touched(ranges[0][0], ranges[-1][1], BLOCK) * 2 * 4
+        assert stats["bytes_needed"] == needed, (ranges, stats)
+        assert stats["bytes_read"] == once, (ranges, stats)
+        assert stats["bytes_read"] < 0.51 * ROWS * COLS
+
+
+def test_mxfp4_group_cut_between_processes(multiprocess, checkpoint):
+    loads = _load(multiprocess, checkpoint, "e.w", axis=1)
+    assert [(v[0][0], v[-1][1]) for v, _ in loads] == [(0, 48), (48, 96)]  # group 1 (32..63) on both sides
+    group_rows = EXPERTS * OUT * (16 + 1)  # a group's 16 bytes of nibbles and exponent byte, every row
+    for ranges, stats in loads:
+        # Each device needs the groups its values touch (a device's 12 values span 1 or 2 groups
+        # of 32); the process reads at least the groups its span touches, at most each device's.
+        needed = sum(group_rows * _blocks_touched(a, c, 32) for a, c in ranges)
+        once = group_rows * _blocks_touched(ranges[0][0], ranges[-1][1], 32)
+        assert stats["bytes_needed"] == needed, (ranges, stats)
+        assert once <= stats["bytes_read"] <= needed, (ranges, stats)
