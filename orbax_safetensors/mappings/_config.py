@@ -54,6 +54,7 @@ _SIZES = (
     ("intermediate_size", "layers.{i}.mlp.gate_proj.weight", 0),  # dense MLPs
     ("intermediate_size", "layers.{i}.block_sparse_moe.experts.{e}.w1.weight", 0),  # Mixtral's experts
     ("intermediate_size", "layers.{i}.mlp.experts.down_proj", 1),  # gpt-oss's fused experts
+    ("moe_intermediate_size", "layers.{i}.mlp.experts.down_proj", 1),  # Qwen3-VL-MoE's (config_sizes)
     ("moe_intermediate_size", "layers.{i}.mlp.experts.{e}.gate_proj.weight", 0),  # Qwen3-MoE's, DeepSeek's
     ("num_local_experts", "layers.{i}.block_sparse_moe.gate.weight", 0),  # Mixtral's router
     ("num_local_experts", "layers.{i}.mlp.router.weight", 0),  # gpt-oss's
@@ -63,11 +64,18 @@ _SIZES = (
 )
 
 
+_FUSED_DOWN = "layers.{i}.mlp.experts.down_proj"
+
+
 def config_sizes(config: Any, prefix: str = "model.") -> list[ConfigSize]:
     """What ``config`` says its checkpoint holds (tensors under ``prefix``), for
     ``Mapping(sizes=...)``: the fields it has, of those in ``_SIZES``."""
     if config is None:
         return []
     values = {field: config_value(config, field) for field, _, _ in _SIZES}
+    # A fused down_proj's mlp is moe_intermediate_size where the config has one (Qwen3-VL-MoE, whose
+    # intermediate_size is a dense layer's), else intermediate_size (gpt-oss).
+    fused = "moe_intermediate_size" if isinstance(values["moe_intermediate_size"], int) else "intermediate_size"
     return [ConfigSize(field, int(values[field]), prefix + stored, axis) for field, stored, axis in _SIZES
-            if isinstance(values[field], int) and not isinstance(values[field], bool)]
+            if isinstance(values[field], int) and not isinstance(values[field], bool)
+            and (stored != _FUSED_DOWN or field == fused)]

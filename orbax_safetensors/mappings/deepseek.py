@@ -1,5 +1,6 @@
-"""DeepSeek-V3 (and V2, R1, V3.1: ``model_type`` ``deepseek_v3``) ↔ a Flax-style tree and
-↔ MaxText 0.2.5's tree, from one table of its tensors.
+"""DeepSeek-V3 (and R1, V3.1: ``model_type`` ``deepseek_v3``), DeepSeek-V2 (``deepseek_v2``)
+and DeepSeek-V3.2 (``deepseek_v32``) ↔ a Flax-style tree and ↔ MaxText 0.2.5's tree, from one
+table of their tensors.
 
 DeepSeek's attention is MLA: the query through a low-rank ``q_a_proj`` (its
 RMS norm ``q_a_layernorm``) and ``q_b_proj`` (or one ``q_proj`` when the
@@ -11,6 +12,19 @@ layers have a dense MLP; the others are MoE: a router ``mlp.gate`` with its
 ``e_score_correction_bias``, routed experts and ``shared_experts``. Dense and
 MoE layers have different leaves, so a scanned tree would hold them as two
 stacks (``dense_layers``, ``moe_layers``), as MaxText does.
+
+V2 routes by softmax without a bias: its router has no
+``e_score_correction_bias`` (``deepseek_v2``, ``maxtext("deepseek2", ...)``).
+V3.2 adds DeepSeek Sparse Attention's lightning indexer to every attention,
+``self_attn.indexer.`` ``wq_b`` (from the query latent: ``q_lora`` →
+``index_n_heads × index_head_dim``), ``wk``, ``weights_proj`` and the key's
+LayerNorm ``k_norm`` (a weight and a bias): in the Flax-style tree
+``self_attn.indexer.wq_b.kernel`` (q_lora, index_heads, index_head_dim),
+``wk.kernel`` (hidden, index_head_dim), ``weights_proj.kernel`` (hidden,
+index_heads), ``k_norm.scale`` and ``k_norm.bias`` (index_head_dim,); in
+MaxText's (``maxtext("deepseek3.2", ...)``, ``layers/attention_mla.py``'s
+``Indexer``) the same under ``self_attention.indexer.`` (its ``k_norm`` an
+``nnx.LayerNorm`` without logical axes: replicated).
 
 Flax-style tree (``deepseek_v3``; huggingface.py's conventions: HF module
 names, Flax leaf names, kernels transposed, heads an axis of their own)::
@@ -66,6 +80,7 @@ A quantized release (``quantization_config``: DeepSeek-V3's FP8 weights with
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -87,6 +102,21 @@ _NORMS = (("input_layernorm", "pre_self_attention_layer_norm"),
 _QUERY_NORM = (("self_attn.q_a_layernorm", "self_attention.q_norm"),)
 _MLP = (("gate_proj", "wi_0"), ("up_proj", "wi_1"), ("down_proj", "wo"))
 _MOE = "DeepSeekMoeBlock_0"
+# V3.2's lightning indexer, under the attention: (HF name, MaxText name, the transposed kernel's head split).
+_INDEXER = (("wq_b", "wq_b", {1: ("index_heads", "index_head_dim")}), ("wk", "wk", {}),
+            ("weights_proj", "weights_proj", {}))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Version:
+    """What a DeepSeek version's checkpoint holds beyond the tensors every version has."""
+
+    name: str  # the Flax-style mapping's name
+    router_bias: bool  # mlp.gate.e_score_correction_bias (V3's sigmoid routing; V2 softmaxes, unbiased)
+    indexer: bool = False  # self_attn.indexer.* (V3.2's sparse attention)
+
+
+_V2, _V3, _V32 = _Version("deepseek_v2", False), _Version("deepseek_v3", True), _Version("deepseek_v32", True, True)
 
 # per_layer(stored, tree, dense, *, experts=False, **transform) -> rules; dense: True / False for
 # a dense / MoE layer's own tensor, None for one every layer has.
@@ -96,21 +126,26 @@ PerLayer = Callable[..., list[Rule]]
 _MLA_SIZES = ("heads", "qk_head_dim", "kv_head_dim", "v_head_dim")  # what _dims gives
 
 
-def _dims(config: Any) -> dict[str, int]:
-    """The MLA head sizes the rules split by (empty without a config: the target's shapes)."""
+def _dims(config: Any, version: _Version) -> dict[str, int]:
+    """The MLA head sizes the rules split by, and V3.2's indexer's (empty without a config:
+    the target's shapes)."""
     if config is None:
         return {}
-    sizes = {key: config_value(config, key) for key in
-             ("num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
+    keys = ("num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    sizes = {key: config_value(config, key) for key in keys + (("index_n_heads", "index_head_dim")
+                                                              if version.indexer else ())}
     missing = [key for key, value in sizes.items() if value is None]
     if missing:
-        raise ArgumentError(f"deepseek_v3: the config has no {', '.join(missing)}, which give the MLA head sizes")
-    return {"heads": sizes["num_attention_heads"], "v_head_dim": sizes["v_head_dim"],
+        raise ArgumentError(f"{version.name}: the config has no {', '.join(missing)}, which give the head sizes")
+    dims = {"heads": sizes["num_attention_heads"], "v_head_dim": sizes["v_head_dim"],
             "qk_head_dim": sizes["qk_nope_head_dim"] + sizes["qk_rope_head_dim"],
             "kv_head_dim": sizes["qk_nope_head_dim"] + sizes["v_head_dim"]}
+    if version.indexer:
+        dims.update(index_heads=sizes["index_n_heads"], index_head_dim=sizes["index_head_dim"])
+    return dims
 
 
-def _rules(config: Any, per_layer: PerLayer, *, maxtext: bool, dtype: Any) -> list[Rule]:
+def _rules(config: Any, per_layer: PerLayer, version: _Version, *, maxtext: bool, dtype: Any) -> list[Rule]:
     """Every per-layer rule, named in the Flax-style tree or (``maxtext``) in MaxText's."""
     low_rank_query = config is None or config_value(config, "q_lora_rank") is not None
     attention = (_QUERY_LORA if low_rank_query else _QUERY) + _KEY_VALUE
@@ -121,6 +156,13 @@ def _rules(config: Any, per_layer: PerLayer, *, maxtext: bool, dtype: Any) -> li
         rules += per_layer(f"{hf}.weight", f"{mt if maxtext else hf}.kernel", None, split=split, **linear)
     for hf, mt in norms:
         rules += per_layer(f"{hf}.weight", f"{mt if maxtext else hf}.scale", None, dtype=dtype)
+    if version.indexer:  # its key norm is a LayerNorm: a scale and a bias
+        indexer = "self_attention.indexer" if maxtext else "self_attn.indexer"
+        for hf, mt, split in _INDEXER:
+            rules += per_layer(f"self_attn.indexer.{hf}.weight", f"{indexer}.{mt if maxtext else hf}.kernel", None,
+                               split=split, **linear)
+        rules += per_layer("self_attn.indexer.k_norm.weight", f"{indexer}.k_norm.scale", None, dtype=dtype)
+        rules += per_layer("self_attn.indexer.k_norm.bias", f"{indexer}.k_norm.bias", None, dtype=dtype)
     for hf, mt in _MLP:
         rules += per_layer(f"mlp.{hf}.weight", f"mlp.{mt if maxtext else hf}.kernel", True, **linear)
         rules += per_layer(f"mlp.shared_experts.{hf}.weight",
@@ -131,10 +173,11 @@ def _rules(config: Any, per_layer: PerLayer, *, maxtext: bool, dtype: Any) -> li
                            False, experts=True, **linear)
     router = f"{_MOE}.MoeBlock_0.gate" if maxtext else "mlp.gate"
     rules += per_layer("mlp.gate.weight", f"{router}.kernel", False, **linear)
-    # MaxText keeps the router bias in its MoEBiasVar collection, which nn.scan stacks at axis 0.
-    rules += per_layer("mlp.gate.e_score_correction_bias",
-                       f"{router}.bias" if maxtext else f"{router}.e_score_correction_bias", False, dtype=dtype,
-                       scan_axis=0)
+    if version.router_bias:
+        # MaxText keeps the router bias in its MoEBiasVar collection, which nn.scan stacks at axis 0.
+        rules += per_layer("mlp.gate.e_score_correction_bias",
+                           f"{router}.bias" if maxtext else f"{router}.e_score_correction_bias", False, dtype=dtype,
+                           scan_axis=0)
     return rules
 
 
@@ -205,27 +248,68 @@ def _every_layer(stored: str, tree: str, dense: bool | None, *, experts: bool = 
                  **transform)]
 
 
+def _flax(version: _Version, config: Any, scan_layers: bool, dtype: Any, dequantize: bool) -> Mapping:
+    """``version``'s checkpoint ↔ the Flax-style tree."""
+    where = f"ost.mappings.{version.name}"
+    per_layer = _by_block(config, f"{where} (scanned)", scan_layers=True, root="model",
+                          layer_axis=0, expert_axis=1) if scan_layers else _every_layer
+    rules = _outer(config, ("model.embed_tokens.embedding", "model.norm.scale", "lm_head.kernel"), dtype)
+    rules += _rules(config, per_layer, version, maxtext=False, dtype=dtype)
+    sizes = _MLA_SIZES + (("index_heads", "index_head_dim") if version.indexer else ())
+    return quantized_mapping(rules, config, dequantize=dequantize, dims=_dims(config, version),
+                             ignore=_prediction_layers(config), sizes=config_sizes(config),
+                             undeclared=heads_without_config(config, where, sizes))
+
+
+def deepseek_v2(config: Any = None, *, scan_layers: bool = False, dtype: Any = None,
+                dequantize: bool = True) -> Mapping:
+    """``DeepseekV2ForCausalLM`` ↔ ``mappings.deepseek``'s Flax-style tree: V3's without the
+    router bias (V2 routes by softmax, unbiased); the query low-rank unless the config's
+    ``q_lora_rank`` is ``None`` (V2-Lite). Otherwise as ``deepseek_v3``."""
+    return _flax(_V2, config, scan_layers, dtype, dequantize)
+
+
 def deepseek_v3(config: Any = None, *, scan_layers: bool = False, dtype: Any = None,
                 dequantize: bool = True) -> Mapping:
     """``DeepseekV3ForCausalLM`` ↔ ``mappings.deepseek``'s Flax-style tree. ``config`` pins the
     MLA head sizes, says whether the query is low-rank (``q_lora_rank``; without a config it
     is, as in V3) and, scanned (where it is needed), which layers are dense; ``dequantize`` as
     in ``mappings._quantized`` for an FP8 release."""
-    per_layer = _by_block(config, "ost.mappings.deepseek_v3 (scanned)", scan_layers=True, root="model",
-                          layer_axis=0, expert_axis=1) if scan_layers else _every_layer
-    rules = _outer(config, ("model.embed_tokens.embedding", "model.norm.scale", "lm_head.kernel"), dtype)
-    rules += _rules(config, per_layer, maxtext=False, dtype=dtype)
-    return quantized_mapping(rules, config, dequantize=dequantize, dims=_dims(config),
-                             ignore=_prediction_layers(config), sizes=config_sizes(config),
-                             undeclared=heads_without_config(config, "ost.mappings.deepseek_v3", _MLA_SIZES))
+    return _flax(_V3, config, scan_layers, dtype, dequantize)
+
+
+def deepseek_v32(config: Any = None, *, scan_layers: bool = False, dtype: Any = None,
+                 dequantize: bool = True) -> Mapping:
+    """``DeepseekV32ForCausalLM`` (DeepSeek-V3.2) ↔ ``mappings.deepseek``'s Flax-style tree:
+    V3's plus each attention's indexer (``self_attn.indexer.wq_b.kernel`` (q_lora,
+    index_heads, index_head_dim), ``wk.kernel``, ``weights_proj.kernel``, ``k_norm.scale`` and
+    ``k_norm.bias``). Otherwise as ``deepseek_v3``."""
+    return _flax(_V32, config, scan_layers, dtype, dequantize)
+
+
+def _maxtext(version: _Version, family: str, config: Any, scan_layers: bool, dtype: Any,
+             dequantize: bool) -> Mapping:
+    """``version``'s checkpoint ↔ MaxText's ``family`` tree."""
+    per_layer = _by_block(config, f"maxtext({family!r})", scan_layers=scan_layers, root="decoder", layer_axis=1,
+                          expert_axis=0)
+    rules = _outer(config, ("token_embedder.embedding", "decoder.decoder_norm.scale", "decoder.logits_dense.kernel"),
+                   dtype)
+    rules += _rules(config, per_layer, version, maxtext=True, dtype=dtype)
+    return quantized_mapping(rules, config, dequantize=dequantize, dims=_dims(config, version),
+                             checkpoint_form="maxtext", ignore=_prediction_layers(config), sizes=config_sizes(config))
+
+
+def maxtext_deepseek2(config: Any, scan_layers: bool, *, dtype: Any, dequantize: bool) -> Mapping:
+    """HF DeepSeek-V2 ↔ MaxText's ``deepseek2-*`` tree (no router bias), for ``mappings.maxtext``."""
+    return _maxtext(_V2, "deepseek2", config, scan_layers, dtype, dequantize)
 
 
 def maxtext_deepseek3(config: Any, scan_layers: bool, *, dtype: Any, dequantize: bool) -> Mapping:
     """HF DeepSeek-V3 ↔ MaxText's ``deepseek3-*`` tree, for ``mappings.maxtext``."""
-    where = "maxtext('deepseek3')"
-    per_layer = _by_block(config, where, scan_layers=scan_layers, root="decoder", layer_axis=1, expert_axis=0)
-    rules = _outer(config, ("token_embedder.embedding", "decoder.decoder_norm.scale", "decoder.logits_dense.kernel"),
-                   dtype)
-    rules += _rules(config, per_layer, maxtext=True, dtype=dtype)
-    return quantized_mapping(rules, config, dequantize=dequantize, dims=_dims(config), checkpoint_form="maxtext",
-                             ignore=_prediction_layers(config), sizes=config_sizes(config))
+    return _maxtext(_V3, "deepseek3", config, scan_layers, dtype, dequantize)
+
+
+def maxtext_deepseek32(config: Any, scan_layers: bool, *, dtype: Any, dequantize: bool) -> Mapping:
+    """HF DeepSeek-V3.2 ↔ MaxText's ``deepseek3.2-671b`` tree (V3's and the indexer's), for
+    ``mappings.maxtext``."""
+    return _maxtext(_V32, "deepseek3.2", config, scan_layers, dtype, dequantize)

@@ -9,13 +9,14 @@ the other) with Flax's leaf names and arrangements::
     model.layers_{i}.<leaf>                       scan_layers=False, or
     model.layers.<leaf>                           scan_layers=True: layer i at index i of a leading axis
     <leaf>:
-      input_layernorm.scale, post_attention_layernorm.scale        (hidden,)
-      pre_feedforward_layernorm.scale, post_feedforward_layernorm.scale   Gemma 2/3
+      input_layernorm.scale, post_attention_layernorm.scale        (hidden,)   (OLMo 3: no input_layernorm)
+      pre_feedforward_layernorm.scale, post_feedforward_layernorm.scale   Gemma 2/3 (OLMo 3: post_ only)
       self_attn.{q,k,v}_proj.kernel               (hidden, heads | kv_heads, head_dim)
       self_attn.o_proj.kernel                     (heads, head_dim, hidden)
       self_attn.{q,k,v}_proj.bias                 (heads | kv_heads, head_dim)   Qwen2, attention_bias
       self_attn.o_proj.bias                       (hidden,)                      attention_bias
       self_attn.{q,k}_norm.scale                  (head_dim,)                    Qwen3, Gemma 3, Qwen3-MoE
+                                                  (heads | kv_heads * head_dim,) OLMo 3 (whole projection)
       self_attn.sinks                             (heads,)                       gpt-oss
       mlp.{gate,up}_proj.kernel (hidden, intermediate), mlp.down_proj.kernel (intermediate, hidden)
       block_sparse_moe.gate.kernel (hidden, experts); block_sparse_moe.experts.{w1,w3}.kernel
@@ -32,7 +33,19 @@ layers and stacked experts are ``Rule.stack``: each device still reads only
 its own layers, experts, rows and columns, and a save writes the per-layer,
 per-expert tensors ``save_pretrained`` writes.
 
-DeepSeek-V3 (MLA attention, dense then MoE layers) is ``mappings.deepseek``.
+DeepSeek-V3 (MLA attention, dense then MoE layers) is ``mappings.deepseek``, as are
+DeepSeek-V2 (``deepseek_v2``) and DeepSeek-V3.2 (``deepseek_v32``). Qwen3-Next (gated delta net
+and gated full-attention layers) is ``qwen3_next``, in ``mappings.qwen_hybrid``, as is Qwen3.5's
+text decoder (``qwen3_5``). Gemma 4's text decoder (``gemma4``: layers of two shapes, unscanned
+only) is ``mappings.gemma4``'s.
+
+Qwen3-VL (``qwen3_vl``, its MoE release too) and Qwen3-Omni (``qwen3_omni_moe``) map their text
+decoder, Qwen3's (Qwen3-MoE's) tree under the stored prefix (``model.language_model.``,
+``thinker.model.``; head ``lm_head``, ``thinker.lm_head``), from the config's ``text_config``
+(``thinker_config.text_config``); Qwen3-VL-MoE's experts fused per layer, ``mlp.experts.gate_up_proj``
+and ``down_proj`` kept as stored. Their vision and audio towers are passed through, each
+tensor a leaf of its stored name (``mappings._towers``); Qwen3-Omni's talker and code2wav are left
+out (``Mapping.ignore``).
 
 ``config`` (a transformers config or a dict of its fields) pins the head
 sizes, needed only when loading without a target, and says whether the
@@ -55,35 +68,54 @@ from typing import Any
 from orbax_safetensors.errors import ArgumentError
 from orbax_safetensors.mappings._config import attention_dims, config_sizes, config_value, heads_without_config
 from orbax_safetensors.mappings._quantized import quantized_mapping
-from orbax_safetensors.mappings.deepseek import deepseek_v3
+from orbax_safetensors.mappings._towers import QWEN3_OMNI as QWEN3_OMNI_TOWERS
+from orbax_safetensors.mappings._towers import QWEN3_VL as QWEN3_VL_TOWERS
+from orbax_safetensors.mappings._towers import passed_through, text_config
+from orbax_safetensors.mappings.deepseek import deepseek_v2, deepseek_v3, deepseek_v32
+from orbax_safetensors.mappings.gemma4 import gemma4
+from orbax_safetensors.mappings.qwen_hybrid import qwen3_5, qwen3_next
 from orbax_safetensors.planning.rules import Mapping, Rule
 
 
 def _decoder(config: Any, family: str, *, scan_layers: bool, dtype: Any, dequantize: bool,
              attention_bias: bool = False, output_bias: bool = False, qk_norm: bool = False,
-             ffn_norms: bool = False, tied: bool = False, moe: tuple[str, str, tuple[str, str, str]] | None = None,
-             sinks: bool = False, fused_experts: bool = False) -> Mapping:
+             ffn_norms: bool = False, tied: bool = False,
+             moe: tuple[str, str, tuple[str, str, str] | None] | None = None,
+             sinks: bool = False, fused_experts: bool = False, post_norms: bool = False,
+             prefix: str = "model.", head: str = "lm_head", towers: dict[str, tuple[int, ...]] | None = None,
+             ignore: tuple[str, ...] = (),
+             release: Any = None) -> Mapping:
     """The rules every family shares, and the ones its flags add.
+
+    ``post_norms``: the attention's and the MLP's outputs normalised, not their inputs (OLMo 3:
+    ``post_attention_layernorm``, ``post_feedforward_layernorm``, no ``input_layernorm``).
 
     ``moe``: (router module, experts module, (gate, up, down) names), e.g.
     ``("block_sparse_moe.gate", "block_sparse_moe.experts", ("w1", "w3", "w2"))``;
-    ``fused_experts``: gpt-oss's MoE instead (``_fused_experts``).
+    ``fused_experts``: gpt-oss's MoE instead (``_fused_experts``). (gate, up, down) ``None``: the
+    experts fused per layer without biases, ``gate_up_proj`` and ``down_proj`` (Qwen3-VL-MoE).
+
+    A multimodal release's text decoder: its tensors under ``prefix`` (its tree too) and its head
+    ``head``, ``config`` its text config and ``release`` the whole (its ``quantization_config``);
+    ``towers``, the rest, passed through (``mappings._towers``: prefix -> the depths of its names);
+    ``ignore``, stored prefixes left out (``Mapping.ignore``).
     """
-    tree_layer = "model.layers" if scan_layers else "model.layers_{i}"
+    tree_layer = f"{prefix}layers" if scan_layers else f"{prefix}layers_{{i}}"
     layer_stack = {"i": 0} if scan_layers else {}
 
     def layer(stored: str, tree: str, *, experts: bool = False, **transform) -> Rule:
         stack = dict(layer_stack)
         if experts:
             stack["e"] = len(stack)
-        return Rule(f"model.layers.{{i}}.{stored}", f"{tree_layer}.{tree}", stack=stack, dtype=dtype, **transform)
+        return Rule(f"{prefix}layers.{{i}}.{stored}", f"{tree_layer}.{tree}", stack=stack, dtype=dtype, **transform)
 
     linear = {"transpose": (1, 0)}
-    rules = [Rule("model.embed_tokens.weight", "model.embed_tokens.embedding", dtype=dtype),
-             Rule("model.norm.weight", "model.norm.scale", dtype=dtype)]
+    rules = [Rule(f"{prefix}embed_tokens.weight", f"{prefix}embed_tokens.embedding", dtype=dtype),
+             Rule(f"{prefix}norm.weight", f"{prefix}norm.scale", dtype=dtype)]
     if not tied:
-        rules.append(Rule("lm_head.weight", "lm_head.kernel", dtype=dtype, **linear))
-    norms = ["input_layernorm", "post_attention_layernorm"]
+        rules.append(Rule(f"{head}.weight", f"{head}.kernel", dtype=dtype, **linear))
+    norms = ["post_attention_layernorm", "post_feedforward_layernorm"] if post_norms else [
+        "input_layernorm", "post_attention_layernorm"]
     norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"] if ffn_norms else []
     norms += ["self_attn.q_norm", "self_attn.k_norm"] if qk_norm else []
     rules += [layer(f"{norm}.weight", f"{norm}.scale") for norm in norms]
@@ -105,11 +137,16 @@ def _decoder(config: Any, family: str, *, scan_layers: bool, dtype: Any, dequant
     else:
         router, experts, projections = moe
         rules.append(layer(f"{router}.weight", f"{router}.kernel", **linear))
-        rules += [layer(f"{experts}.{{e}}.{p}.weight", f"{experts}.{p}.kernel", experts=True, **linear)
-                  for p in projections]
+        if projections is None:  # fused per layer, used as x @ w: kept as stored (Qwen3-VL-MoE)
+            rules += [layer(f"{experts}.{p}", f"{experts}.{p}.kernel") for p in ("gate_up_proj", "down_proj")]
+        else:
+            rules += [layer(f"{experts}.{{e}}.{p}.weight", f"{experts}.{p}.kernel", experts=True, **linear)
+                      for p in projections]
+    rules += passed_through(towers or {}, dtype)
     name = f"ost.mappings.{family}"
-    return quantized_mapping(rules, config, dequantize=dequantize, dims=attention_dims(config, name),
-                             sizes=config_sizes(config), undeclared=heads_without_config(config, name))
+    return quantized_mapping(rules, config if release is None else release, dequantize=dequantize,
+                             dims=attention_dims(config, name), sizes=config_sizes(config, prefix),
+                             undeclared=heads_without_config(config, name), ignore=ignore)
 
 
 def _fused_experts(layer: Any) -> list[Rule]:
@@ -188,9 +225,55 @@ def gpt_oss(config: Any = None, *, scan_layers: bool = False, dtype: Any = None,
                     sinks=True, fused_experts=True, dequantize=dequantize)
 
 
+def olmo3(config: Any = None, *, scan_layers: bool = False, dtype: Any = None,
+          dequantize: bool = True) -> Mapping:
+    """``Olmo3ForCausalLM``: norms after the attention and the MLP (none before), query/key
+    norms over the whole projection (``(heads * head_dim,)`` and ``(kv_heads * head_dim,)``
+    leaves, as stored); q/k/v/o biases when the config sets ``attention_bias`` (no release
+    does). Its sliding-window/full layer pattern and per-layer-type RoPE are config."""
+    bias = bool(config is not None and config_value(config, "attention_bias", False))
+    return _decoder(config, "olmo3", scan_layers=scan_layers, dtype=dtype, dequantize=dequantize, post_norms=True,
+                    qk_norm=True, attention_bias=bias, output_bias=bias)
+
+
+def qwen3_vl(config: Any = None, *, scan_layers: bool = False, dtype: Any = None,
+             dequantize: bool = True) -> Mapping:
+    """``Qwen3VLForConditionalGeneration`` and ``Qwen3VLMoeForConditionalGeneration``: Qwen3's
+    (Qwen3-MoE's) text decoder under ``model.language_model.`` (its tree too), the MoE release's
+    experts fused per layer as it stores them (``gate_up_proj`` ``[experts, hidden, 2 *
+    moe_intermediate]``, gate then up; ``down_proj`` ``[experts, moe_intermediate, hidden]``;
+    transformers' ``save_pretrained`` of a model it made writes them transposed, which this
+    refuses by the sizes), and the vision tower ``model.visual.`` passed through as stored.
+    Without a config the decoder is taken to be dense, its head untied."""
+    text = text_config(config, ("text_config",))
+    experts = config_value(text, "num_experts", config_value(text, "num_local_experts", 0)) if text is not None else 0
+    return _decoder(text, "qwen3_vl", scan_layers=scan_layers, dtype=dtype, dequantize=dequantize, qk_norm=True,
+                    tied=bool(text is not None and config_value(text, "tie_word_embeddings",
+                                                                config_value(config, "tie_word_embeddings", False))),
+                    moe=("mlp.gate", "mlp.experts", None) if experts > 1 else None,
+                    prefix="model.language_model.", towers=QWEN3_VL_TOWERS, release=config)
+
+
+def qwen3_omni_moe(config: Any = None, *, scan_layers: bool = False, dtype: Any = None,
+                   dequantize: bool = True) -> Mapping:
+    """``Qwen3OmniMoeForConditionalGeneration``: the thinker's text decoder (Qwen3-MoE's, its
+    experts stored one by one) under ``thinker.model.`` with its head ``thinker.lm_head``; the
+    thinker's vision and audio towers passed through as stored; the talker and code2wav (speech
+    output, which the thinker does not use) left out (``Mapping.ignore``)."""
+    text = text_config(config, ("thinker_config", "text_config"))
+    return _decoder(text, "qwen3_omni_moe", scan_layers=scan_layers, dtype=dtype, dequantize=dequantize,
+                    qk_norm=True, moe=("mlp.gate", "mlp.experts", ("gate_proj", "up_proj", "down_proj")),
+                    prefix="thinker.model.", head="thinker.lm_head", release=config,
+                    towers=QWEN3_OMNI_TOWERS, ignore=("talker.", "code2wav."))
+
+
 FAMILIES = {"llama": llama, "mistral": mistral, "qwen2": qwen2, "qwen3": qwen3, "gemma2": gemma2,
             "gemma3_text": gemma3, "mixtral": mixtral, "qwen3_moe": qwen3_moe, "deepseek_v3": deepseek_v3,
-            "gpt_oss": gpt_oss}
+            "deepseek_v2": deepseek_v2, "deepseek_v32": deepseek_v32, "gpt_oss": gpt_oss, "olmo3": olmo3,
+            "qwen3_next": qwen3_next, "qwen3_5": qwen3_5, "qwen3_5_text": qwen3_5, "qwen3_5_moe": qwen3_5,
+            "qwen3_5_moe_text": qwen3_5}
+FAMILIES.update({"qwen3_vl": qwen3_vl, "qwen3_vl_moe": qwen3_vl, "qwen3_omni_moe": qwen3_omni_moe})
+FAMILIES["gemma4_text"] = gemma4  # its layers differ in shape: mappings.gemma4
 
 
 def for_config(config: Any, *, scan_layers: bool = False, dtype: Any = None,

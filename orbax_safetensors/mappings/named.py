@@ -12,7 +12,10 @@ from orbax_safetensors.planning.rules import Mapping
 _FLAX = {"llama": huggingface.llama, "mistral": huggingface.mistral, "qwen2": huggingface.qwen2,
          "qwen3": huggingface.qwen3, "gemma2": huggingface.gemma2, "gemma3": huggingface.gemma3,
          "mixtral": huggingface.mixtral, "qwen3_moe": huggingface.qwen3_moe, "deepseek_v3": huggingface.deepseek_v3,
-         "gpt_oss": huggingface.gpt_oss}
+         "deepseek_v2": huggingface.deepseek_v2, "deepseek_v32": huggingface.deepseek_v32, "gpt_oss": huggingface.gpt_oss, "olmo3": huggingface.olmo3,
+         "qwen3_next": huggingface.qwen3_next, "qwen3_5": huggingface.qwen3_5}
+_FLAX.update({"qwen3_vl": huggingface.qwen3_vl, "qwen3_omni_moe": huggingface.qwen3_omni_moe})
+_FLAX["gemma4"] = huggingface.gemma4
 
 
 def by_name(name: str, config: Any, *, scan_layers: bool | None = None, dtype: Any = None) -> Mapping:

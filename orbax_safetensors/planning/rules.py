@@ -103,17 +103,36 @@ class Strided:
         Rule("model.layers.{i}.self_attn.kv_a_layernorm.weight",
              "decoder.moe_layers.self_attention.kv_norm.scale", stack={"i": 1},
              strided={"i": Strided(None, 1, start=K)})
+
+    ``within`` may instead be a placeholder of the rule's ``stack`` (on neither side's
+    names): ``k`` is then the index along that leaf axis too, so one stored placeholder
+    fills two stacked axes. ``width`` (default ``step``) bounds ``k`` (``0 <= k < width``).
+    MaxText's Qwen3-Next scans blocks of 4 layers (3 linear-attention layers, then a
+    full-attention one) and, inside each block, scans the 3 again: layer ``4 * n + k``
+    (``k < 3``) is index ``(n, k)`` of axes 1 and 2 of ``decoder.layers.local_layers``::
+
+        Rule("model.layers.{i}.input_layernorm.weight",
+             "decoder.layers.local_layers.input_layernorm.scale", stack={"i": 1, "k": 2},
+             strided={"i": Strided("k", 4, width=3)})
     """
 
     within: str | None
     step: int
     start: int = 0
     stop: int | None = None
+    width: int | None = None
 
     def __post_init__(self):
         if not (isinstance(self.step, int) and self.step >= 1 and isinstance(self.start, int) and self.start >= 0
                 and (self.stop is None or isinstance(self.stop, int))):
             raise MappingError(f"{self}: step >= 1, start >= 0 and stop must be ints")
+        if self.width is not None and not (isinstance(self.width, int) and 1 <= self.width <= self.step):
+            raise MappingError(f"{self}: width must be an int in [1, step]")
+
+    @property
+    def span(self) -> int:
+        """How many values ``k`` takes."""
+        return self.step if self.width is None else self.width
 
     def value(self, n: int, k: int) -> int:
         """The stored placeholder's value at stack index ``n`` of the leaf ``within=k``."""
@@ -138,7 +157,7 @@ class Strided:
     def holds(self, k: str) -> bool:
         """Whether the tree placeholder's value ``k`` names a leaf of stored values in range."""
         number = _number(k)
-        return number is not None and number < self.step and (self.stop is None or self.value(0, number) < self.stop)
+        return number is not None and number < self.span and (self.stop is None or self.value(0, number) < self.stop)
 
 
 def _number(text: str) -> int | None:
@@ -170,9 +189,11 @@ class Rule:
     keeps index ``k`` of an axis of the reshaped piece and drops the axis:
     one stored tensor read as several leaves, e.g. gpt-oss's interleaved
     ``gate_up_proj`` ``[E, D, 2F]`` as MaxText's ``wi_0`` (``split={2: ("mlp",
-    2)}, take={3: 0}``) and ``wi_1`` (``take={3: 1}``). Such a leaf is read
-    only: a save through the rule is refused while it is planned, since the
-    leaf cannot write the stored tensor alone.
+    2)}, take={3: 0}``) and ``wi_1`` (``take={3: 1}``). A save writes the
+    stored tensor from all the leaves that take a part of it, each its own
+    indices (a save given only some of them is refused while it is planned);
+    the taken axis's size must then be declared (an int, or a name in
+    ``dims``), as the tree's shape lacks it.
 
     Pieces form the leaf: ``stack={placeholder: axis}`` names placeholders of
     the stored side only, each a leaf axis whose index is the placeholder's
@@ -182,6 +203,14 @@ class Rule:
     ``stored`` patterns are concatenated along one leaf axis,
     ``concat={axis: sizes}`` with one size per pattern. ``split``/``merge``/
     ``permute`` axes count a piece's axes; ``stack``/``concat`` axes the leaf's.
+
+    ``order`` interleaves the concatenated patterns: along the concat axis, in
+    ``chunk``-wide slices, the leaf holds slice ``j`` of pattern ``p`` for each
+    ``(p, j)`` of ``order`` in turn (a rule without ``split`` or ``merge``).
+    MaxText's Qwen3.5 ``in_proj_qkvz`` kernel holds, key head by key head, that
+    head's query, key and value columns of ``in_proj_qkv`` and its ``in_proj_z``
+    columns. Each slice is its own piece (``take``), so a save writes the stored
+    tensors from the leaf (and the other leaves with slices of them) slice by slice.
 
     A size is an int, ``-1`` (inferred), or a dimension name looked up in the
     ``Mapping``'s ``dims`` (inferred when absent). Sizes are only needed where
@@ -201,6 +230,8 @@ class Rule:
     concat: MappingABC[int, Sequence[Size]] = dataclasses.field(default_factory=dict)
     strided: MappingABC[str, Strided] = dataclasses.field(default_factory=dict)
     take: MappingABC[int, int] = dataclasses.field(default_factory=dict)
+    order: Sequence[tuple[int, int]] = ()
+    chunk: int | None = None
 
     @property
     def stored_patterns(self) -> tuple[str, ...]:
@@ -210,6 +241,21 @@ class Rule:
     def _stacked_placeholders(self) -> tuple[str, ...]:
         """The ``stack`` placeholders in the order of their leaf axes."""
         return tuple(sorted(self.stack, key=self.stack.__getitem__))
+
+    def _slice(self, pattern: int, j: int) -> Rule:
+        """The rule of slice ``j`` of stored pattern ``pattern`` of an ``order``ed rule: the concat
+        axis split into ``chunk``-wide slices, slice ``j`` taken. Where the order takes every slice of
+        the pattern, their count is declared: a save, planned from the tree's shape, needs it."""
+        axis = self._tiling.concat_piece_axis
+        slices = sorted(k for p, k in self.order if p == pattern)
+        count = len(slices) if slices == list(range(len(slices))) else -1
+        return dataclasses.replace(self, stored=self.stored_patterns[pattern], concat={}, order=(), chunk=None,
+                                   split={axis: (count, self.chunk)}, take={axis: j})
+
+    @property
+    def _inner(self) -> dict[str, str]:
+        """The stacked ``within`` placeholders, each with the stored placeholder it is within."""
+        return {s.within: p for p, s in self.strided.items() if s.within is not None and s.within in self.stack}
 
     @property
     def _tiling(self) -> Tiling:
@@ -227,13 +273,14 @@ class Rule:
         """Both sides have the same placeholders, but the stacked and strided ones (the stored
         side's only) and the strided ones' ``within`` (the tree side's only)."""
         _, tree_names = _pattern(self.tree, "tree")
-        stored_only = set(self.stack) | set(self.strided)
-        tree_only = {s.within for s in self.strided.values() if s.within is not None}
+        inner = set(self._inner)  # stacked withins: on neither side
+        stored_only = (set(self.stack) | set(self.strided)) - inner
+        tree_only = {s.within for s in self.strided.values() if s.within is not None} - inner
         for pattern in self.stored_patterns:
             _, stored_names = _pattern(pattern, "stored")
             if (set(stored_names) - stored_only != set(tree_names) - tree_only or not stored_only <= set(stored_names)
                     or not tree_only <= set(tree_names) - set(stored_names)
-                    or len(tree_only) != sum(s.within is not None for s in self.strided.values())):
+                    or len(tree_only) != sum(s.within is not None for s in self.strided.values()) - len(inner)):
                 raise MappingError(
                     f"rule {pattern!r} ↔ {self.tree!r}: both sides need the same placeholders, "
                     "except the stacked and strided ones, which only the stored side has, and each "
@@ -267,6 +314,11 @@ class Rule:
             raise MappingError(f"{where}: take {dict(self.take)}: axes and indices must be ints >= 0")
 
     def _check_values(self, where: str) -> None:
+        if self.order and (not self.concat or self.split or self.merge or self.take or not isinstance(self.chunk, int)
+                           or self.chunk < 1 or any(not 0 <= p < len(self.stored_patterns) or j < 0
+                                                    for p, j in self.order)):
+            raise MappingError(f"{where}: order needs concat, a chunk >= 1, no split, merge or take, and "
+                               "(pattern, slice) pairs of its stored patterns")
         for permutation in self.permute.values():
             if isinstance(permutation, str) and permutation not in PERMUTATIONS:
                 raise MappingError(f"{where}: unknown permutation {permutation!r}; "
@@ -298,12 +350,9 @@ class Rule:
         if stored_shape is None and tree_shape is None:
             raise MappingError(f"{where}: needs the stored or the tree shape")
         stored, tree = _shape(stored_shape), _shape(tree_shape)
-        if self.take and stored is None:  # the tree's shape lacks the taken axes
-            raise MappingError(f"{where}: takes one index {dict(self.take)} of a stored tensor that holds "
-                               "other leaves too, so it is read only: a save cannot write the stored tensor "
-                               "from it, and a load needs the stored shape")
-        arranged = self._arrangement(self._transposed(stored), None if self.take else tree, dims or {},
-                                     undeclared)
+        reshaped = tree if not self.take or stored is not None else self._with_taken_axes(tree, dims or {})
+        arranged = self._arrangement(self._transposed(stored), None if self.take and stored is not None
+                                     else reshaped, dims or {}, undeclared)
         takes = self._takes(arranged.tree_shape)
         shape = dataclasses.replace(arranged, takes=takes).tree_shape
         if tree is not None and shape != tree:
@@ -311,10 +360,30 @@ class Rule:
         return dataclasses.replace(arranged, permutes=self._permutes(arranged.tree_shape), takes=takes,
                                    scale=self.scale, offset=self.offset, dtype=self.dtype)
 
+    def _with_taken_axes(self, tree: tuple[int, ...], dims: MappingABC[str, int]) -> tuple[int, ...]:
+        """The tree shape of a piece that takes, with its taken axes back: the reshaped piece a
+        save plans from (the taken axes' sizes as the split declares them)."""
+        declared: dict[int, Size] = {}
+        offset = 0  # reshaped axis - transposed axis, from the splits and merges before
+        for axis in sorted({*self.split, *self.merge}):
+            if axis in self.split:
+                declared.update({axis + offset + k: size for k, size in enumerate(self.split[axis])})
+                offset += len(self.split[axis]) - 1
+            else:
+                offset -= len(self.merge[axis]) - 1
+        shape = list(tree)
+        for axis in sorted(self.take):
+            size = _declared(declared.get(axis, -1), dims)
+            if size is None:
+                raise MappingError(f"{self._where}: take {axis}: the taken axis's size is not declared "
+                                   "(an int or a name in dims), so a save cannot plan the stored tensor "
+                                   "from the tree's shape, which lacks that axis")
+            shape.insert(axis, size)
+        return tuple(shape)
+
     def _takes(self, reshaped: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-        """``take`` as the transform's ``(axis, index)`` pairs of the ``reshaped`` piece (a rule
-        that takes is resolved from the stored shape alone: the tree's lacks the taken axes;
-        without one, as when a save is planned, it is refused)."""
+        """``take`` as the transform's ``(axis, index)`` pairs of the ``reshaped`` piece (from the
+        stored shape, or from the tree's with the taken axes' declared sizes put back)."""
         for axis, index in self.take.items():
             if axis >= len(reshaped) or index >= reshaped[axis]:
                 raise MappingError(f"{self._where}: take {axis}: index {index} of a piece of shape {reshaped}")
@@ -324,18 +393,20 @@ class Rule:
         """Whether a name whose pattern gave placeholder ``values`` on ``side`` is this
         rule's: every value a ``Strided`` placeholder computes is in its range."""
         if side == "tree":
-            return all(s.within is None or s.holds(values[s.within]) for s in self.strided.values())
+            return all(s.within is None or s.within in self._inner or s.holds(values[s.within])
+                       for s in self.strided.values())
         for placeholder, strided in self.strided.items():
             split = strided.split(values[placeholder])
             if split is None or (placeholder not in self.stack and split[0] != 0) or (
-                    strided.within is None and split[1] != 0):
+                    strided.within is None and split[1] != 0) or split[1] >= strided.span:
                 return False
         return True
 
     def _tree_values(self, stored: MappingABC[str, str]) -> dict[str, str]:
         """The tree's placeholder values of a stored name's (that ``_accepts``)."""
         values = {p: v for p, v in stored.items() if p not in self.stack and p not in self.strided}
-        values.update({s.within: str(s.split(stored[p])[1]) for p, s in self.strided.items() if s.within is not None})
+        values.update({s.within: str(s.split(stored[p])[1]) for p, s in self.strided.items()
+                       if s.within is not None and s.within not in self._inner})
         return values
 
     def _stored_values(self, tree: MappingABC[str, str], index: Sequence[int]) -> dict[str, str]:
@@ -343,7 +414,8 @@ class Rule:
         stack axes) of the leaf whose tree placeholders are ``tree``."""
         stacked = dict(zip(self._stacked_placeholders, index))
         values = {**tree, **{p: str(i) for p, i in stacked.items()}}
-        values.update({p: str(s.value(stacked.get(p, 0), s.k(tree))) for p, s in self.strided.items()})
+        values.update({p: str(s.value(stacked.get(p, 0), stacked[s.within] if s.within in self._inner else s.k(tree)))
+                       for p, s in self.strided.items()})
         return values
 
     def _stack_index(self, stored: MappingABC[str, str], tree: MappingABC[str, str]) -> tuple[str, ...] | None:
@@ -351,12 +423,19 @@ class Rule:
         ``stored`` in the leaf with tree values ``tree``; ``None``: another leaf's."""
         index = []
         for placeholder in self._stacked_placeholders:
+            if placeholder in self._inner:  # k of the stored placeholder it is within
+                outer = self._inner[placeholder]
+                split = self.strided[outer].split(stored[outer])
+                if split is None or split[1] >= self.strided[outer].span:
+                    return None
+                index.append(str(split[1]))
+                continue
             strided = self.strided.get(placeholder)
             if strided is None:
                 index.append(stored[placeholder])
                 continue
             split = strided.split(stored[placeholder])
-            if split is None or split[1] != strided.k(tree):
+            if split is None or (placeholder not in self._inner.values() and split[1] != strided.k(tree)):
                 return None
             index.append(str(split[0]))
         return tuple(index)
@@ -678,12 +757,18 @@ class Mapping:
         first = _piece_names(rule, values, (0,) * len(counts))
         sizes = self._concat_sizes(rule, tree, stored_shapes, first, where) or (None,) * len(first)
         own = [None if tree is None else tiling.piece_shape(tree, size) for size in sizes]
+        slices = {(p, j): rule._slice(p, j) for p, j in rule.order}
         pieces = []
         for index in itertools.product(*(range(c) for c in counts)):
             names = _piece_names(rule, values, index)
-            pieces += tiling.place(index, [
-                (name, self._piece_transform(rule, name, shape, stored_shapes, where))
-                for name, shape in zip(names, own)])
+            if rule.order:  # each slice a piece of its own, in the order's turn
+                shape = None if tree is None else tiling.piece_shape(tree, rule.chunk)
+                stored = [(names[p], self._piece_transform(slices[p, j], names[p], shape, stored_shapes, where))
+                          for p, j in rule.order]
+            else:
+                stored = [(name, self._piece_transform(rule, name, shape, stored_shapes, where))
+                          for name, shape in zip(names, own)]
+            pieces += tiling.place(index, stored)
         quantized = getattr(stored_shapes, "quantized", {})
         if quantized:
             pieces = [dataclasses.replace(p, quantized=quantized.get(p.stored)) for p in pieces]
@@ -717,7 +802,8 @@ class Mapping:
         counts = []
         for placeholder, found in seen.items():
             strided = rule.strided.get(placeholder)
-            known = None if strided is None else strided.count(strided.k(values))
+            known = None if strided is None else strided.count(0 if placeholder in rule._inner.values()
+                                                                else strided.k(values))
             expected = {str(i) for i in range(len(found) if known is None else known)}
             if found != expected:
                 raise MappingError(f"{where}: stacked {{{placeholder}}} takes the values "
@@ -761,18 +847,45 @@ class Mapping:
                 self._find(bad[0], "tree")
             except MappingError as e:
                 raise MappingError(f"{e} (unmapped or ambiguous: {', '.join(bad)})") from None
-        stored_specs, assemblies, owner = [], {}, {}
+        stored_specs, assemblies, owner, taken = {}, {}, {}, {}
         for spec in specs:
             assembly = self.assembly(spec.name, tree_shape=spec.shape)
             assemblies[spec.name] = assembly
             for piece in assembly.pieces:
-                if piece.stored in owner:
-                    raise MappingError(
-                        f"tree leaves {owner[piece.stored]!r} and {spec.name!r} both map to {piece.stored!r}")
-                owner[piece.stored] = spec.name
+                takes = piece.transform.takes
                 dtype = spec.dtype if piece.transform.dtype is None else dtype_for_numpy(piece.transform.dtype)
-                stored_specs.append(TensorSpec(piece.stored, dtype, piece.transform.stored_shape))
-        return stored_specs, assemblies
+                stored = TensorSpec(piece.stored, dtype, piece.transform.stored_shape)
+                if piece.stored in owner and not (takes and piece.stored in taken and takes not in taken[piece.stored]
+                                                  and stored_specs[piece.stored] == stored):
+                    raise MappingError(
+                        f"tree leaves {owner[piece.stored]!r} and {spec.name!r} both map to {piece.stored!r}"
+                        + (" (the same part of it, or as tensors of different shapes or dtypes)" if takes else ""))
+                owner[piece.stored] = spec.name
+                stored_specs[piece.stored] = stored
+                if takes:
+                    taken.setdefault(piece.stored, {})[takes] = piece.transform._reshaped_shape
+        for name, parts in taken.items():
+            _check_parts(name, parts)
+        return list(stored_specs.values()), assemblies
+
+
+def _check_parts(name: str, parts: MappingABC[tuple[tuple[int, int], ...], tuple[int, ...]]) -> None:
+    """Refuses a save that has leaves for some parts of the stored tensor ``name`` only (each
+    part: the ``(axis, index)`` pairs a piece takes of the reshaped piece's shape): the stored
+    tensor would hold garbage where the missing parts go."""
+    axes = {tuple(axis for axis, _ in takes) for takes in parts}
+    shapes = set(parts.values())
+    if len(axes) != 1 or len(shapes) != 1:
+        raise MappingError(f"the stored tensor {name!r} is taken apart along different axes "
+                           f"{sorted(axes)} or of different shapes {sorted(shapes)}")
+    (taken,), (shape,) = axes, shapes
+    missing = [tuple(zip(taken, index)) for index in itertools.product(*(range(shape[a]) for a in taken))
+               if tuple(zip(taken, index)) not in parts]
+    if missing:
+        raise MappingError(f"the stored tensor {name!r} cannot be written: no tree leaf holds its part(s) "
+                           + ", ".join(" ".join(f"index {i} of axis {a}" for a, i in m) for m in missing[:8])
+                           + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+                           + " (the saved tree must hold every leaf that takes a part of it)")
 
 
 def _one_tensor_per_leaf(hits: Sequence[tuple[Rule, Any]]) -> bool:

@@ -14,9 +14,10 @@ by values:
 3. ``takes`` keep one index of an axis and drop it: gpt-oss stores gate and
    up interleaved in one ``gate_up_proj`` (``[..., 2 * F]``, gate at even
    columns), MaxText holds them as two leaves; split into ``(F, 2)``, ``wi_0``
-   takes index 0 of the new axis and ``wi_1`` index 1. A piece that takes is
-   read only: its stored tensor holds other leaves too, so no save writes it
-   from this piece (``tree_box``/``to_stored`` refuse).
+   takes index 0 of the new axis and ``wi_1`` index 1. A save writes such a
+   stored tensor from all the pieces that take a part of it: each piece's
+   values go back to its index of the taken axis (``to_stored`` writes those
+   stored boxes alone, ``tree_box`` says what of the piece a stored box needs).
 
 Everything applies to a box, never to a whole tensor, so a sharded load still
 reads only the bytes each device holds: ``stored_box`` turns the box a device
@@ -96,7 +97,8 @@ class Transform:
     """Stored tensor → tree piece: its arrangement (``np.transpose(stored, perm)``, a grouped
     reshape), then the value transforms (``permutes`` of single axes, ``scale``, then
     ``offset``); ``dtype``: saved as; ``takes``: ``(axis, index)`` pairs, ascending, of the
-    reshaped piece's axes that the tree piece holds one index of, and lacks (read only).
+    reshaped piece's axes that the tree piece holds one index of, and lacks (the other
+    indices are other pieces').
 
     ``groups`` cover the transposed axes and the tree axes in order: each is
     ``(transposed sizes, tree sizes)`` with equal products, so the reshape only
@@ -219,13 +221,6 @@ class Transform:
             box.insert(axis, (index, index + 1))
         return tuple(box)
 
-    def _read_only(self) -> None:
-        """Refuses to write a piece that takes one index of a stored axis: the stored tensor
-        holds the other indices' leaves too, which this piece cannot write."""
-        if self.takes:
-            raise MappingError(f"a piece that takes (axis, index) {self.takes} of its stored tensor is "
-                               "read only: the stored tensor holds other leaves too")
-
     def _regrouped(self, box: Box, *, to_tree: bool) -> list[tuple[int, int]]:
         """``box`` of the transposed axes as the smallest box of the tree axes holding it
         (``to_tree``), or the other way: per group, the enclosing range of a split or merged
@@ -240,12 +235,12 @@ class Transform:
             out.extend(range_cover(f0, f1, want))
         return out
 
-    def tree_box(self, stored_box: Box) -> Box:
-        """The smallest tree box whose stored values (``to_stored``) cover ``stored_box``: what
-        of the piece a streamed save must hold to write that box of the stored tensor (a
-        split axis cut inside its inner sizes takes their enclosing range, a permuted axis
-        the range of tree indices its stored indices go to)."""
-        self._read_only()
+    def tree_box(self, stored_box: Box) -> Box | None:
+        """The smallest tree box whose stored values (``to_stored``) cover this piece's part of
+        ``stored_box``: what of the piece a streamed save must hold to write that box of the
+        stored tensor (a split axis cut inside its inner sizes takes their enclosing range, a
+        permuted axis the range of tree indices its stored indices go to). ``None``: the box
+        holds none of a piece that takes (only other pieces' indices of the taken axis)."""
         if box_size(stored_box) == 0:
             return tuple((0, 0) for _ in self.tree_shape)
         tree = self._regrouped(tuple(stored_box[p] for p in self.perm), to_tree=True)
@@ -253,7 +248,10 @@ class Transform:
             a, b = tree[axis]
             held = [j for j, k in enumerate(order) if a <= k < b]
             tree[axis] = (min(held), max(held) + 1)
-        return tuple(tree)
+        taken = dict(self.takes)
+        if any(not tree[axis][0] <= index < tree[axis][1] for axis, index in taken.items()):
+            return None
+        return tuple(bounds for axis, bounds in enumerate(tree) if axis not in taken)
 
     def to_tree(self, data: np.ndarray, stored_box: Box, tree_box: Box,
                 out: np.ndarray | None = None) -> np.ndarray:
@@ -301,9 +299,11 @@ class Transform:
         One box where the shard is one stored box (always, unless a split axis
         is sharded inside its inner sizes, a merged axis across its rows, or a
         permuted axis into parts whose indices are not one range); otherwise
-        the shard is cut into the fewest stored boxes it spans.
+        the shard is cut into the fewest stored boxes it spans. A piece that takes writes its
+        index of each taken axis alone (the other pieces of the stored tensor write theirs):
+        the interleaved columns of gpt-oss's ``gate_up_proj`` one column box each.
         """
-        self._read_only()
+        tree_box = self._with_taken(tree_box)
         data = np.asarray(data).reshape(box_shape(tree_box))
         dtype = data.dtype if self.dtype is None else self.dtype
         stored = [item for box, values in self._unpermuted_parts(tree_box, self._scaled(data, inverse=True))

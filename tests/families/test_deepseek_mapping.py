@@ -8,6 +8,11 @@ transformed by hand (transposed, heads split, experts stacked, renamed; bfloat16
 float32 exactly), and the tree saved back through the mapping is the very file
 ``save_pretrained`` wrote. MaxText's forward pass over what ``maxtext("deepseek3", ...)``
 loads is tests/families/test_maxtext_mapping.py's ``deepseek3`` case.
+
+DeepSeek-V2-Lite (``deepseek_v2``: one ``q_proj``, no router bias) and DeepSeek-V3.2
+(``deepseek_v32``: each attention's indexer) go through the same checks, in both trees,
+unscanned and scanned; their MaxText forwards are the ``deepseek2`` and ``deepseek3.2`` cases
+there.
 """
 
 import os
@@ -19,8 +24,8 @@ from safetensors.numpy import load_file
 
 import orbax_safetensors as ost
 from tests.support import hf_families
-from tests.families.test_model_families import _sharded
 from tests.support.trees import flat, nest
+from tests.support.trees_by_hand import load_save_and_compare, outer_leaves, sharded_like, split_layers
 
 transformers = pytest.importorskip("transformers")
 
@@ -36,6 +41,7 @@ MAXTEXT_NAMES = {
     "mlp.shared_experts.up_proj": "DeepSeekMoeBlock_0.shared_experts.wi_1",
     "mlp.shared_experts.down_proj": "DeepSeekMoeBlock_0.shared_experts.wo",
     "mlp.gate": "DeepSeekMoeBlock_0.MoeBlock_0.gate",
+    **{f"self_attn.indexer.{m}": f"self_attention.indexer.{m}" for m in ("wq_b", "wk", "weights_proj", "k_norm")},
 }
 MAXTEXT_EXPERTS = {"gate_proj": "wi_0", "up_proj": "wi_1", "down_proj": "wo"}
 
@@ -49,9 +55,12 @@ def checkpoint(tmp_path_factory):
         os.path.join(directory, "model.safetensors"))
 
 
-def _kernel(module: str, weight: np.ndarray, heads: int) -> np.ndarray:
-    """A ``Linear`` weight as its kernel: transposed, the heads of the MLA projections an axis."""
+def _kernel(module: str, weight: np.ndarray, heads: int, index_heads: int | None = None) -> np.ndarray:
+    """A ``Linear`` weight as its kernel: transposed, the heads of the MLA projections (and of
+    V3.2's indexer query) an axis."""
     kernel = weight.T
+    if module.endswith("indexer.wq_b"):
+        return kernel.reshape(kernel.shape[0], index_heads, -1)
     if module.endswith(("q_b_proj", "q_proj", "kv_b_proj")):
         return kernel.reshape(kernel.shape[0], heads, -1)
     if module.endswith("o_proj"):
@@ -59,12 +68,13 @@ def _kernel(module: str, weight: np.ndarray, heads: int) -> np.ndarray:
     return kernel
 
 
-def flax_by_hand(tensors: dict, heads: int) -> dict:
-    """The Flax-style tree of ``tensors``, spelled out tensor by tensor."""
+def flax_by_hand(tensors: dict, heads: int, index_heads: int | None = None) -> dict:
+    """The Flax-style tree of ``tensors``, spelled out tensor by tensor (``index_heads``: V3.2's
+    indexer's)."""
     tree, experts = {}, {}
     for name, value in tensors.items():
         expert = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight", name)
-        layer = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|e_score_correction_bias)", name)
+        layer = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias|e_score_correction_bias)", name)
         if expert:
             i, e, proj = expert.groups()
             experts.setdefault(f"model.layers_{i}.mlp.experts.{proj}.kernel", {})[int(e)] = value.T
@@ -72,13 +82,10 @@ def flax_by_hand(tensors: dict, heads: int) -> dict:
             i, module, kind = layer.groups()
             leaf = ("scale" if module.endswith("norm") else "kernel") if kind == "weight" else kind
             tree[f"model.layers_{i}.{module}.{leaf}"] = (
-                value if leaf != "kernel" else _kernel(module, value, heads))
+                value if leaf != "kernel" else _kernel(module, value, heads, index_heads))
     for leaf, stack in experts.items():
         tree[leaf] = np.stack([stack[e] for e in range(len(stack))])
-    tree["model.embed_tokens.embedding"] = tensors["model.embed_tokens.weight"]
-    tree["model.norm.scale"] = tensors["model.norm.weight"]
-    tree["lm_head.kernel"] = tensors["lm_head.weight"].T
-    return tree
+    return tree | outer_leaves(tensors)
 
 
 def maxtext_by_hand(flax_tree: dict, first_dense: int) -> dict:
@@ -101,33 +108,14 @@ def maxtext_by_hand(flax_tree: dict, first_dense: int) -> dict:
     return tree
 
 
-def _load_save_and_compare(directory: str, mapping: ost.Mapping, expected: dict, out: str) -> None:
-    """Loads ``directory`` into a float32 tree sharded over 8 devices: each leaf is ``expected``'s,
-    bit for bit; saved back it is the very file."""
-    shapes = mapping.tree_shapes({n: t.shape for n, t in ost.metadata(directory).tensors.items()})
-    assert shapes == {name: value.shape for name, value in expected.items()}
-    target = _sharded(shapes)
-    stats = ost.LoadStats()
-    params = ost.load(directory, nest(target), mapping=mapping, stats=stats,
-                      options=ost.LoadOptions(max_gap=0, max_overread=1.0))
-    assert stats.bytes_read == stats.bytes_needed  # each device read its own bytes only
-    for name, leaf in flat(params).items():
-        assert leaf.sharding == target[name].sharding, name
-        np.testing.assert_array_equal(np.asarray(leaf), expected[name].astype(np.float32), err_msg=name)
-    ost.save(out, params, mapping=mapping, checksums=False)  # without: transformers' very bytes
-    with open(os.path.join(directory, "model.safetensors"), "rb") as a, \
-            open(os.path.join(out, "model.safetensors"), "rb") as b:
-        assert a.read() == b.read()
-
-
 def test_flax_style_tree_is_the_checkpoint_by_hand_and_saves_back_the_same_file(checkpoint, tmp_path):
     directory, config, tensors = checkpoint
     mapping = ost.mappings.deepseek_v3(config, dtype="bfloat16")
     assert ost.mappings.for_config(config, dtype="bfloat16").rules == mapping.rules
     assert ost.mappings.by_name("deepseek_v3", config, dtype="bfloat16").rules == mapping.rules
     assert mapping.quantization is None  # a bfloat16 release
-    _load_save_and_compare(directory, mapping, flax_by_hand(tensors, config.num_attention_heads),
-                           str(tmp_path / "back"))
+    load_save_and_compare(directory, mapping, flax_by_hand(tensors, config.num_attention_heads),
+                          str(tmp_path / "back"))
 
 
 def test_maxtext_tree_is_the_checkpoint_by_hand_and_saves_back_the_same_file(checkpoint, tmp_path):
@@ -135,7 +123,7 @@ def test_maxtext_tree_is_the_checkpoint_by_hand_and_saves_back_the_same_file(che
     mapping = ost.mappings.maxtext("deepseek3-671b", config, scan_layers=False, dtype="bfloat16")
     assert mapping.checkpoint_form == "maxtext"
     expected = maxtext_by_hand(flax_by_hand(tensors, config.num_attention_heads), config.first_k_dense_replace)
-    _load_save_and_compare(directory, mapping, expected, str(tmp_path / "back"))
+    load_save_and_compare(directory, mapping, expected, str(tmp_path / "back"))
 
 
 def test_without_a_low_rank_query_the_query_is_q_proj(checkpoint):
@@ -179,16 +167,13 @@ def test_an_fp8_release_reads_through_the_same_rules(checkpoint):
 def scan_by_hand(tree: dict, first_dense: int, axis: int) -> dict:
     """A tree with each layer under its own name (``model.layers_{i}``, or MaxText's
     ``decoder.{dense,moe}_layers_{k}``) scanned: dense and MoE layers stacked apart at ``axis``."""
-    stacks, out = {}, {}
-    for name, value in tree.items():
-        layer = re.fullmatch(r"(model|decoder)\.(layers|dense_layers|moe_layers)_(\d+)\.(.+)", name)
-        if layer is None:
-            out[name] = value
-            continue
-        root, block, k, leaf = layer.groups()
+    out, by_layer = split_layers(tree, r"(?:model|decoder)\.(?:layers|dense_layers|moe_layers)")
+    stacks = {}
+    for (root, k, leaf), value in by_layer.items():
+        root, block = root.rsplit(".", 1)
         if block == "layers":
-            block, k = ("dense_layers", int(k)) if int(k) < first_dense else ("moe_layers", int(k) - first_dense)
-        stacks.setdefault(f"{root}.{block}.{leaf}", {})[int(k)] = value
+            block, k = ("dense_layers", k) if k < first_dense else ("moe_layers", k - first_dense)
+        stacks.setdefault(f"{root}.{block}.{leaf}", {})[k] = value
     out.update((name, np.stack([layers[k] for k in range(len(layers))], 0 if name.endswith("gate.bias") else axis))
                for name, layers in stacks.items())  # MaxText's router bias (MoEBiasVar) is scanned at axis 0
     return out
@@ -206,7 +191,7 @@ def test_scanned_trees_stack_dense_and_moe_layers_apart(checkpoint, tmp_path, tr
     else:
         mapping = ost.mappings.maxtext("deepseek3", config, dtype="bfloat16")
         expected = scan_by_hand(maxtext_by_hand(flax_tree, first), first, axis=1)
-    _load_save_and_compare(directory, mapping, expected, str(tmp_path / "back"))
+    load_save_and_compare(directory, mapping, expected, str(tmp_path / "back"))
 
 
 def test_scanned_trees_need_the_config():
@@ -244,9 +229,56 @@ def test_fp8_release_reads_as_its_dequantized_twin(checkpoint, tmp_path, tree):
     make = ((lambda c: ost.mappings.deepseek_v3(c, scan_layers=True)) if tree == "flax"
             else (lambda c: ost.mappings.maxtext("deepseek3", c)))
     expected = flat(ost.load(str(tmp_path / "twin"), mapping=make(config), nest=True))
-    target = _sharded({name: value.shape for name, value in expected.items()})
+    target = sharded_like(expected)
     params = flat(ost.load(str(tmp_path / "fp8"), nest(target), mapping=make(fp8), strict=True))
     assert set(params) == set(expected)
     for name, value in expected.items():
         assert params[name].sharding == target[name].sharding, name
         np.testing.assert_array_equal(np.asarray(params[name]), value, err_msg=name)
+
+
+# model_type -> MaxText's family: the other DeepSeek versions, through the same rules.
+VERSIONS = {"deepseek_v2": "deepseek2", "deepseek_v32": "deepseek3.2"}
+
+
+@pytest.fixture(scope="module", params=list(VERSIONS))
+def version_checkpoint(request, tmp_path_factory):
+    """(directory, config, {name: numpy tensor}) of a tiny bfloat16 DeepSeek-V2-Lite (one q_proj,
+    no router bias) or DeepSeek-V3.2 (V3's and each attention's indexer)."""
+    directory = str(tmp_path_factory.mktemp(request.param))
+    hf_families.tiny_model(request.param, directory, dtype="bfloat16")
+    return directory, transformers.AutoConfig.from_pretrained(directory), load_file(
+        os.path.join(directory, "model.safetensors"))
+
+
+@pytest.mark.parametrize("tree", ["flax", "flax-scanned", "maxtext", "maxtext-scanned"])
+def test_v2_and_v32_trees_are_their_checkpoints_by_hand_and_save_back_the_same_file(version_checkpoint, tmp_path,
+                                                                                   tree):
+    """V2 has no ``e_score_correction_bias`` (nor, V2-Lite, ``q_a_proj``/``q_b_proj``); V3.2's
+    indexer is ``self_attn.indexer.*`` (MaxText: ``self_attention.indexer.*``), its query's heads
+    an axis: each leaf, sharded over 8 devices, is the tensor by hand; the tree saves back the very
+    file, unscanned and scanned."""
+    directory, config, tensors = version_checkpoint
+    assert any("e_score_correction_bias" in n for n in tensors) == (config.model_type == "deepseek_v32")
+    assert any(".indexer." in n for n in tensors) == (config.model_type == "deepseek_v32")
+    first = config.first_k_dense_replace
+    flax_tree = flax_by_hand(tensors, config.num_attention_heads, getattr(config, "index_n_heads", None))
+    flax_mapping = getattr(ost.mappings, config.model_type)
+    mapping, expected = {
+        "flax": (flax_mapping(config, dtype="bfloat16"), flax_tree),
+        "flax-scanned": (flax_mapping(config, scan_layers=True, dtype="bfloat16"), scan_by_hand(flax_tree, first, 0)),
+        "maxtext": (ost.mappings.maxtext(VERSIONS[config.model_type], config, scan_layers=False, dtype="bfloat16"),
+                    maxtext_by_hand(flax_tree, first)),
+        "maxtext-scanned": (ost.mappings.maxtext(VERSIONS[config.model_type], config, dtype="bfloat16"),
+                            scan_by_hand(maxtext_by_hand(flax_tree, first), first, 1)),
+    }[tree]
+    if tree == "flax":
+        assert ost.mappings.for_config(config, dtype="bfloat16").rules == mapping.rules
+        assert ost.mappings.by_name(config.model_type, config, dtype="bfloat16").rules == mapping.rules
+    load_save_and_compare(directory, mapping, expected, str(tmp_path / "back"))
+
+
+def test_v32_without_a_config_names_the_indexer_sizes():
+    with pytest.raises(ost.ArgumentError, match="index_n_heads, index_head_dim"):
+        ost.mappings.maxtext("deepseek3.2", {**hf_families.DEEPSEEK_V3, "num_attention_heads": 4, "v_head_dim": 12},
+                             scan_layers=False)

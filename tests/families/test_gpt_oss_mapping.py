@@ -7,9 +7,10 @@ experts; every weight random, sinks, biases and norms too) is saved by transform
 loaded through each mapping, scanned and unscanned, sharded over a (2, 4) mesh that cuts
 experts, layers and the interleaved gate/up columns: each leaf must equal, bit for bit, the
 stored tensors transformed by hand (``gate_up_proj[..., ::2]`` for MaxText's ``wi_0``, as
-MaxText's converter does), and each device must read only its stored boxes. The Flax-style
-tree saves back transformers' very file; the MaxText tree, two leaves of one stored tensor,
-refuses a save while it is planned. MaxText 0.2.5's own forward on weights loaded through
+MaxText's converter does), and each device must read only its stored boxes. Both trees save
+back transformers' very file (the MaxText tree's ``gate_up_proj`` written from both of its
+leaves) and convert back to its tensors; a MaxText tree lacking one of them is refused before
+anything is written. MaxText 0.2.5's own forward on weights loaded through
 ``maxtext("gpt-oss", ...)`` is ``tests/families/test_maxtext_mapping.py``'s ``gpt-oss`` case (slow:
 the MaxText venv), which also compares every leaf with MaxText's own converter.
 """
@@ -30,6 +31,9 @@ from orbax_safetensors.planning.rules import Rule
 from tests.planning.test_mapping import _SETTINGS, _slices, box_in, transforms
 from tests.families.test_model_families import _sharded
 from tests.support.trees import flat, nest
+from tests.support.trees_by_hand import (assert_loads_sharded, assert_saves_back_the_file, attention_kernels,
+                                         layer_tensors, load_sharded_like, save_bfloat16_normal, sharded_like,
+                                         whole_tree)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -56,26 +60,20 @@ def checkpoint(tmp_path_factory):
     directory = str(tmp_path_factory.mktemp("gpt_oss"))
     torch.manual_seed(0)
     model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**CONFIG))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.5)
-    model.to(torch.bfloat16).save_pretrained(directory)
-    stored = {name: np.asarray(value) for name, value in ost.load(directory).items()}
+    stored = save_bfloat16_normal(model, directory)
     assert stored["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, D, 2 * CONFIG["intermediate_size"])
     return directory, transformers.AutoConfig.from_pretrained(directory), stored
 
 
 def _flax_layer(stored, i):
     """Layer ``i``'s Flax-style leaves, from the stored tensors by hand."""
-    s = {name.removeprefix(f"model.layers.{i}."): v for name, v in stored.items()
-         if name.startswith(f"model.layers.{i}.")}
+    s = layer_tensors(stored, i)
     layer = {"input_layernorm.scale": s["input_layernorm.weight"],
              "post_attention_layernorm.scale": s["post_attention_layernorm.weight"],
-             "self_attn.o_proj.kernel": s["self_attn.o_proj.weight"].T.reshape(H, HD, D),
              "self_attn.o_proj.bias": s["self_attn.o_proj.bias"], "self_attn.sinks": s["self_attn.sinks"],
-             "mlp.router.kernel": s["mlp.router.weight"].T, "mlp.router.bias": s["mlp.router.bias"]}
+             "mlp.router.kernel": s["mlp.router.weight"].T, "mlp.router.bias": s["mlp.router.bias"],
+             **attention_kernels(s, H, K, HD)}
     for proj, heads in (("q", H), ("k", K), ("v", K)):
-        layer[f"self_attn.{proj}_proj.kernel"] = s[f"self_attn.{proj}_proj.weight"].T.reshape(D, heads, HD)
         layer[f"self_attn.{proj}_proj.bias"] = s[f"self_attn.{proj}_proj.bias"].reshape(heads, HD)
     for proj in ("gate_up_proj", "down_proj"):
         layer[f"mlp.experts.{proj}.kernel"] = s[f"mlp.experts.{proj}"]
@@ -95,23 +93,10 @@ def _maxtext_layer(stored, i):
 
 
 def _expected(stored, family, scan_layers):
-    """The whole tree ``family``'s mapping makes of the stored tensors, by hand."""
-    if family == "flax":
-        tree = {"model.embed_tokens.embedding": stored["model.embed_tokens.weight"],
-                "model.norm.scale": stored["model.norm.weight"], "lm_head.kernel": stored["lm_head.weight"].T}
-        layers = [_flax_layer(stored, i) for i in range(LAYERS)]
-        if not scan_layers:
-            return tree | {f"model.layers_{i}.{n}": v for i, layer in enumerate(layers) for n, v in layer.items()}
-        return tree | {f"model.layers.{n}": np.stack([layer[n] for layer in layers]) for n in layers[0]}
-    tree = {"token_embedder.embedding": stored["model.embed_tokens.weight"],
-            "decoder.decoder_norm.scale": stored["model.norm.weight"],
-            "decoder.logits_dense.kernel": stored["lm_head.weight"].T}
-    layers = [_maxtext_layer(stored, i) for i in range(LAYERS)]
-    if not scan_layers:
-        return tree | {f"decoder.layers_{i}.{n}": v for i, layer in enumerate(layers) for n, v in layer.items()}
-    # MaxText scans pairs of layers (sliding, full): layer 2n + k is index n of layers_k, at axis 1.
-    return tree | {f"decoder.layers.layers_{k}.{n}": np.stack([layers[i][n] for i in range(k, LAYERS, 2)], axis=1)
-                   for k in range(2) for n in layers[0]}
+    """The whole tree ``family``'s mapping makes of the stored tensors, by hand (MaxText scans pairs
+    of layers, sliding then full: layer 2n + k is index n of layers_k, at axis 1)."""
+    layer_of = _flax_layer if family == "flax" else _maxtext_layer
+    return whole_tree(stored, [layer_of(stored, i) for i in range(LAYERS)], family, scan_layers, pattern=2)
 
 
 def _mapping(family, config, scan_layers, **kwargs):
@@ -124,19 +109,11 @@ def _mapping(family, config, scan_layers, **kwargs):
 @pytest.mark.parametrize("family", ["flax", "maxtext"])
 def test_sharded_load_is_the_stored_tensors_transformed_by_hand(checkpoint, family, scan_layers):
     directory, config, stored = checkpoint
-    expected = _expected(stored, family, scan_layers)
-    target = _sharded({name: value.shape for name, value in expected.items()})
-    stats = ost.LoadStats()
-    params = flat(ost.load(directory, nest(target), mapping=_mapping(family, config, scan_layers), stats=stats,
-                           options=ost.LoadOptions(max_gap=0, max_overread=1.0)))
     # MaxText's wi_0 and wi_1 each read the column pairs of gate_up_proj they take one of (gate
     # and up are interleaved), twice their own bytes; every other byte is read once.
     fused = sum(v.nbytes for n, v in stored.items() if "gate_up_proj" in n) if family == "maxtext" else 0
-    assert stats.bytes_read == stats.bytes_needed + fused
-    assert set(params) == set(expected)
-    for name, leaf in params.items():
-        assert leaf.sharding == target[name].sharding, name
-        np.testing.assert_array_equal(np.asarray(leaf), expected[name].astype(np.float32), err_msg=name)
+    assert_loads_sharded(directory, _mapping(family, config, scan_layers), _expected(stored, family, scan_layers),
+                         extra_bytes=fused)
 
 
 def test_maxtext_devices_read_only_their_column_pairs_of_gate_up(checkpoint):
@@ -162,25 +139,44 @@ def test_maxtext_devices_read_only_their_column_pairs_of_gate_up(checkpoint):
 def test_flax_tree_saves_back_transformers_file(checkpoint, scan_layers, tmp_path):
     directory, config, stored = checkpoint
     mapping = ost.mappings.gpt_oss(config, scan_layers=scan_layers, dtype="bfloat16")
-    expected = _expected(stored, "flax", scan_layers)
-    params = ost.load(directory, nest(_sharded({n: v.shape for n, v in expected.items()})), mapping=mapping)
-    ost.save(str(tmp_path / "back"), params, mapping=mapping, checksums=False)  # without: transformers' bytes
-    with open(os.path.join(directory, "model.safetensors"), "rb") as a, \
-            open(tmp_path / "back" / "model.safetensors", "rb") as b:
-        assert a.read() == b.read()
+    params = load_sharded_like(directory, mapping, _expected(stored, "flax", scan_layers))
+    assert_saves_back_the_file(directory, params, mapping, str(tmp_path / "back"))
 
 
-def test_maxtext_tree_refuses_a_save_while_it_is_planned(checkpoint, tmp_path):
-    """``wi_0`` and ``wi_1`` are read from one stored ``gate_up_proj``: no save can write it
-    from one of them, so it is refused before anything is written."""
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["unscanned", "scanned"])
+def test_maxtext_tree_saves_back_transformers_file(checkpoint, scan_layers, tmp_path):
+    """``wi_0`` and ``wi_1`` are the even and odd columns of one stored ``gate_up_proj``: a save
+    writes it from both, each device its own columns of its experts (the mesh cuts them)."""
     directory, config, stored = checkpoint
-    expected = _expected(stored, "maxtext", False)
+    mapping = _mapping("maxtext", config, scan_layers, dtype="bfloat16")
+    params = load_sharded_like(directory, mapping, _expected(stored, "maxtext", scan_layers))
+    assert any(len(leaf.sharding.device_set) == 8 for leaf in flat(params).values())
+    assert_saves_back_the_file(directory, params, mapping, str(tmp_path / "back"))
+
+
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["unscanned", "scanned"])
+def test_maxtext_form_converts_back_to_transformers_tensors(checkpoint, scan_layers, tmp_path):
+    """HF → MaxText's form → HF: each box of ``gate_up_proj`` written from both leaves' parts."""
+    directory, config, stored = checkpoint
+    mapping = _mapping("maxtext", config, scan_layers)
+    ost.convert(directory, str(tmp_path / "mt"), mapping=mapping, dtype="bfloat16")
+    ost.convert(str(tmp_path / "mt"), str(tmp_path / "hf"), mapping=mapping, block_bytes="1KB")
+    back = ost.load(str(tmp_path / "hf"))
+    assert set(back) == set(stored)
+    for name, value in stored.items():
+        assert np.asarray(back[name]).tobytes() == value.tobytes(), name
+
+
+def test_a_save_missing_a_part_of_a_stored_tensor_is_refused_before_anything_is_written(checkpoint, tmp_path):
+    """Only ``wi_0``: ``gate_up_proj``'s odd columns would be garbage."""
+    directory, config, stored = checkpoint
     mapping = _mapping("maxtext", config, False)
-    params = ost.load(directory, nest(_sharded({n: v.shape for n, v in expected.items()})), mapping=mapping)
-    for tree in (params, {"decoder": {"layers_0": {"GptOssMlp": {"wi_0": flat(params)["decoder.layers_0.GptOssMlp.wi_0"]}}}}):
-        with pytest.raises(MappingError, match="read only: a save cannot write"):
-            ost.save(str(tmp_path / "out"), tree, mapping=mapping)
-        assert not os.path.exists(tmp_path / "out")
+    params = flat(load_sharded_like(directory, mapping, _expected(stored, "maxtext", False)))
+    tree = {name: value for name, value in params.items() if not name.endswith("wi_1")}
+    with pytest.raises(MappingError, match=r"'model.layers.0.mlp.experts.gate_up_proj' cannot be written: no tree "
+                                           r"leaf holds its part\(s\) index 1 of axis 3"):
+        ost.save(str(tmp_path / "out"), nest(tree), mapping=mapping)
+    assert not os.path.exists(tmp_path / "out")
 
 
 @pytest.mark.parametrize("family", ["flax", "maxtext"])
@@ -226,7 +222,7 @@ def test_mxfp4_release_reads_as_its_dequantized_twin(checkpoint, mxfp4_release, 
     mapping = _mapping(family, mxfp4_config, True)
     assert mapping.quantization == ost.MXFP4()
     expected = flat(ost.load(twin, mapping=_mapping(family, checkpoint[1], True), nest=True))
-    target = _sharded({name: value.shape for name, value in expected.items()})
+    target = sharded_like(expected)
     params = flat(ost.load(release, nest(target), mapping=mapping))
     assert set(params) == set(expected)
     for name, value in expected.items():
@@ -291,15 +287,11 @@ def test_a_taken_axis_reads_its_index_and_equals_slicing_the_whole_value(data):
     np.testing.assert_array_equal(taken.to_tree(stored[_slices(read)], read, box), tree[_slices(box)])
 
 
-def test_a_taking_rule_is_read_only_and_checked():
+def test_a_taking_rule_is_checked():
     rule = Rule("gu", "wi", split={2: (-1, 2)}, take={3: 0})
-    with pytest.raises(MappingError, match="read only"):
-        rule.resolve(tree_shape=(3, 4, 5))
-    t = rule.resolve(stored_shape=(3, 4, 10))
-    with pytest.raises(MappingError, match="read only"):
-        t.to_stored(((0, 3), (0, 4), (0, 5)), np.zeros((3, 4, 5)))
-    with pytest.raises(MappingError, match="read only"):
-        t.tree_box(((0, 3), (0, 4), (0, 10)))
+    assert rule.resolve(tree_shape=(3, 4, 5)) == rule.resolve(stored_shape=(3, 4, 10))
+    with pytest.raises(MappingError, match="the taken axis's size is not declared"):
+        Rule("gu", "wi", split={2: (2, -1)}, take={3: 0}).resolve(tree_shape=(3, 4, 5))
     with pytest.raises(MappingError, match="take 3: index 2"):
         Rule("gu", "wi", split={2: (-1, 2)}, take={3: 2}).resolve(stored_shape=(3, 4, 10))
     with pytest.raises(MappingError, match="maps to"):

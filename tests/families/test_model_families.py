@@ -26,7 +26,7 @@ transformers = pytest.importorskip("transformers")
 
 SHIPPED = {"llama": ost.mappings.llama, "mistral": ost.mappings.mistral, "qwen2": ost.mappings.qwen2,
            "qwen3": ost.mappings.qwen3, "gemma2": ost.mappings.gemma2, "gemma3": ost.mappings.gemma3,
-           "mixtral": ost.mappings.mixtral, "qwen3_moe": ost.mappings.qwen3_moe}
+           "mixtral": ost.mappings.mixtral, "qwen3_moe": ost.mappings.qwen3_moe, "olmo3": ost.mappings.olmo3}
 
 
 @pytest.fixture(scope="module", params=hf_families.FAMILIES)

@@ -96,5 +96,23 @@ def test_checkpoint_manager_saves_hf_steps_and_restores_hf_into_the_scanned_stat
 
 
 def test_maxtext_names_what_it_does_not_map():
-    with pytest.raises(ValueError, match="no MaxText mapping for 'llama2-7b'; available: llama3.1"):
+    with pytest.raises(ValueError, match="no MaxText mapping for 'llama2-7b'; families: llama3.1, qwen3") as info:
         ost.mappings.maxtext("llama2-7b", {"num_attention_heads": 4, "hidden_size": 64})
+    assert "llama3.1: llama3.1-8b, llama3.1-8b-Instruct" in str(info.value)  # the model names too
+
+
+@pytest.mark.parametrize("name", ["qwen3-zzz", "qwen3-", "llama3.1-8", "gemma3-4b-it", "Qwen3", "mixtral-8x7b "])
+def test_maxtext_takes_a_family_or_a_model_name_exactly(name):
+    """A name that merely starts like a family's is another model (``qwen3-next-…`` is not
+    ``qwen3``): refused, not given the family's mapping."""
+    config = {"num_attention_heads": 4, "hidden_size": 64, "num_hidden_layers": 2}
+    with pytest.raises(ost.ArgumentError, match=f"no MaxText mapping for {name!r}"):
+        ost.mappings.maxtext(name, config)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3-30b-a3b", "llama3.1-405b", "mixtral-8x22b", "gpt-oss-120b"])
+def test_maxtext_model_names_give_their_familys_mapping(name):
+    config = {"num_attention_heads": 4, "hidden_size": 64, "num_hidden_layers": 2, "num_key_value_heads": 2}
+    from orbax_safetensors.mappings.maxtext import family_of
+
+    assert ost.mappings.maxtext(name, config).rules == ost.mappings.maxtext(family_of(name), config).rules

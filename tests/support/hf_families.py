@@ -24,6 +24,8 @@ E experts, V vocab):
     self_attn.{q,k,v}_proj.kernel (D, H|K, hd)     self_attn.o_proj.kernel (H, hd, D)
     self_attn.{q,k,v}_proj.bias (H|K, hd)          qwen2 (or attention_bias)
     self_attn.{q,k}_norm.scale (hd,)               qwen3, gemma3, qwen3_moe
+    self_attn.{q,k}_norm.scale (H*hd,) / (K*hd,)   olmo3 (one norm over all heads); olmo3 has
+                                                   post_attention_ and post_feedforward_layernorm only
     mlp.{gate,up}_proj.kernel (D, F)               mlp.down_proj.kernel (F, D)
     block_sparse_moe.gate.kernel (D, E)            mixtral; experts.w1/w3 (E, D, F),
                                                    experts.w2 (E, F, D)
@@ -43,8 +45,8 @@ renormalised for Mixtral and for Qwen3-MoE with norm_topk_prob).
 Sliding windows are real (key j is visible from query i when i - window < j <= i,
 like HF's masks): on every layer for mistral/mixtral/qwen3_moe when
 config.sliding_window is set, and on layer_types == "sliding_attention" layers
-for qwen2/qwen3/gemma2/gemma3. The tiny configs use window 4, shorter than
-TOKENS, on mistral, qwen2 (layer 1), gemma2 (layer 0) and gemma3 (layer 0), so
+for qwen2/qwen3/gemma2/gemma3/olmo3. The tiny configs use window 4, shorter than
+TOKENS, on mistral, qwen2 (layer 1), gemma2 (layer 0), gemma3 (layer 0) and olmo3 (layers 0-2), so
 the windows change the result.
 
 Limits: one full causal prefix (positions 0..T-1, no padding mask, no KV cache,
@@ -66,7 +68,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "mixtral", "qwen3_moe")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "mixtral", "qwen3_moe", "olmo3")
 
 TOKENS = np.array(
     [
@@ -85,10 +87,14 @@ DEEPSEEK_V3: dict[str, Any] = {
     "moe_intermediate_size": 32, "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
     "n_group": 2, "topk_group": 1,
 }
+# DeepSeek-V2-Lite's: V3's without the query LoRA (one q_proj) and the router bias, 2 shared experts.
+DEEPSEEK_V2: dict[str, Any] = {**DEEPSEEK_V3, "q_lora_rank": None, "n_shared_experts": 2, "topk_method": "greedy"}
+# DeepSeek-V3.2's: V3's and each attention's indexer (4 heads of 16).
+DEEPSEEK_V32: dict[str, Any] = {**DEEPSEEK_V3, "index_n_heads": 4, "index_head_dim": 16, "index_topk": 8}
 
 _GEMMA = ("gemma2", "gemma3")
-_QK_NORM = ("qwen3", "gemma3", "qwen3_moe")
-_PER_LAYER_TYPES = ("qwen2", "qwen3", "gemma2", "gemma3")  # sliding only where layer_types says
+_QK_NORM = ("qwen3", "gemma3", "qwen3_moe", "olmo3")
+_PER_LAYER_TYPES = ("qwen2", "qwen3", "gemma2", "gemma3", "olmo3")  # sliding only where layer_types says
 _ACTIVATIONS = {
     "silu": jax.nn.silu,
     "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
@@ -150,6 +156,8 @@ def tiny_config(family: str):
             },
         },
         "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+        # 4 layers: 3 sliding-window ones, then a full-attention one (Olmo3Config's default layer_types)
+        "olmo3": {"num_hidden_layers": 4, "sliding_window": 4},
         "qwen3_moe": {
             "num_experts": 4,
             "num_experts_per_tok": 2,
@@ -159,6 +167,8 @@ def tiny_config(family: str):
             "mlp_only_layers": [],
         },
         "deepseek_v3": DEEPSEEK_V3,
+        "deepseek_v2": DEEPSEEK_V2,
+        "deepseek_v32": DEEPSEEK_V32,
     }[family]
     cls = {
         "llama": transformers.LlamaConfig,
@@ -170,6 +180,9 @@ def tiny_config(family: str):
         "mixtral": transformers.MixtralConfig,
         "qwen3_moe": transformers.Qwen3MoeConfig,
         "deepseek_v3": transformers.DeepseekV3Config,
+        "deepseek_v2": transformers.DeepseekV2Config,
+        "deepseek_v32": transformers.DeepseekV32Config,
+        "olmo3": transformers.Olmo3Config,
     }[family]
     return cls(**{**common, **extra})
 
@@ -270,7 +283,10 @@ def _attention(family: str, config, p: Params, x: jax.Array, layer: int) -> jax.
     gemma = family in _GEMMA
     head_dim = p["q_proj"]["kernel"].shape[-1]
     q, k, v = (_project(x, p[name]) for name in ("q_proj", "k_proj", "v_proj"))
-    if family in _QK_NORM:
+    if family == "olmo3":  # one norm over all heads: the whole projection
+        q, k = (_rms_norm(h.reshape(*h.shape[:2], -1), p[name]["scale"], config.rms_norm_eps, False).reshape(h.shape)
+                for h, name in ((q, "q_norm"), (k, "k_norm")))
+    elif family in _QK_NORM:
         q = _rms_norm(q, p["q_norm"]["scale"], config.rms_norm_eps, gemma)
         k = _rms_norm(k, p["k_norm"]["scale"], config.rms_norm_eps, gemma)
 
@@ -339,6 +355,9 @@ def _decoder_layer(family: str, config, p: Params, x: jax.Array, layer: int) -> 
     def norm(name: str, h: jax.Array) -> jax.Array:
         return _rms_norm(h, p[name]["scale"], eps, gemma)
 
+    if family == "olmo3":  # norms on the attention's and the MLP's outputs only
+        x = x + norm("post_attention_layernorm", _attention(family, config, p["self_attn"], x, layer))
+        return x + norm("post_feedforward_layernorm", _feed_forward(family, config, p, x))
     attn = _attention(family, config, p["self_attn"], norm("input_layernorm", x), layer)
     if gemma:  # sandwich norms: post_attention_layernorm normalises the attention output
         x = x + norm("post_attention_layernorm", attn)

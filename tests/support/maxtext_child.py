@@ -11,9 +11,12 @@ import (~12 s) once; pyconfig is re-initialised per case and variant::
 ``cases.json`` is a list of ``{"case", "family", "hf_dir", "reference"[, "atol"][, "model_name"]}``
 (``atol``: an .npy of each logit's tolerance, ``tests/support/tolerances.py``; else ``--atol``): ``family``
 is what is passed to ``ost.mappings.maxtext`` (``llama3.1``, ``qwen3``, ``mixtral``, ``mistral``,
-``gemma3``, ``deepseek3``, ``gpt-oss``), ``model_name`` the MaxText model whose yml, layers and conversion
-tables are used (by default ``llama3.1-8b``, ``qwen3-0.6b`` or, with experts, ``qwen3-30b-a3b``,
-``mixtral-8x7b``, ``mistral-7b``, ``gemma3-4b``, ``deepseek3-671b``, ``gpt-oss-20b``). ``--hf-dir``/``--reference``/``--family``
+``gemma3``, ``deepseek3``, ``deepseek2``, ``deepseek3.2``, ``gpt-oss``, ``qwen3-next``, ``qwen3.5``), ``model_name`` the MaxText model whose
+yml, layers and conversion tables are used (by default ``llama3.1-8b``, ``qwen3-0.6b`` or, with experts, ``qwen3-30b-a3b``,
+``mixtral-8x7b``, ``mistral-7b``, ``gemma3-4b``, ``deepseek3-671b``, ``deepseek2-16b``, ``deepseek3.2-671b``,
+``gpt-oss-20b``; ``qwen2.5-7b``; ``olmo3-7b``, or ``olmo3-7b-pt`` with default RoPE; ``qwen3-next-80b-a3b``,
+``qwen3.5-35b-a3b``; ``gemma2-2b``; ``gemma4-31b``, with experts ``gemma4-26b``, with per-layer
+inputs ``gemma4-e2b`` or ``gemma4-e4b`` by its attention pattern). ``--hf-dir``/``--reference``/``--family``
 give a single case instead.
 
 For each case and variant (``scan``: ``scan_layers=True``, ``unscan``: ``scan_layers=False``) it
@@ -32,8 +35,7 @@ the forward. It checks
   functions, in numpy), where MaxText has one (``mistral-7b`` has none: ``"converter": false``;
   Gemma 3's are for ``Gemma3ForConditionalGeneration``, so the text checkpoint's names are
   read as ``model.language_model.…``);
-* that ``ost.save`` through the mapping writes back the HF tensors byte for byte (not for
-  ``READ_ONLY`` families, whose mapping refuses a save).
+* that ``ost.save`` through the mapping writes back the HF tensors byte for byte.
 
 Each case and variant prints one line ``MAXTEXT_RESULT {json}``; the exit status is 1 when one
 fails. ``--loader`` picks what fills the target:
@@ -69,10 +71,20 @@ RESULT_PREFIX = "MAXTEXT_RESULT "
 # (qwen3 with experts: MOE_MODEL).
 MAXTEXT_MODEL = {"llama3.1": "llama3.1-8b", "qwen3": "qwen3-0.6b", "mixtral": "mixtral-8x7b", "mistral": "mistral-7b",
                  "gemma3": "gemma3-4b", "deepseek3": "deepseek3-671b", "gpt-oss": "gpt-oss-20b"}
+MAXTEXT_MODEL.update({"qwen2.5": "qwen2.5-7b", "olmo3": "olmo3-7b"})  # olmo3 with default RoPE: olmo3-7b-pt
+MAXTEXT_MODEL.update({"gemma2": "gemma2-2b", "gemma4": "gemma4-31b"})
+MAXTEXT_MODEL.update({"deepseek2": "deepseek2-16b", "deepseek3.2": "deepseek3.2-671b"})
 MOE_MODEL = {"qwen3": "qwen3-30b-a3b", "mixtral": "mixtral-8x7b", "gpt-oss": "gpt-oss-20b"}
-# Families whose mapping only loads (gpt-oss: wi_0 and wi_1 are read from one stored gate_up_proj,
-# so a save through the mapping is refused): no round trip.
-READ_ONLY = {"gpt-oss"}
+MAXTEXT_MODEL["qwen3-next"] = MOE_MODEL["qwen3-next"] = "qwen3-next-80b-a3b"
+MAXTEXT_MODEL["qwen3.5"] = MOE_MODEL["qwen3.5"] = "qwen3.5-35b-a3b"
+MAXTEXT_MODEL["qwen3-vl"], MOE_MODEL["qwen3-vl"] = "qwen3-vl-2b", "qwen3-vl-30b-a3b"
+MAXTEXT_MODEL["qwen3-omni"] = MOE_MODEL["qwen3-omni"] = "qwen3-omni-30b-a3b"
+MOE_MODEL["gemma4"] = "gemma4-26b"
+# Multimodal releases: the config keys of the text decoder's config. MaxText runs that decoder
+# alone (use_multimodal, use_audio off: _qwen3_multimodal_overrides), so its tree holds no tower, and
+# the round trip compares the text tensors, not those under TOWERS (the mapping leaves them out).
+TEXT_CONFIG = {"qwen3-vl": ("text_config",), "qwen3-omni": ("thinker_config", "text_config")}
+TOWERS = {"qwen3-vl": ("model.visual.",), "qwen3-omni": ("thinker.visual.", "thinker.audio_tower.")}
 # The llama3.1 RoPE scaling MaxText hard-codes (layers/embeddings.py LLaMARotaryEmbedding).
 MAXTEXT_LLAMA3_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                        "original_max_position_embeddings": 8192}
@@ -177,12 +189,18 @@ def _cases(args):
 
 def maxtext_model_name(family, hf):
     """The MaxText model_name whose yml and converter tables stand for ``family``."""
+    hf = _text(family, hf)
     if _num_experts(hf) > 1:
         if family not in MOE_MODEL:
             raise ValueError(f"{family}: no MaxText MoE model")
         return MOE_MODEL[family]
     if family == "mixtral":
         raise ValueError("mixtral without experts")
+    full_rope = (_get(hf, "rope_parameters") or {}).get("full_attention", {})
+    if family == "olmo3" and full_rope.get("rope_type") == "default":
+        return "olmo3-7b-pt"  # its yml: the pretraining revisions' default RoPE (olmo3-7b's: YaRN)
+    if family == "gemma4" and _gemma4_model(hf):
+        return _gemma4_model(hf)  # per-layer inputs: MaxText's gemma4_small
     return MAXTEXT_MODEL[family]
 
 
@@ -217,8 +235,6 @@ class _OstLoader:
         self.ost = ost
         self.source = os.path.dirname(ost.__file__)  # this checkout's, see main()
         self.mapping = ost.mappings.maxtext(family, hf_config, scan_layers=scan_layers)
-        if family in READ_ONLY:
-            self.save = None
 
     def load(self, hf_dir, target, maxtext_config):
         del maxtext_config
@@ -298,17 +314,39 @@ def _get(cfg, key, default=None):
     return cfg.get(key, default) if isinstance(cfg, dict) else getattr(cfg, key, default)
 
 
+def _text(family, hf):
+    """The text decoder's config of a multimodal release (``TEXT_CONFIG``); ``hf`` otherwise."""
+    for key in TEXT_CONFIG.get(family, ()):
+        hf = _get(hf, key)
+    return hf
+
+
+def _qwen3_multimodal_overrides(hf, rope):
+    """Qwen3-VL's and Qwen3-Omni's text decoder alone: no vision or audio encoder in the model
+    (text tokens need none), and its MRoPE's sections (``layers/embeddings.py``'s
+    ``Qwen3OmniMoeThinkerTextRotaryEmbedding``, interleaved; on text positions, where temporal,
+    height and width positions are equal, it is the default RoPE transformers applies)."""
+    section = rope.get("mrope_section")
+    if section is None:
+        raise ValueError(f"MaxText's Qwen3-VL/Omni RoPE: MRoPE with an mrope_section; got {rope}")
+    # No deepstack indexes: MaxText's config refuses scan_layers with any (configs/types.py), vision
+    # or not, and without a vision encoder there is nothing to inject.
+    return dict(use_multimodal=False, use_audio=False, use_mrope=True, mrope_section=list(section),
+                deepstack_visual_indexes_for_vit=[])
+
+
 def maxtext_overrides(family, model_name, hf, scan_layers, seq_len, out_dir):
     """MaxText pyconfig overrides that build the model the HF config describes.
 
     Raises ValueError for what MaxText's ``family`` block cannot express (biases, other
     activations, RoPE scalings, sliding windows, dense layers among sparse ones, ...).
     """
+    hf = _text(family, hf)
     heads = _get(hf, "num_attention_heads")
     rope = dict(_get(hf, "rope_parameters") or _get(hf, "rope_scaling") or {})
     theta = rope.get("rope_theta", _get(hf, "rope_theta", 10000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if family not in ("deepseek3", "gpt-oss"):  # their RoPE, biases, windows: _deepseek3_/_gpt_oss_overrides
+    if family not in (*DEEPSEEK, "gpt-oss", "olmo3", "qwen3-next", "qwen3.5"):  # their RoPE, biases, windows: _<family>_overrides
         _check_plain_block(family, model_name, hf, rope, rope_type)
     overrides = dict(
         run_name="ost-maxtext-mapping",
@@ -344,17 +382,29 @@ def maxtext_overrides(family, model_name, hf, scan_layers, seq_len, out_dir):
         overrides["rope_use_scale"] = rope_type == "llama3"
     if family == "gemma3":
         overrides.update(_gemma3_overrides(hf))
-    if family == "deepseek3":
-        overrides.update(_deepseek3_overrides(hf, rope))
+    if family == "gemma2":
+        overrides.update(_gemma2_overrides(hf))
+    if family == "gemma4":  # its MoE keys too (top_k_experts, the shared expert): not the generic ones below
+        return {**overrides, **_gemma4_overrides(hf)}
+    if family in DEEPSEEK:
+        overrides.update(_deepseek3_overrides(hf, rope, family))
     if family == "gpt-oss":
         overrides.update(_gpt_oss_overrides(hf, rope))
+    if family == "olmo3":
+        overrides.update(_olmo3_overrides(hf))
+    if family in ("qwen3-next", "qwen3.5"):
+        overrides.update(_qwen3_next_overrides(hf, rope, rope_type))
+    if family == "qwen3.5":  # text positions: every M-RoPE section the same position, i.e. plain RoPE
+        overrides["use_mrope"] = False
+    if family in TEXT_CONFIG:
+        overrides.update(_qwen3_multimodal_overrides(hf, rope))
     experts = _num_experts(hf)
     if experts > 1:
-        if family == "qwen3":
+        if family in ("qwen3", "qwen3-next", "qwen3.5", *TEXT_CONFIG):
             if _get(hf, "decoder_sparse_step", 1) != 1 or _get(hf, "mlp_only_layers"):
                 raise ValueError("MaxText's qwen3 MoE block: every layer sparse (decoder_sparse_step 1, "
                                  "no mlp_only_layers)")
-            if not _get(hf, "norm_topk_prob", False):
+            if not _get(hf, "norm_topk_prob", family == "qwen3-vl"):  # Qwen3-VL-MoE's router always renormalises
                 # MaxText softmaxes the top-k logits: HF's renormalised top-k probabilities.
                 raise ValueError("MaxText's MoE routing is HF's with norm_topk_prob=True")
             moe_mlp = _get(hf, "moe_intermediate_size")
@@ -371,20 +421,39 @@ def maxtext_overrides(family, model_name, hf, scan_layers, seq_len, out_dir):
     return overrides
 
 
+# The DeepSeek families (MLA, dense then MoE layers): _deepseek3_overrides.
+DEEPSEEK = ("deepseek2", "deepseek3", "deepseek3.2")
 # Every token to its top-k experts, no capacity, no kernels: the dense (one-hot dispatch)
 # dense_matmul path, exact on CPU.
 DENSE_MATMUL = dict(sparse_matmul=False, megablox=False, capacity_factor=-1.0, load_balance_loss_weight=0.0)
 
 
-def _deepseek3_overrides(hf, rope):
+def _deepseek3_overrides(hf, rope, family="deepseek3"):
     """DeepSeek-V3's own keys: MLA's sizes, yarn RoPE on the interleaved layout, the first dense
-    layers, sigmoid routing with the score-correction bias over groups, the shared experts."""
+    layers, sigmoid routing with the score-correction bias over groups, the shared experts.
+    DeepSeek-V2 (``deepseek2``) routes by softmax, unbiased, its top-k weights not renormalised
+    (MaxText takes a plain top-k for it: HF's ``topk_method`` greedy); DeepSeek-V3.2
+    (``deepseek3.2``) adds the indexer."""
     if rope.get("rope_type") != "yarn" or not _get(hf, "rope_interleave", True):
-        raise ValueError("MaxText's deepseek3 block: yarn RoPE on the interleaved layout")
+        raise ValueError(f"MaxText's {family} block: yarn RoPE on the interleaved layout")
     if rope.get("mscale", 1.0) != rope.get("mscale_all_dim", 1.0):  # MaxText's mscale is both
-        raise ValueError("MaxText's deepseek3 block: yarn's mscale == mscale_all_dim")
-    if not _get(hf, "norm_topk_prob", True) or _get(hf, "moe_layer_freq", 1) != 1:
-        raise ValueError("MaxText's deepseek3 block: renormalised top-k, every layer after the dense ones MoE")
+        raise ValueError(f"MaxText's {family} block: yarn's mscale == mscale_all_dim")
+    if _get(hf, "moe_layer_freq", 1) != 1:
+        raise ValueError(f"MaxText's {family} block: every layer after the dense ones MoE")
+    if family == "deepseek2":
+        # MaxText takes a plain top-k for deepseek2 (moe.py get_topk), its groups unread: V2-236B's
+        # group_limited_greedy runs, and routes otherwise (MAXTEXT_FORWARD_BUGS "deepseek2-236b").
+        if _get(hf, "topk_method", "greedy") not in ("greedy", "group_limited_greedy"):
+            raise ValueError("MaxText's deepseek2 block: top-k routing (HF's topk_method greedy)")
+        routing = dict(routed_score_func="softmax", routed_bias=False, n_routing_groups=-1, topk_routing_group=-1)
+    elif not _get(hf, "norm_topk_prob", True):
+        raise ValueError(f"MaxText's {family} block: renormalised top-k")
+    else:
+        routing = dict(routed_score_func="sigmoid", routed_bias=True, n_routing_groups=_get(hf, "n_group"),
+                       topk_routing_group=_get(hf, "topk_group"))
+    if family == "deepseek3.2":
+        routing.update(use_indexer=True, indexer_n_heads=_get(hf, "index_n_heads"),
+                       indexer_head_dim=_get(hf, "index_head_dim"), indexer_topk=_get(hf, "index_topk"))
     return dict(
         first_num_dense_layers=_get(hf, "first_k_dense_replace"),
         q_lora_rank=_get(hf, "q_lora_rank") or 0, kv_lora_rank=_get(hf, "kv_lora_rank"),
@@ -397,9 +466,7 @@ def _deepseek3_overrides(hf, rope):
         rope_truncate=rope.get("truncate", True), rope_attention_scaling=False,
         num_experts=_get(hf, "n_routed_experts"), num_experts_per_tok=_get(hf, "num_experts_per_tok"),
         base_moe_mlp_dim=_get(hf, "moe_intermediate_size"), shared_experts=_get(hf, "n_shared_experts"),
-        routed_scaling_factor=_get(hf, "routed_scaling_factor"), routed_score_func="sigmoid", routed_bias=True,
-        n_routing_groups=_get(hf, "n_group"), topk_routing_group=_get(hf, "topk_group"),
-        mtp_num_layers=0, **DENSE_MATMUL,
+        routed_scaling_factor=_get(hf, "routed_scaling_factor"), mtp_num_layers=0, **routing, **DENSE_MATMUL,
     )
 
 
@@ -434,6 +501,119 @@ def _gpt_oss_overrides(hf, rope):
                 original_max_position_embeddings=rope["original_max_position_embeddings"],
                 max_position_embeddings=_get(hf, "max_position_embeddings"),
                 rope_truncate=bool(rope.get("truncate", True)))
+
+
+def _qwen3_next_overrides(hf, rope, rope_type):
+    """Qwen3-Next's own keys: the gated delta net's sizes, linear-attention layers then one
+    full-attention layer per ``full_attention_interval`` (inhomogeneous_layer_cycle_interval),
+    partial RoPE, one shared expert (MaxText sizes it as a routed one: moe_mlp_dim)."""
+    interval, layers = _get(hf, "full_attention_interval", 4), _get(hf, "num_hidden_layers")
+    pattern = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+    if list(_get(hf, "layer_types") or pattern) != pattern:
+        raise ValueError(f"MaxText's qwen3_next block: linear layers then a full one; got {_get(hf, 'layer_types')}")
+    if rope_type != "default" or _get(hf, "hidden_act", "silu") != "silu" or _get(hf, "attention_bias"):
+        raise ValueError("MaxText's qwen3_next block: default (partial) RoPE, silu, no attention biases")
+    if _get(hf, "shared_expert_intermediate_size") != _get(hf, "moe_intermediate_size"):
+        raise ValueError("MaxText's qwen3_next shared expert is moe_mlp_dim wide (moe_intermediate_size)")
+    return dict(inhomogeneous_layer_cycle_interval=interval, gdn_conv_kernel_dim=_get(hf, "linear_conv_kernel_dim"),
+                gdn_key_head_dim=_get(hf, "linear_key_head_dim"), gdn_value_head_dim=_get(hf, "linear_value_head_dim"),
+                gdn_num_key_heads=_get(hf, "linear_num_key_heads"),
+                gdn_num_value_heads=_get(hf, "linear_num_value_heads"),
+                partial_rotary_factor=rope.get("partial_rotary_factor", _get(hf, "partial_rotary_factor", 0.25)),
+                shared_experts=1)
+
+
+def _olmo3_overrides(hf):
+    """OLMo 3's own keys: 3 sliding-window layers then a global one, one RoPE theta, and a
+    YaRN RoPE where the release has one. MaxText's olmo3 block applies its one RoPE to every
+    layer (models/olmo3.py); transformers applies ``rope_parameters["full_attention"]`` to the
+    global layers and the sliding layers' own (the default RoPE in every release)."""
+    rope = _get(hf, "rope_parameters") or {}
+    full, local = rope.get("full_attention", {}), rope.get("sliding_attention", {})
+    if (local.get("rope_type", "default") != "default" or full.get("rope_type", "default") not in ("default", "yarn")
+            or full.get("rope_theta") != local.get("rope_theta")):
+        raise ValueError(f"MaxText's olmo3 block: one theta, default RoPE on sliding layers; got {rope}")
+    if {"attention_factor", "mscale", "mscale_all_dim"} & set(full):
+        raise ValueError(f"MaxText's olmo3 YaRN scales attention by 0.1 * ln(factor) + 1; got {full}")
+    if _get(hf, "hidden_act", "silu") != "silu" or _get(hf, "attention_bias"):
+        raise ValueError("MaxText's olmo3 block: silu MLP, no biases")
+    pattern = ["full_attention" if i % 4 == 3 else "sliding_attention" for i in range(_get(hf, "num_hidden_layers"))]
+    if list(_get(hf, "layer_types") or pattern) != pattern:
+        raise ValueError(f"MaxText's olmo3 block: 3 sliding layers then 1 global; got {_get(hf, 'layer_types')}")
+    theta = full["rope_theta"]
+    overrides = dict(rope_max_timescale=int(theta) if float(theta).is_integer() else theta,
+                     sliding_window_size=_get(hf, "sliding_window"),
+                     max_position_embeddings=_get(hf, "max_position_embeddings"), rope_type="default")
+    if full.get("rope_type") == "yarn":
+        overrides.update(rope_type="yarn", rope_factor=float(full["factor"]), beta_fast=float(full.get("beta_fast", 32)),
+                         beta_slow=float(full.get("beta_slow", 1)), rope_attention_scaling=True,
+                         original_max_position_embeddings=full["original_max_position_embeddings"],
+                         rope_truncate=bool(full.get("truncate", True)))
+    return overrides
+
+
+def _gemma4_model(hf):
+    """gemma4-e2b (4 sliding-window layers then a global one) or gemma4-e4b (5 then one) for a
+    checkpoint with per-layer inputs (MaxText's gemma4_small); None otherwise."""
+    if not _get(hf, "hidden_size_per_layer_input"):
+        return None
+    types = list(_get(hf, "layer_types") or [])
+    return "gemma4-e2b" if "full_attention" in types and types.index("full_attention") == 4 else "gemma4-e4b"
+
+
+def _gemma4_overrides(hf):
+    """Gemma 4's own keys (gemma4-31b / gemma4-26b's yml): its global layers' head size and kv
+    heads, keys shared as values (attention_k_eq_v), the two RoPEs (the global one on a part of
+    each head), the sliding window, the final soft cap; with experts, the routed MoE beside the
+    dense MLP (MaxText's shared expert), top_k_experts renormalised; with per-layer inputs
+    (gemma4_small), their sizes, the kv-shared layers and the double-wide MLP."""
+    from orbax_safetensors.mappings.gemma4 import global_attention  # this checkout is on sys.path (main)
+
+    layers, small = _get(hf, "num_hidden_layers"), bool(_get(hf, "hidden_size_per_layer_input"))
+    period = 5 if _gemma4_model(hf) == "gemma4-e2b" else 6  # gemma4_small.get_attention_pattern
+    pattern = ["full_attention" if i % period == period - 1 else "sliding_attention" for i in range(layers)]
+    if list(_get(hf, "layer_types") or pattern) != pattern:
+        raise ValueError(f"MaxText's gemma4 block: {period - 1} sliding layers then 1 global; got "
+                         f"{_get(hf, 'layer_types')}")
+    if _get(hf, "attention_bias"):
+        raise ValueError("MaxText's gemma4 block: no biases")
+    rope = _get(hf, "rope_parameters") or {}
+    full, local = rope.get("full_attention", {}), rope.get("sliding_attention", {})
+    if full.get("rope_type") != "proportional" or local.get("rope_type", "default") != "default":
+        raise ValueError(f"MaxText's gemma4 block: default local RoPE, proportional global; got {rope}")
+    kv_heads, head_dim = global_attention(hf)
+    out = dict(global_head_dim=head_dim, global_num_kv_heads=kv_heads,
+               share_kv_projections=bool(_get(hf, "attention_k_eq_v")), v_norm_with_scale=False,
+               sliding_window_size=_get(hf, "sliding_window"),
+               local_rope_max_timescale=int(local.get("rope_theta", 10_000)),
+               global_rope_max_timescale=int(full["rope_theta"]), rope_max_timescale=int(full["rope_theta"]),
+               local_rope_proportion=float(local.get("partial_rotary_factor", 1.0)),
+               global_rope_proportion=float(full.get("partial_rotary_factor", 1.0)),
+               final_logits_soft_cap=_get(hf, "final_logit_softcapping") or 0.0)
+    if small:  # gemma4_small: per-layer inputs, the last layers reusing earlier layers' keys and values
+        out.update(hidden_size_per_layer_input=_get(hf, "hidden_size_per_layer_input"),
+                   vocab_size_per_layer_input=_get(hf, "vocab_size_per_layer_input"),
+                   num_kv_shared_layers=_get(hf, "num_kv_shared_layers") or 0,
+                   use_double_wide_mlp=bool(_get(hf, "use_double_wide_mlp")))
+    if _get(hf, "enable_moe_block"):
+        out.update(num_experts=_get(hf, "num_experts"), num_experts_per_tok=_get(hf, "top_k_experts"),
+                   base_moe_mlp_dim=_get(hf, "moe_intermediate_size"), shared_experts=1, norm_topk_prob=True,
+                   **DENSE_MATMUL)
+    return out
+
+
+def _gemma2_overrides(hf):
+    """Gemma 2's own keys: MaxText's layer is a (sliding, global) pair of HF layers, so half as
+    many; the sliding window and both soft caps (its yml's keys)."""
+    layers = _get(hf, "num_hidden_layers")
+    pattern = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    if layers % 2 or list(_get(hf, "layer_types") or pattern) != pattern:
+        raise ValueError(f"MaxText's gemma2 layer: a sliding then a global layer; got {_get(hf, 'layer_types')}")
+    if _get(hf, "hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise ValueError("MaxText's gemma2 block: tanh-approximated gelu")
+    return dict(base_num_decoder_layers=layers // 2, sliding_window_size=_get(hf, "sliding_window"),
+                attn_logits_soft_cap=_get(hf, "attn_logit_softcapping") or 0.0,
+                final_logits_soft_cap=_get(hf, "final_logit_softcapping") or 0.0)
 
 
 def _gemma3_overrides(hf):
@@ -494,6 +674,10 @@ def _run_variant(args, result, family, model_name, hf_dir, scan, hf_config, toke
     # there): so does the target, and the forward gets it back in its collection.
     assert "params" in abstract, sorted(abstract)
     is_box = lambda x: isinstance(x, nn.LogicallyPartitioned)
+    # A param MaxText declares without logical axes (DeepSeek-V3.2's indexer k_norm, an
+    # nnx.LayerNorm) is a bare ShapeDtypeStruct, replicated: boxed here, bare in the forward.
+    abstract = jax.tree_util.tree_map(lambda x: x if is_box(x) else _Unboxed(x), abstract, is_leaf=is_box)
+    is_box = lambda x: isinstance(x, (nn.LogicallyPartitioned, _Unboxed))
     boxes, named_shardings, collection = {}, {}, {}  # "decoder.layers.mlp.wi_0.kernel" -> box, ...
     for name in abstract:
         own = _flatten(abstract[name], is_box)
@@ -596,6 +780,7 @@ def _run_variant(args, result, family, model_name, hf_dir, scan, hf_config, toke
     loader.save(save_dir, params)
     lap("save")
     ours, theirs_hf = _read_safetensors(save_dir), _read_safetensors(hf_dir)
+    theirs_hf = {n: t for n, t in theirs_hf.items() if not n.startswith(TOWERS.get(family, ()))}
     result["round_trip_tensors"] = len(theirs_hf)
     mismatched = sorted(set(ours) ^ set(theirs_hf)) + sorted(
         n for n in set(ours) & set(theirs_hf)
@@ -607,6 +792,16 @@ def _run_variant(args, result, family, model_name, hf_dir, scan, hf_config, toke
     if mismatched:
         failures.append(f"saved tensors differ from the HF checkpoint's: {mismatched}")
     lap("round_trip_check")
+
+
+class _Unboxed:
+    """A param without logical axes, with a box's ``value``, ``names`` and ``replace_boxed``."""
+
+    def __init__(self, value):
+        self.value, self.names = value, (None,) * value.ndim
+
+    def replace_boxed(self, value):
+        return value
 
 
 def _flatten(tree, is_leaf, prefix=""):
@@ -662,10 +857,14 @@ def _maxtext_converter(model_name, hf_config, config, hf_dir, boxes, *, np):
 
     logging.getLogger("absl").setLevel(logging.WARNING)  # to_maxtext's import sets absl to INFO
     hf = dict(hf_config)
-    hf.setdefault("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
+    if "hidden_size" in hf:  # a multimodal release's tables read its nested configs (TEXT_CONFIG)
+        hf.setdefault("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
     weights = _read_safetensors(hf_dir)
     if model_name.startswith("gemma3"):  # its tables are Gemma3ForConditionalGeneration's: text and vision
         hf = {"text_config": hf, "vision_config": {"num_hidden_layers": 0}}
+        weights = {k.replace("model.", "model.language_model.", 1): v for k, v in weights.items()}
+    if model_name.startswith("qwen3.5") and "text_config" not in hf:  # its tables are the multimodal release's
+        hf = {"text_config": hf}
         weights = {k.replace("model.", "model.language_model.", 1): v for k, v in weights.items()}
     mapping = PARAM_MAPPING[model_name](hf, config, config.scan_layers)
     hooks = HOOK_FNS[model_name](hf, config, config.scan_layers, saving_to_hf=False)

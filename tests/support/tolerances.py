@@ -85,6 +85,16 @@ def assert_within(actual, expected, atol, err_msg: str = "") -> None:
             f"difference {diff[worst]:.3g} > atol {atol[worst]:.3g} ({ratio[worst]:.3g}x)")
 
 
+def _query_width(config) -> int:
+    """Query heads times the widest head: a heterogeneous config (Gemma 4's global layers have
+    wider heads) has no single ``head_dim`` (transformers refuses to read one)."""
+    try:
+        dims = [getattr(config, "head_dim", None)]
+    except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError
+        dims = [config.per_layer_config[i].head_dim for i in range(config.num_hidden_layers)]
+    return config.num_attention_heads * max(d or config.hidden_size // config.num_attention_heads for d in dims)
+
+
 def causal_lm_reference(model, tokens, *, head_dtype=None, **call) -> tuple[np.ndarray, np.ndarray]:
     """A transformers causal LM's logits on ``tokens`` and each logit's :func:`forward_atol`
     against another float32 implementation: the head's input is captured by a hook.
@@ -103,9 +113,7 @@ def causal_lm_reference(model, tokens, *, head_dtype=None, **call) -> tuple[np.n
     finally:
         handle.remove()
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    widths = [config.hidden_size, np.shape(tokens)[-1],
-              config.num_attention_heads * (getattr(config, "head_dim", None)
-                                            or config.hidden_size // config.num_attention_heads)]
+    widths = [config.hidden_size, np.shape(tokens)[-1], _query_width(config)]
     widths += [getattr(config, name) for name in ("intermediate_size", "moe_intermediate_size", "num_local_experts",
                                                   "num_experts") if isinstance(getattr(config, name, None), int)]
     head_input, head_weight = captured[-1].float().numpy(), head.weight.detach().float().numpy()

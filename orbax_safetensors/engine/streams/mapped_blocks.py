@@ -14,7 +14,8 @@ assembled from exactly the boxes of the inputs it needs.
   stored tensors the mapping makes of them. A box of a stored tensor comes
   from the smallest box of its leaf that gives it (``Transform.tree_box``),
   transformed back (``Transform.to_stored``), as a save through the mapping
-  would write it.
+  would write it; a stored tensor several leaves take parts of (``Rule.take``)
+  from each of them, its part.
 
 Both are block sources themselves (``BlockSource``: specs, metadata,
 ``read_block``), so the writers never know a mapping was there. Memory is
@@ -146,8 +147,10 @@ class StoredBlocks:
         tree = [TensorSpec(name, spec.dtype, spec.shape) for name, spec in self._leaves.items()]
         stored, assemblies = mapping.map_specs(sorted(tree, key=lambda s: natural_key(s.name)))
         mapping.check_sizes({spec.name: spec.shape for spec in stored})  # written with the config beside them
-        self._pieces: dict[str, tuple[str, Piece]] = {
-            piece.stored: (leaf, piece) for leaf, assembly in assemblies.items() for piece in assembly.pieces}
+        self._pieces: dict[str, list[tuple[str, Piece]]] = {}  # several where leaves take parts of one
+        for leaf, assembly in assemblies.items():
+            for piece in assembly.pieces:
+                self._pieces.setdefault(piece.stored, []).append((leaf, piece))
         self.specs = [TensorSpec(s.name, _output_dtype(s.dtype, dtype), s.shape) for s in stored]
         self.metadata = source.metadata
         chunks = getattr(source, "chunks", None)
@@ -165,16 +168,18 @@ class StoredBlocks:
 
     def read_block(self, info: TensorInfo, block: Box | None) -> memoryview:
         """``block`` of stored tensor ``info.name`` (``None``: all of it), from the smallest
-        box of its leaf that gives it."""
-        leaf, piece = self._pieces[info.name]
+        box of its leaf that gives it (of each leaf that takes a part of it, its part)."""
         block = tuple((0, s) for s in info.shape) if block is None else block
-        own = piece.transform.tree_box(block)
-        data = self._leaf_box(leaf, _in_leaf(piece, own)).reshape(box_shape(own))
         out = np.empty(box_shape(block), info.dtype.numpy)
-        for stored_box, values in piece.transform.to_stored(own, data):
-            part = intersect(stored_box, block)
-            if part is not None:
-                out[relative_slices(part, block)] = values[relative_slices(part, stored_box)]
+        for leaf, piece in self._pieces[info.name]:
+            own = piece.transform.tree_box(block)
+            if own is None:
+                continue
+            data = self._leaf_box(leaf, _in_leaf(piece, own)).reshape(box_shape(own))
+            for stored_box, values in piece.transform.to_stored(own, data):
+                part = intersect(stored_box, block)
+                if part is not None:
+                    out[relative_slices(part, block)] = values[relative_slices(part, stored_box)]
         return to_bytes(out)
 
     def _leaf_box(self, leaf: str, box: Box) -> np.ndarray:
