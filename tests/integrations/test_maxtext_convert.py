@@ -150,6 +150,13 @@ def test_bfloat16_round_trips_through_maxtexts_form_byte_for_byte(bf16_checkpoin
 
 # --- The reverse of MaxText's own converter --------------------------------------------------------
 
+def to_maxtext_timeout(jobs: int) -> int:
+    """Seconds for one to_maxtext.py process of ``jobs`` conversions: its import, then about
+    25 s each on a loaded 2-core machine (a tiny model's conversion is mostly MaxText's fixed
+    cost), with room to spare."""
+    return CHILD_TIMEOUT + 60 * jobs
+
+
 def run_to_maxtext(python, jobs, work):
     """MaxText's own to_maxtext.py on each of ``jobs`` ({key: (case, hf_dir, scan)}), all in one
     process, float32: {key: (its base_output_directory, None or its error)}."""
@@ -160,7 +167,7 @@ def run_to_maxtext(python, jobs, work):
                    for key, (case, hf_dir, scan) in jobs.items()], f)
     start = time.perf_counter()
     done = subprocess.run([python, TO_MAXTEXT, jobs_path, results_path], capture_output=True, text=True,
-                          timeout=2 * CHILD_TIMEOUT, env=_clean_env(), check=False)
+                          timeout=to_maxtext_timeout(len(jobs)), env=_clean_env(), check=False)
     print(f"\nto_maxtext.py, {len(jobs)} conversions: {time.perf_counter() - start:.1f} s, exit {done.returncode}")
     results = _json(results_path) if os.path.exists(results_path) else {}
     lost = f"no result (exit {done.returncode}):\n{(done.stdout + done.stderr)[-4000:]}"
@@ -209,7 +216,7 @@ def to_maxtext_outputs(request, maxtext_python, hf_checkpoints, tmp_path_factory
     return run_to_maxtext(maxtext_python, jobs, str(tmp_path_factory.mktemp("to_maxtext")))
 
 
-@pytest.mark.timeout(PIP_TIMEOUT + 3 * CHILD_TIMEOUT)  # a first run builds the venv, then converts all
+@pytest.mark.timeout(PIP_TIMEOUT + to_maxtext_timeout(2 * len(CASES)))  # a first run builds the venv, then converts all
 @pytest.mark.parametrize(("case", "variant"), list(case_params(REVERSE_KNOWN)))
 def test_transformers_loads_our_reverse_of_to_maxtext(to_maxtext_outputs, hf_checkpoints, tmp_path, case, variant):
     hf_dir, reference, atol = hf_checkpoints[case]
