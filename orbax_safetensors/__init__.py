@@ -58,6 +58,7 @@ from orbax_safetensors.errors import (
     UnsupportedOrbaxError,
 )
 from orbax_safetensors.planning.quantization import FP8, MXFP4
+from orbax_safetensors.planning.assembly import Constant
 from orbax_safetensors.planning.rules import Mapping, Rule, Strided
 from orbax_safetensors.planning.transforms import Transform
 from orbax_safetensors import mappings
@@ -107,7 +108,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "FP8", "MXFP4", "Mapping", "MappingError", "Rule", "Strided", "Transform", "mappings",
+    "FP8", "MXFP4", "Constant", "Mapping", "MappingError", "Rule", "Strided", "Transform", "mappings",
     "Error", "ArgumentError", "ArgumentTypeError", "CheckpointChangedError", "ProtocolError",
     "AccessDeniedError", "ReadOnlyLocationError", "UnreachableError", "LocationTakenError",
     "MissingDependencyError", "DistributedSetupError", "PeerTimeoutError",

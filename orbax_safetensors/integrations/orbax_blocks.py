@@ -62,11 +62,11 @@ class OrbaxBlocks:
     ``cache_bytes``, so the next boxes of the same chunks do not decode them
     again.
 
-    Only the arrays named ``prefix``… are read (MaxText's train state keeps
-    its step and optimizer state beside the params).
+    Only the arrays named ``prefix``… (or one of several) are read (MaxText's
+    train state keeps its step and optimizer state beside the params).
     """
 
-    def __init__(self, item_dir: str, *, prefix: str = "", cache_bytes: int = 0):
+    def __init__(self, item_dir: str, *, prefix: str | tuple[str, ...] = "", cache_bytes: int = 0):
         item_dir = os.path.abspath(item_dir) if "://" not in item_dir else item_dir
         tree_metadata = ocp.PyTreeCheckpointHandler().metadata(epath.Path(item_dir))
         tree = getattr(tree_metadata, "tree", tree_metadata)

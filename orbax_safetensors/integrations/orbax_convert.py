@@ -371,7 +371,7 @@ def _open_source(src: str | os.PathLike, target: Location, options: ConvertOptio
     _check_destination(target, fmt, options.form, overwrite=options.overwrite)
     if options.dtype is not None and options.mapping is None:
         raise ArgumentError("dtype= needs a mapping (without one the tensors are copied as they are)")
-    prefix = options.form.prefix
+    prefix = options.form.prefixes
     if fmt == ORBAX:
         orbax = OrbaxBlocks(item, prefix=prefix, cache_bytes=options.cache_bytes)
         if options.mapping is None:

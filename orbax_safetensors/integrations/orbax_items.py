@@ -167,7 +167,11 @@ def _replicated_target(path: str, args: SafetensorsRestore) -> dict[str, jax.Sha
         shapes = {name: t.shape for name, t in stored.items()}
         leaves = {}
         for leaf, shape in mapping.tree_shapes(shapes).items():
-            first = mapping.assembly(leaf, stored_shapes=shapes).pieces[0]
+            assembly = mapping.assembly(leaf, stored_shapes=shapes)
+            if assembly.constant is not None:
+                leaves[leaf] = (shape, np.dtype(assembly.constant.dtype))
+                continue
+            first = assembly.pieces[0]
             leaves[leaf] = (shape, first.transform.tree_dtype(stored[first.stored].dtype))
     return {name: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
             for name, (shape, dtype) in leaves.items()}

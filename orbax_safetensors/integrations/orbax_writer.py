@@ -65,21 +65,26 @@ class OrbaxForm:
     """Where a converted tree sits in an Orbax checkpoint directory.
 
     ``item``: the PyTree item's directory under it; ``root``: the keys above
-    the tree inside the item; ``extra``: the item's other leaves;
+    the tree inside the item; ``beside``: other roots a read takes tree leaves from
+    too (MaxText's variable collections beside ``params``, where its converter keeps
+    DeepSeek's router bias, ``MoEBiasVar``, and V4's token table, ``Tid2EidVar``; a
+    write puts them under ``root``, where MaxText's restore looks them up as well:
+    ``checkpointing._alias_legacy_collections``); ``extra``: the item's other leaves;
     ``handler``: the item's handler, as the checkpoint's metadata names it;
     ``zarr3``: its arrays' format.
     """
 
     item: tuple[str, ...] = ()
     root: tuple[str, ...] = ()
+    beside: tuple[tuple[str, ...], ...] = ()
     extra: tuple[tuple[str, Any], ...] = ()
     handler: str = "orbax.checkpoint._src.handlers.pytree_checkpoint_handler.PyTreeCheckpointHandler"
     zarr3: bool = False
 
     @property
-    def prefix(self) -> str:
-        """The tree's names inside the item start with this."""
-        return "".join(f"{key}." for key in self.root)
+    def prefixes(self) -> tuple[str, ...]:
+        """What the tree's names inside the item start with: its root's, then those beside it."""
+        return tuple("".join(f"{key}." for key in root) for root in (self.root, *self.beside))
 
     def tree(self, leaves: dict[str, Any], *, nest: bool) -> dict[str, Any]:
         tree: dict[str, Any] = nest_names(leaves) if nest else dict(leaves)
@@ -106,6 +111,7 @@ class OrbaxForm:
 FORMS = {
     None: OrbaxForm(),
     "maxtext": OrbaxForm(item=("0", "items"), root=("params", "params"),
+                         beside=(("params", "MoEBiasVar"), ("params", "Tid2EidVar")),
                          extra=(("step", 0), ("opt_state", {})),
                          handler="orbax.checkpoint.experimental.v1._src.handlers."
                                  "pytree_handler.PyTreeHandler", zarr3=True),

@@ -37,7 +37,8 @@ DeepSeek-V3 (MLA attention, dense then MoE layers) is ``mappings.deepseek``, as 
 DeepSeek-V2 (``deepseek_v2``) and DeepSeek-V3.2 (``deepseek_v32``). Qwen3-Next (gated delta net
 and gated full-attention layers) is ``qwen3_next``, in ``mappings.qwen_hybrid``, as is Qwen3.5's
 text decoder (``qwen3_5``). Gemma 4's text decoder (``gemma4``: layers of two shapes, unscanned
-only) is ``mappings.gemma4``'s.
+only) is ``mappings.gemma4``'s, DeepSeek-V4's (``deepseek_v4``: compressed attention,
+hyper-connections, token-table routing; the release's own names) ``mappings.deepseek_v4``'s.
 
 Qwen3-VL (``qwen3_vl``, its MoE release too) and Qwen3-Omni (``qwen3_omni_moe``) map their text
 decoder, Qwen3's (Qwen3-MoE's) tree under the stored prefix (``model.language_model.``,
@@ -72,6 +73,7 @@ from orbax_safetensors.mappings._towers import QWEN3_OMNI as QWEN3_OMNI_TOWERS
 from orbax_safetensors.mappings._towers import QWEN3_VL as QWEN3_VL_TOWERS
 from orbax_safetensors.mappings._towers import passed_through, text_config
 from orbax_safetensors.mappings.deepseek import deepseek_v2, deepseek_v3, deepseek_v32
+from orbax_safetensors.mappings.deepseek_v4 import deepseek_v4
 from orbax_safetensors.mappings.gemma4 import gemma4
 from orbax_safetensors.mappings.qwen_hybrid import qwen3_5, qwen3_next
 from orbax_safetensors.planning.rules import Mapping, Rule
@@ -274,6 +276,7 @@ FAMILIES = {"llama": llama, "mistral": mistral, "qwen2": qwen2, "qwen3": qwen3, 
             "qwen3_5_moe_text": qwen3_5}
 FAMILIES.update({"qwen3_vl": qwen3_vl, "qwen3_vl_moe": qwen3_vl, "qwen3_omni_moe": qwen3_omni_moe})
 FAMILIES["gemma4_text"] = gemma4  # its layers differ in shape: mappings.gemma4
+FAMILIES["deepseek_v4"] = deepseek_v4
 
 
 def for_config(config: Any, *, scan_layers: bool = False, dtype: Any = None,

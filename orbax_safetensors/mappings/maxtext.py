@@ -70,7 +70,8 @@ of its own, ``decoder.dense_layers_{k}`` / ``decoder.moe_layers_{k}`` (scanned:
 the stacks ``decoder.dense_layers`` / ``decoder.moe_layers``): its rules, and
 what is exact, are ``mappings.deepseek``'s. So are DeepSeek-V2's (``"deepseek2"``:
 the same tree without the router bias) and DeepSeek-V3.2's (``"deepseek3.2"``: V3's
-and each attention's ``self_attention.indexer``).
+and each attention's ``self_attention.indexer``). DeepSeek-V4 (``"deepseek4"``: compressed
+attention, hyper-connections, hash-routed first layers) is ``mappings.deepseek_v4``'s.
 
 Qwen3-Next (``"qwen3-next"``, ``qwen3-next-80b-a3b``: gated-delta-net layers, then a
 gated full-attention one, per ``full_attention_interval``; MoE with a gated shared expert)
@@ -152,6 +153,7 @@ import numpy as np
 
 from orbax_safetensors.errors import ArgumentError
 from orbax_safetensors.mappings import deepseek, qwen_hybrid
+from orbax_safetensors.mappings.deepseek_v4 import maxtext_deepseek4
 from orbax_safetensors.mappings.gemma4 import maxtext_gemma4
 from orbax_safetensors.mappings._config import attention_dims, config_sizes, config_value
 from orbax_safetensors.mappings._quantized import quantized_mapping
@@ -257,6 +259,7 @@ FAMILIES = {
 OWN_RULES: dict[str, Callable[..., Mapping]] = {"deepseek2": deepseek.maxtext_deepseek2,
                                                  "deepseek3": deepseek.maxtext_deepseek3,
                                                  "deepseek3.2": deepseek.maxtext_deepseek32,
+                                                 "deepseek4": maxtext_deepseek4,
                                                  "qwen3-next": qwen_hybrid.maxtext_qwen3_next,
                                                  "qwen3.5": qwen_hybrid.maxtext_qwen3_5,
                                                  "gemma4": maxtext_gemma4}  # layers of two shapes
@@ -277,6 +280,7 @@ MODEL_NAMES: dict[str, tuple[str, ...]] = {
     "deepseek3": ("deepseek3-671b", "deepseek3-tiny", "deepseek3-test"),
     "deepseek2": ("deepseek2-16b", "deepseek2-236b"),
     "deepseek3.2": ("deepseek3.2-671b",),
+    "deepseek4": ("deepseek4-284b", "deepseek4-tiny"),
     "gpt-oss": ("gpt-oss-20b", "gpt-oss-120b"),
     "qwen3-next": ("qwen3-next-80b-a3b",),
     "qwen3.5": ("qwen3.5-35b-a3b", "qwen3.5-35b-a3b-fp8", "qwen3.5-35b-fp8", "qwen3.5-397b-a17b",
@@ -305,7 +309,9 @@ def maxtext(family: str, config: Any, scan_layers: bool = True, *, dtype: Any = 
     config has ``num_experts > 1`` (``moe_block``, experts stacked at axis 0,
     layers then at 1). ``"deepseek3"`` (``deepseek3-671b``, ``deepseek3-tiny``),
     ``"deepseek2"`` (``deepseek2-16b``, ``deepseek2-236b``) and ``"deepseek3.2"``
-    (``deepseek3.2-671b``) are ``mappings.deepseek``'s, ``"qwen3-next"`` (``qwen3-next-80b-a3b``;
+    (``deepseek3.2-671b``) are ``mappings.deepseek``'s, ``"deepseek4"`` (``deepseek4-284b``;
+    scanned, the layers after the hash-routed ones alternate heavily compressed and compressed
+    sparse attention) ``mappings.deepseek_v4``'s, ``"qwen3-next"`` (``qwen3-next-80b-a3b``;
     scanned, ``num_hidden_layers`` a multiple of ``full_attention_interval``) and ``"qwen3.5"``
     (``qwen3.5-35b-a3b``, ``qwen3.5-397b-a17b``, their ``-fp8``; the text decoder)
     ``mappings.qwen_hybrid``'s. gpt-oss's ``wi_0``/``wi_1`` are read from one stored

@@ -16,6 +16,7 @@ _FLAX = {"llama": huggingface.llama, "mistral": huggingface.mistral, "qwen2": hu
          "qwen3_next": huggingface.qwen3_next, "qwen3_5": huggingface.qwen3_5}
 _FLAX.update({"qwen3_vl": huggingface.qwen3_vl, "qwen3_omni_moe": huggingface.qwen3_omni_moe})
 _FLAX["gemma4"] = huggingface.gemma4
+_FLAX["deepseek_v4"] = huggingface.deepseek_v4
 
 
 def by_name(name: str, config: Any, *, scan_layers: bool | None = None, dtype: Any = None) -> Mapping:

@@ -1,6 +1,6 @@
 """Layer 3: pure planning (no devices, no files): what to read and write where."""
 
-from orbax_safetensors.planning.assembly import Assembly, Piece, Tiling
+from orbax_safetensors.planning.assembly import Assembly, Constant, Piece, Tiling
 from orbax_safetensors.planning.boxes import (
     Box,
     bounding_box,
@@ -58,7 +58,7 @@ from orbax_safetensors.planning.write_plan import (
 )
 
 __all__ = [
-    "Assembly", "Piece", "Tiling",
+    "Assembly", "Constant", "Piece", "Tiling",
     "Box", "bounding_box", "box_shape", "box_size", "byte_runs", "full_box", "intersect",
     "normalize_index", "relative_slices",
     "chunk_boxes", "chunk_shape",

@@ -62,11 +62,26 @@ class Piece:
 
 
 @dataclasses.dataclass(frozen=True)
+class Constant:
+    """A tree leaf no stored tensor holds, ``value`` throughout: a parameter one side keeps
+    and the other does not. MaxText's DeepSeek-V4 has an ``mhc_norm`` scale its release lacks
+    (the release normalises there without a weight), ones. A load fills it; a save writes
+    nothing for it and refuses a leaf that holds anything else, which the checkpoint could
+    not keep."""
+
+    shape: tuple[int, ...]
+    value: float
+    dtype: str = "float32"
+
+
+@dataclasses.dataclass(frozen=True)
 class Assembly:
-    """A tree leaf of ``shape`` made of the stored tensors ``pieces``, which tile it."""
+    """A tree leaf of ``shape`` made of the stored tensors ``pieces``, which tile it, or of
+    none: a ``constant``."""
 
     shape: tuple[int, ...]
     pieces: tuple[Piece, ...]
+    constant: Constant | None = None
 
     @property
     def transform(self) -> Transform | None:

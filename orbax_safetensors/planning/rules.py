@@ -48,9 +48,9 @@ import numpy as np
 
 from orbax_safetensors.errors import MappingError
 from orbax_safetensors.format.dtypes import dtype_for_numpy
-from orbax_safetensors.planning.assembly import Assembly, Tiling, assemble
+from orbax_safetensors.planning.assembly import Assembly, Constant, Tiling, assemble
 from orbax_safetensors.planning.quantization import FP8, Quantization, dequantized
-from orbax_safetensors.planning.transforms import PERMUTATIONS, Permutation, Transform
+from orbax_safetensors.planning.transforms import PERMUTATIONS, Permutation, Transform, untransposed_axes
 from orbax_safetensors.planning.write_plan import TensorSpec
 
 Size = int | str  # a size in a split/merge/concat: an int (-1: infer it) or a dimension name
@@ -193,7 +193,14 @@ class Rule:
     stored tensor from all the leaves that take a part of it, each its own
     indices (a save given only some of them is refused while it is planned);
     the taken axis's size must then be declared (an int, or a name in
-    ``dims``), as the tree's shape lacks it.
+    ``dims``), as the tree's shape lacks it. Last, ``transpose_after`` orders the
+    piece's axes as ``np.transpose`` does, where a transpose before the split
+    cannot: DeepSeek-V4's ``wo_a`` ``[G * r, X]`` is MaxText's ``[G, X, r]``
+    (``split={0: (G, r)}, transpose_after=(0, 2, 1)``).
+
+    ``only={placeholder: values}`` limits a placeholder both sides have to some values: the
+    rule maps no other name. DeepSeek-V4's layers differ by their attention, not by where they
+    are: ``only={"i": (2, 4, 6)}`` gives the compressed-sparse-attention layers their indexer.
 
     Pieces form the leaf: ``stack={placeholder: axis}`` names placeholders of
     the stored side only, each a leaf axis whose index is the placeholder's
@@ -206,11 +213,16 @@ class Rule:
 
     ``order`` interleaves the concatenated patterns: along the concat axis, in
     ``chunk``-wide slices, the leaf holds slice ``j`` of pattern ``p`` for each
-    ``(p, j)`` of ``order`` in turn (a rule without ``split`` or ``merge``).
+    ``(p, j)`` of ``order`` in turn (a rule without ``split`` or ``merge``). A
+    ``chunk`` that is a shape (``(1, k)``) makes each slice that many axes, the
+    first along the concat axis: the slices of a vector as the rows of a matrix.
     MaxText's Qwen3.5 ``in_proj_qkvz`` kernel holds, key head by key head, that
     head's query, key and value columns of ``in_proj_qkv`` and its ``in_proj_z``
     columns. Each slice is its own piece (``take``), so a save writes the stored
     tensors from the leaf (and the other leaves with slices of them) slice by slice.
+    ``concat``'s sizes are then the stored patterns' whole sizes along the axis, and the
+    order may leave slices to other leaves: DeepSeek-V4's ``hc_attn_fn`` holds MaxText's
+    ``pre_alpha``, ``post_alpha`` (``take``) and ``res_alpha`` (its last ``k`` slices, ordered).
 
     A size is an int, ``-1`` (inferred), or a dimension name looked up in the
     ``Mapping``'s ``dims`` (inferred when absent). Sizes are only needed where
@@ -229,9 +241,11 @@ class Rule:
     stack: MappingABC[str, int] = dataclasses.field(default_factory=dict)
     concat: MappingABC[int, Sequence[Size]] = dataclasses.field(default_factory=dict)
     strided: MappingABC[str, Strided] = dataclasses.field(default_factory=dict)
+    only: MappingABC[str, Iterable[int]] = dataclasses.field(default_factory=dict)
     take: MappingABC[int, int] = dataclasses.field(default_factory=dict)
+    transpose_after: tuple[int, ...] | None = None
     order: Sequence[tuple[int, int]] = ()
-    chunk: int | None = None
+    chunk: int | tuple[int, ...] | None = None
 
     @property
     def stored_patterns(self) -> tuple[str, ...]:
@@ -244,13 +258,25 @@ class Rule:
 
     def _slice(self, pattern: int, j: int) -> Rule:
         """The rule of slice ``j`` of stored pattern ``pattern`` of an ``order``ed rule: the concat
-        axis split into ``chunk``-wide slices, slice ``j`` taken. Where the order takes every slice of
-        the pattern, their count is declared: a save, planned from the tree's shape, needs it."""
+        axis split into ``chunk``-wide slices, slice ``j`` taken. A save, planned from the tree's
+        shape, needs their count: the pattern's declared size over ``chunk``, or, undeclared, the
+        order's slices of it where they run from 0 without a gap."""
         axis = self._tiling.concat_piece_axis
+        size, chunk = next(iter(self.concat.values()))[pattern], self._chunk_shape
         slices = sorted(k for p, k in self.order if p == pattern)
-        count = len(slices) if slices == list(range(len(slices))) else -1
+        if isinstance(size, int) and size > 0:
+            if size % math.prod(chunk):
+                raise MappingError(f"{self._where}: concat size {size} is not a multiple of the chunk {self.chunk}")
+            count = size // math.prod(chunk)
+        else:
+            count = len(slices) if slices == list(range(len(slices))) else -1
         return dataclasses.replace(self, stored=self.stored_patterns[pattern], concat={}, order=(), chunk=None,
-                                   split={axis: (count, self.chunk)}, take={axis: j})
+                                   split={axis: (count, *chunk)}, take={axis: j})
+
+    @property
+    def _chunk_shape(self) -> tuple[int, ...]:
+        """An ordered rule's slice as the piece has it: ``chunk`` wide, or of ``chunk``'s shape."""
+        return (self.chunk,) if isinstance(self.chunk, int) else tuple(self.chunk)
 
     @property
     def _inner(self) -> dict[str, str]:
@@ -271,8 +297,13 @@ class Rule:
 
     def _check_names(self) -> None:
         """Both sides have the same placeholders, but the stacked and strided ones (the stored
-        side's only) and the strided ones' ``within`` (the tree side's only)."""
+        side's only) and the strided ones' ``within`` (the tree side's only); ``only``'s are
+        on both."""
         _, tree_names = _pattern(self.tree, "tree")
+        object.__setattr__(self, "only", {p: frozenset(int(v) for v in values) for p, values in self.only.items()})
+        if not set(self.only) <= set(tree_names) - set(self.stack) - set(self.strided):
+            raise MappingError(f"rule {self.stored_patterns[0]!r} ↔ {self.tree!r}: only {sorted(self.only)} must "
+                               "name placeholders both sides have")
         inner = set(self._inner)  # stacked withins: on neither side
         stored_only = (set(self.stack) | set(self.strided)) - inner
         tree_only = {s.within for s in self.strided.values() if s.within is not None} - inner
@@ -299,8 +330,10 @@ class Rule:
                 raise MappingError(f"{where}: the concat axis is a stack axis")
 
     def _check_arrangement(self, where: str) -> None:
-        if self.transpose is not None and sorted(self.transpose) != list(range(len(self.transpose))):
-            raise MappingError(f"{where}: transpose {self.transpose} is not a permutation")
+        for name in ("transpose", "transpose_after"):
+            perm = getattr(self, name)
+            if perm is not None and sorted(perm) != list(range(len(perm))):
+                raise MappingError(f"{where}: {name} {perm} is not a permutation")
         for kind, entries in (("split", self.split), ("merge", self.merge)):
             for axis, sizes in entries.items():
                 if not isinstance(axis, int) or axis < 0:
@@ -314,8 +347,9 @@ class Rule:
             raise MappingError(f"{where}: take {dict(self.take)}: axes and indices must be ints >= 0")
 
     def _check_values(self, where: str) -> None:
-        if self.order and (not self.concat or self.split or self.merge or self.take or not isinstance(self.chunk, int)
-                           or self.chunk < 1 or any(not 0 <= p < len(self.stored_patterns) or j < 0
+        if self.order and (not self.concat or self.split or self.merge or self.take or self.chunk is None
+                           or any(not isinstance(c, int) or c < 1 for c in self._chunk_shape)
+                           or any(not 0 <= p < len(self.stored_patterns) or j < 0
                                                     for p, j in self.order)):
             raise MappingError(f"{where}: order needs concat, a chunk >= 1, no split, merge or take, and "
                                "(pattern, slice) pairs of its stored patterns")
@@ -350,15 +384,23 @@ class Rule:
         if stored_shape is None and tree_shape is None:
             raise MappingError(f"{where}: needs the stored or the tree shape")
         stored, tree = _shape(stored_shape), _shape(tree_shape)
+        after = tuple(self.transpose_after or ())
+        if tree is not None and after:
+            if len(after) != len(tree):
+                raise MappingError(f"{where}: transpose_after {after} does not fit the tree shape {tree}")
+            tree = untransposed_axes(tree, after)
         reshaped = tree if not self.take or stored is not None else self._with_taken_axes(tree, dims or {})
         arranged = self._arrangement(self._transposed(stored), None if self.take and stored is not None
                                      else reshaped, dims or {}, undeclared)
         takes = self._takes(arranged.tree_shape)
         shape = dataclasses.replace(arranged, takes=takes).tree_shape
         if tree is not None and shape != tree:
-            raise MappingError(f"{where}: stored shape {stored} maps to {shape}, not the tree's {tree}")
+            raise MappingError(f"{where}: stored shape {stored} maps to {shape}, not the tree's "
+                               f"{_shape(tree_shape)}" + (f" before transpose_after {after}" if after else ""))
+        if after and len(after) != len(shape):
+            raise MappingError(f"{where}: transpose_after {after} does not fit the piece's shape {shape}")
         return dataclasses.replace(arranged, permutes=self._permutes(arranged.tree_shape), takes=takes,
-                                   scale=self.scale, offset=self.offset, dtype=self.dtype)
+                                   scale=self.scale, offset=self.offset, dtype=self.dtype, tree_perm=after)
 
     def _with_taken_axes(self, tree: tuple[int, ...], dims: MappingABC[str, int]) -> tuple[int, ...]:
         """The tree shape of a piece that takes, with its taken axes back: the reshaped piece a
@@ -391,7 +433,10 @@ class Rule:
 
     def _accepts(self, values: MappingABC[str, str], side: str) -> bool:
         """Whether a name whose pattern gave placeholder ``values`` on ``side`` is this
-        rule's: every value a ``Strided`` placeholder computes is in its range."""
+        rule's: every value a ``Strided`` placeholder computes is in its range, every ``only``
+        placeholder's among its values."""
+        if any(_number(values[p]) not in allowed for p, allowed in self.only.items()):
+            return False
         if side == "tree":
             return all(s.within is None or s.within in self._inner or s.holds(values[s.within])
                        for s in self.strided.values())
@@ -619,13 +664,15 @@ class Mapping:
     ``undeclared``: what a load says where a size is neither in ``dims`` nor inferred from
     the shapes (a family's mapping made without its config: pass the config), the whole
     message for every leaf it stops, so that they are reported as one.
+    ``constants``: tree leaves (whole names) no stored tensor holds (``Constant``).
     """
 
     def __init__(self, rules: Iterable[Rule], *, dims: MappingABC[str, int] | None = None,
                  checkpoint_form: str | None = None, quantization: Quantization | None = None,
                  ignore: Iterable[str] = (), sizes: Iterable[ConfigSize] = (),
-                 undeclared: str | None = None):
+                 undeclared: str | None = None, constants: MappingABC[str, Constant] | None = None):
         self.rules = tuple(rules)
+        self.constants = dict(constants or {})
         self.dims = dict(dims or {})
         self.undeclared = undeclared
         self.sizes = tuple(sizes)
@@ -727,7 +774,7 @@ class Mapping:
         """The names no rule or several rules map (to report them all at once); a stored name
         several rules each ``take`` a part of is mapped."""
         if side == "tree":
-            return [n for n in names if len(self._hits(n, side)) != 1]
+            return [n for n in names if n not in self.constants and len(self._hits(n, side)) != 1]
         return [n for n in names if not _one_tensor_per_leaf(self._hits(n, side))]
 
     def idle_rules(self, stored_names: Iterable[str]) -> list[Rule]:
@@ -748,6 +795,11 @@ class Mapping:
         checked against its stored shape; a stored tensor missing from
         ``stored_shapes`` is an error only when its shape is needed.
         """
+        constant = self.constants.get(tree_name)
+        if constant is not None:
+            if tree_shape is not None and tuple(tree_shape) != constant.shape:
+                raise MappingError(f"{tree_name!r}: a constant of shape {constant.shape}, not {tuple(tree_shape)}")
+            return Assembly(constant.shape, (), constant)
         rule, values = self._find(tree_name, "tree")
         where, tree, tiling = repr(tree_name), _shape(tree_shape), rule._tiling
         if tree is not None:
@@ -755,14 +807,16 @@ class Mapping:
         counts = ([tree[axis] for axis in tiling.stacked] if tree is not None
                   else self._stack_counts(rule, values, stored_shapes or {}, where))
         first = _piece_names(rule, values, (0,) * len(counts))
-        sizes = self._concat_sizes(rule, tree, stored_shapes, first, where) or (None,) * len(first)
+        # An ordered rule's slices are its pieces, of the chunk's width: the patterns' sizes are its slices'.
+        sizes = (None if rule.order else self._concat_sizes(rule, tree, stored_shapes, first, where)
+                 ) or (None,) * len(first)
         own = [None if tree is None else tiling.piece_shape(tree, size) for size in sizes]
         slices = {(p, j): rule._slice(p, j) for p, j in rule.order}
         pieces = []
         for index in itertools.product(*(range(c) for c in counts)):
             names = _piece_names(rule, values, index)
             if rule.order:  # each slice a piece of its own, in the order's turn
-                shape = None if tree is None else tiling.piece_shape(tree, rule.chunk)
+                shape = None if tree is None else tiling.piece_shape(tree, rule._chunk_shape[0])
                 stored = [(names[p], self._piece_transform(slices[p, j], names[p], shape, stored_shapes, where))
                           for p, j in rule.order]
             else:
@@ -836,7 +890,8 @@ class Mapping:
         if bad:
             raise MappingError(f"no single rule maps the stored names: {', '.join(sorted(bad))}")
         leaves = dict.fromkeys(leaf for name in stored_shapes for leaf in self.tree_names(name))
-        return {leaf: self.assembly(leaf, stored_shapes=stored_shapes).shape for leaf in leaves}
+        return {**{leaf: self.assembly(leaf, stored_shapes=stored_shapes).shape for leaf in leaves},
+                **{leaf: constant.shape for leaf, constant in self.constants.items()}}
 
     def map_specs(self, specs: Sequence[TensorSpec]) -> tuple[list[TensorSpec], dict[str, Assembly]]:
         """Tree-named specs → stored specs, and each tree leaf's ``Assembly``."""
@@ -863,22 +918,26 @@ class Mapping:
                 owner[piece.stored] = spec.name
                 stored_specs[piece.stored] = stored
                 if takes:
-                    taken.setdefault(piece.stored, {})[takes] = piece.transform._reshaped_shape
+                    last = max(axis for axis, _ in takes)  # the axes after it may be split otherwise
+                    taken.setdefault(piece.stored, {})[takes] = (piece.transform.perm,
+                                                                 piece.transform._reshaped_shape[:last + 1])
         for name, parts in taken.items():
             _check_parts(name, parts)
         return list(stored_specs.values()), assemblies
 
 
-def _check_parts(name: str, parts: MappingABC[tuple[tuple[int, int], ...], tuple[int, ...]]) -> None:
+def _check_parts(name: str, parts: MappingABC[tuple[tuple[int, int], ...],
+                                               tuple[tuple[int, ...], tuple[int, ...]]]) -> None:
     """Refuses a save that has leaves for some parts of the stored tensor ``name`` only (each
-    part: the ``(axis, index)`` pairs a piece takes of the reshaped piece's shape): the stored
-    tensor would hold garbage where the missing parts go."""
+    part: the ``(axis, index)`` pairs a piece takes of the reshaped piece's shape, given with
+    the transpose and the reshaped shape through the last taken axis, which fix what the
+    indices are): the stored tensor would hold garbage where the missing parts go."""
     axes = {tuple(axis for axis, _ in takes) for takes in parts}
     shapes = set(parts.values())
     if len(axes) != 1 or len(shapes) != 1:
         raise MappingError(f"the stored tensor {name!r} is taken apart along different axes "
-                           f"{sorted(axes)} or of different shapes {sorted(shapes)}")
-    (taken,), (shape,) = axes, shapes
+                           f"{sorted(axes)} or of different shapes {sorted(s for _, s in shapes)}")
+    (taken,), ((_, shape),) = axes, shapes
     missing = [tuple(zip(taken, index)) for index in itertools.product(*(range(shape[a]) for a in taken))
                if tuple(zip(taken, index)) not in parts]
     if missing:
@@ -890,8 +949,8 @@ def _check_parts(name: str, parts: MappingABC[tuple[tuple[int, int], ...], tuple
 
 def _one_tensor_per_leaf(hits: Sequence[tuple[Rule, Any]]) -> bool:
     """Whether the rules that map a stored name agree: one rule, or several that each take a
-    part of it into a leaf of its own."""
-    return len(hits) == 1 or (len(hits) > 1 and all(rule.take for rule, _ in hits))
+    part of it (or ordered slices of it) into a leaf of its own."""
+    return len(hits) == 1 or (len(hits) > 1 and all(rule.take or rule.order for rule, _ in hits))
 
 
 def _piece_names(rule: Rule, values: MappingABC[str, str], index: Sequence[int]) -> list[str]:

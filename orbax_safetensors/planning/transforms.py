@@ -11,7 +11,9 @@ by values:
    ``PERMUTATIONS``), ``scale`` multiplies and then ``offset`` adds (both in
    float32, float64 for float64: Gemma's norms are stored as ``w`` and used
    as ``1 + w``), ``dtype`` is the dtype saved;
-3. ``takes`` keep one index of an axis and drop it: gpt-oss stores gate and
+3. ``takes`` keep one index of an axis and drop it (then ``tree_perm`` orders the axes
+   left, where the transpose before the reshape cannot: DeepSeek-V4's ``wo_a``
+   ``[G * r, X]`` is MaxText's ``[G, X, r]``, its split axis's parts apart): gpt-oss stores gate and
    up interleaved in one ``gate_up_proj`` (``[..., 2 * F]``, gate at even
    columns), MaxText holds them as two leaves; split into ``(F, 2)``, ``wi_0``
    takes index 0 of the new axis and ``wi_1`` index 1. A save writes such a
@@ -92,13 +94,31 @@ PERMUTATIONS: dict[str, Callable[[int], tuple[int, ...]]] = {
     "halves_to_interleaved": halves_to_interleaved, "interleaved_to_halves": interleaved_to_halves}
 
 
+def transposed_axes(axes: tuple, perm: Sequence[int]) -> tuple:
+    """Per-axis items (sizes, bounds) of an array in the order ``np.transpose(a, perm)`` gives
+    its axes (empty ``perm``: as they are)."""
+    return tuple(axes[p] for p in perm) if perm else tuple(axes)
+
+
+def untransposed_axes(axes: tuple, perm: Sequence[int]) -> tuple:
+    """The inverse of ``transposed_axes``: per-axis items of ``np.transpose(a, perm)`` in ``a``'s order."""
+    if not perm:
+        return tuple(axes)
+    out: list = [None] * len(axes)
+    for item, p in zip(axes, perm):
+        out[p] = item
+    return tuple(out)
+
+
 @dataclasses.dataclass(frozen=True)
 class Transform:
     """Stored tensor → tree piece: its arrangement (``np.transpose(stored, perm)``, a grouped
     reshape), then the value transforms (``permutes`` of single axes, ``scale``, then
     ``offset``); ``dtype``: saved as; ``takes``: ``(axis, index)`` pairs, ascending, of the
     reshaped piece's axes that the tree piece holds one index of, and lacks (the other
-    indices are other pieces').
+    indices are other pieces'); ``tree_perm``: then ``np.transpose(piece, tree_perm)`` (empty:
+    as they are). Every method takes and gives boxes of the tree piece: ``tree_perm`` is
+    undone on the way in and applied on the way out, the rest works on the piece before it.
 
     ``groups`` cover the transposed axes and the tree axes in order: each is
     ``(transposed sizes, tree sizes)`` with equal products, so the reshape only
@@ -113,14 +133,13 @@ class Transform:
     offset: float | None = None
     dtype: np.dtype | None = None
     takes: tuple[tuple[int, int], ...] = ()
+    tree_perm: tuple[int, ...] = ()
 
     @property
     def tree_shape(self) -> tuple[int, ...]:
-        shape = self._reshaped_shape
-        if not self.takes:
-            return shape
         taken = dict(self.takes)
-        return tuple(s for axis, s in enumerate(shape) if axis not in taken)
+        return transposed_axes(tuple(s for axis, s in enumerate(self._reshaped_shape) if axis not in taken), self.tree_perm)
+
 
     @property
     def _reshaped_shape(self) -> tuple[int, ...]:
@@ -141,7 +160,7 @@ class Transform:
     @property
     def _same_arrangement(self) -> bool:
         """Whether the arrangement is the stored one (no transpose, no split or merge)."""
-        return not self.takes and self.perm == tuple(range(len(self.perm))) and all(
+        return not self.takes and not self.tree_perm and self.perm == tuple(range(len(self.perm))) and all(
             len(src) == len(tree) == 1 for src, tree in self.groups)
 
     @property
@@ -168,7 +187,8 @@ class Transform:
         for axis, order in self.permutes:
             x = np.take(x, order, axis=axis)
         taken = dict(self.takes)
-        return self._scaled(x[tuple(taken.get(axis, slice(None)) for axis in range(x.ndim))])
+        x = self._scaled(x[tuple(taken.get(axis, slice(None)) for axis in range(x.ndim))])
+        return np.transpose(x, self.tree_perm) if self.tree_perm else x
 
     def _scaled(self, x: np.ndarray, inverse: bool = False) -> np.ndarray:
         """``x * scale + offset`` in the tree's precision (``inverse``: ``(x - offset) / scale``,
@@ -215,8 +235,9 @@ class Transform:
         return self._unpermute(tuple(self._regrouped(self._unpermuted(self._with_taken(tree_box)), to_tree=False)))
 
     def _with_taken(self, tree_box: Box) -> Box:
-        """A tree box as a box of the reshaped piece: each taken axis back, at its one index."""
-        box = list(tree_box)
+        """A tree box as a box of the reshaped piece: in its order before ``tree_perm``, each
+        taken axis back, at its one index."""
+        box = list(untransposed_axes(tuple(tree_box), self.tree_perm))
         for axis, index in self.takes:
             box.insert(axis, (index, index + 1))
         return tuple(box)
@@ -251,7 +272,7 @@ class Transform:
         taken = dict(self.takes)
         if any(not tree[axis][0] <= index < tree[axis][1] for axis, index in taken.items()):
             return None
-        return tuple(bounds for axis, bounds in enumerate(tree) if axis not in taken)
+        return transposed_axes(tuple(bounds for axis, bounds in enumerate(tree) if axis not in taken), self.tree_perm)
 
     def to_tree(self, data: np.ndarray, stored_box: Box, tree_box: Box,
                 out: np.ndarray | None = None) -> np.ndarray:
@@ -268,6 +289,7 @@ class Transform:
                 a, b = box[axis]
                 x = np.take(x, np.asarray(order[a:b]) - reshaped[axis][0], axis=axis)
             x = self._scaled(np.squeeze(x, tuple(axis for axis, _ in self.takes)) if self.takes else x)
+            x = np.transpose(x, self.tree_perm) if self.tree_perm else x
         if out is None:
             return x
         copy_into(out, x)
@@ -303,8 +325,11 @@ class Transform:
         index of each taken axis alone (the other pieces of the stored tensor write theirs):
         the interleaved columns of gpt-oss's ``gate_up_proj`` one column box each.
         """
+        data = np.asarray(data)
+        if self.tree_perm:
+            data = np.transpose(data.reshape(box_shape(tree_box)), np.argsort(self.tree_perm))
         tree_box = self._with_taken(tree_box)
-        data = np.asarray(data).reshape(box_shape(tree_box))
+        data = data.reshape(box_shape(tree_box))
         dtype = data.dtype if self.dtype is None else self.dtype
         stored = [item for box, values in self._unpermuted_parts(tree_box, self._scaled(data, inverse=True))
                   for item in self._arrange_to_stored(box, values)]

@@ -45,6 +45,12 @@ in float32 (eager attention) for the reference logits:
 * ``deepseek3.2``: ``DeepseekV32ForCausalLM``, the ``deepseek3`` case plus each attention's
   indexer (8 heads of 16, top 8 of the 16 tokens, so its weights change the logits; its k-th and
   (k+1)-th scores kept ``ROUTER_MARGIN`` apart) (``deepseek3.2-671b``);
+* ``deepseek4``: ``DeepseekV4ForCausalLM``, 5 layers (2 sliding-window, then compressed sparse
+  attention with its indexer, heavily compressed, compressed sparse), hyper-connections of 4
+  streams, the first 3 layers' MoE routed by a token table, the others by sqrt-softplus scores
+  with a bias, one kv head, the output in 2 groups, saved in the release's names
+  (``RELEASE_FORM``; ``deepseek4-284b``, on ``CASE_MESH``'s mesh; scanned as 3 unrolled layers and
+  one ``scanned_blocks`` pair);
 * ``gpt-oss``: ``GptOssForCausalLM``, 4 layers (two sliding-window / global pairs, scanned as
   ``layers_0``, ``layers_1``), sliding window 4, yarn RoPE, q/k/v/o biases, attention sinks, 4
   experts top-2 with a router bias and fused, interleaved gate/up (``gpt-oss-20b``; ``wi_0``/``wi_1``
@@ -222,6 +228,22 @@ DEEPSEEK32 = dict(  # DeepSeek-V3's case plus the sparse attention's indexer: 8 
     {k: v for k, v in DEEPSEEK3.items() if k != "rope_interleave"},
     index_n_heads=8, index_head_dim=16, index_topk=8,
 )
+DEEPSEEK4 = dict(  # 5 layers: 2 sliding-window, 1 compressed sparse (CSA), hash-routed MoE; then heavily
+    # compressed (HCA), CSA, score-routed MoE (MaxText's scanned pair); one kv head, the output in 2 groups;
+    # a window (8) and the indexer's top-k (2 of 4 compressed entries) that select. HCA compresses 128
+    # tokens: at 16 its entries are empty, its tensors checked by MaxText's converter and the round trip.
+    {k: v for k, v in _COMMON.items() if k not in ("num_hidden_layers", "num_key_value_heads", "attention_bias")},
+    num_hidden_layers=5, num_key_value_heads=1, head_dim=32, partial_rotary_factor=0.25, q_lora_rank=16,
+    o_groups=2, o_lora_rank=16, moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1,
+    num_experts_per_tok=2, scoring_func="sqrtsoftplus", norm_topk_prob=True, routed_scaling_factor=1.5,
+    layer_types=["sliding_attention", "sliding_attention", "compressed_sparse_attention",
+                 "heavily_compressed_attention", "compressed_sparse_attention"],
+    mlp_layer_types=["hash_moe", "hash_moe", "hash_moe", "moe", "moe"],
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+    sliding_window=8, index_n_heads=4, index_head_dim=32, index_topk=2, hc_mult=4, hc_sinkhorn_iters=20,
+    swiglu_limit=10.0, rope_theta=10000.0, compress_rope_theta=160000.0, rms_norm_eps=1e-6,
+    max_position_embeddings=4096, num_nextn_predict_layers=0,
+)
 GPT_OSS = dict(  # 4 layers: sliding, full, sliding, full (scanned as two pairs)
     {k: v for k, v in _COMMON.items() if k not in ("hidden_act", "attention_bias")}, num_hidden_layers=4,
     intermediate_size=32, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
@@ -300,6 +322,7 @@ CASES = {
     "deepseek2": ("deepseek2", "DeepseekV2ForCausalLM", "DeepseekV2Config", DEEPSEEK2),
     "deepseek2-236b": ("deepseek2", "DeepseekV2ForCausalLM", "DeepseekV2Config", DEEPSEEK2_236B),
     "deepseek3.2": ("deepseek3.2", "DeepseekV32ForCausalLM", "DeepseekV32Config", DEEPSEEK32),
+    "deepseek4": ("deepseek4", "DeepseekV4ForCausalLM", "DeepseekV4Config", DEEPSEEK4),
     "gpt-oss": ("gpt-oss", "GptOssForCausalLM", "GptOssConfig", GPT_OSS),
     "qwen2.5": ("qwen2.5", "Qwen2ForCausalLM", "Qwen2Config", QWEN25),
     "olmo3": ("olmo3", "Olmo3ForCausalLM", "Olmo3Config", OLMO3),
@@ -313,10 +336,32 @@ CASES = {
 # Cases whose transformers model is a part of the saved one: Qwen3-Omni's thinker (the whole
 # model has no forward); its logits are the reference.
 SUBMODEL = {"qwen3-omni": "thinker"}
-# case -> how the release stores what transformers' save_pretrained writes otherwise (the
-# checkpoint is rewritten so): Qwen3-VL-MoE's experts, [experts, embed, 2 * mlp] and
-# [experts, mlp, embed] (transformers' conversion_mapping transposes them on load).
-RELEASE_FORM = {"qwen3-vl-moe": lambda name, t: t.transpose(0, 2, 1) if ".mlp.experts." in name else t}
+# case -> how the release stores what transformers' save_pretrained writes otherwise, (name,
+# tensor) -> (name, tensor) (the checkpoint is rewritten so): Qwen3-VL-MoE's experts, [experts,
+# embed, 2 * mlp] and [experts, mlp, embed] (transformers' conversion_mapping transposes them on
+# load); DeepSeek-V4's names (deepseek4_release_name).
+RELEASE_FORM = {"qwen3-vl-moe": lambda name, t: (name, t.transpose(0, 2, 1) if ".mlp.experts." in name else t),
+                "deepseek4": lambda name, t: (deepseek4_release_name(name), t)}
+# save_pretrained's DeepSeek-V4 names -> the release's, which MaxText's converter reads: transformers'
+# conversion_mapping "deepseek_v4" renames the release as it loads, and writes back its module paths
+# (model.), embed_tokens and hc_head.hc_*; undoing its rename of ".norm." to ".kv_norm." it also
+# writes the attention's own kv_norm as "attn.norm". transformers loads either form alike.
+_DEEPSEEK4_RELEASE = ((r"^model\.embed_tokens\.weight$", "embed.weight"),
+                      (r"^model\.hc_head\.hc_(fn|base|scale)$", r"hc_head_\1"),
+                      (r"^model\.", ""), (r"\.attn\.norm\.weight$", ".attn.kv_norm.weight"))
+
+
+def deepseek4_release_name(name: str) -> str:
+    for pattern, replacement in _DEEPSEEK4_RELEASE:  # in turn
+        name = re.sub(pattern, replacement, name)
+    return name
+
+
+# case -> MaxText's mesh for it, where the common MESH cannot hold it: MaxText 0.2.5 shards
+# DeepSeek-V4's wkv kernel's kv_heads axis over "tensor" (layers/attention_compressed.py: kernel_axes
+# ("embed_attn", "kv_heads", "kv_head_dim"); base.yml: kv_heads -> tensor), and V4 has one kv head,
+# which no tensor parallelism divides: its experts over "expert" instead.
+CASE_MESH = {"deepseek4": "fsdp=2,expert=2"}
 # Cases whose checkpoint is rewritten with each layer's experts fused, the release's form
 # (transformers writes one tensor per expert; MaxText's converter reads the release's).
 FUSED_EXPERTS = {"qwen3.5"}
@@ -531,8 +576,9 @@ def maxtext_python():
     return python
 
 
-def write_checkpoint(case: str, directory: str, seed: int = 0) -> str:
-    """A tiny model of ``case`` with every weight random, saved by transformers (float32 safetensors)."""
+def write_checkpoint(case: str, directory: str, seed: int = 0, release: bool = True) -> str:
+    """A tiny model of ``case`` with every weight random, saved by transformers (float32 safetensors);
+    ``release``: rewritten in the release's form where it differs (``RELEASE_FORM``)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     _, model_class, config_class, config = CASES[case]
@@ -542,17 +588,22 @@ def write_checkpoint(case: str, directory: str, seed: int = 0) -> str:
     model = getattr(transformers, model_class)(getattr(transformers, config_class)(**config)).eval()
     with torch.no_grad():
         for name, p in saved_tensors(model):
+            if name.endswith("tid2eid"):  # DeepSeek-V4's hash routing table: each token's k distinct experts
+                experts = model.config.n_routed_experts
+                p.copy_(torch.stack([torch.randperm(experts)[:p.shape[1]] for _ in range(p.shape[0])]))
+                continue
             p.copy_(1.0 + 0.3 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
             if name.endswith("router.scale"):  # Gemma 4's router input scale: wide, so its top-k margins
                 p.mul_(5.0 / 0.15)  # clear ROUTER_MARGIN (its input is RMS-normalised and scaled by hidden**-0.5)
             if "norm" in name and case in BF16_NORMS:
                 p.copy_(p.to(torch.bfloat16).to(p.dtype))
     model.save_pretrained(directory)
-    if case in RELEASE_FORM:
+    if case in RELEASE_FORM and release:
         from safetensors.numpy import load_file, save_file
 
         for path in glob.glob(os.path.join(directory, "*.safetensors")):
-            tensors = {n: np.ascontiguousarray(RELEASE_FORM[case](n, t)) for n, t in load_file(path).items()}
+            tensors = dict(RELEASE_FORM[case](n, t) for n, t in load_file(path).items())
+            tensors = {n: np.ascontiguousarray(t) for n, t in tensors.items()}
             save_file(tensors, path, metadata={"format": "pt"})
     if case in FUSED_EXPERTS:
         from safetensors.numpy import load_file, save_file
@@ -601,8 +652,8 @@ def transformers_logits(directory: str, tokens: np.ndarray, case: str = "llama3.
         gate = router(module)
         logits = torch.nn.functional.linear(inputs[0].reshape(-1, inputs[0].shape[-1]), gate.weight,
                                             getattr(gate, "bias", None))
-        bias = getattr(gate, "e_score_correction_bias", None)  # DeepSeek: sigmoid scores + bias
-        scores = logits if bias is None else torch.sigmoid(logits) + bias
+        bias = getattr(gate, "e_score_correction_bias", None)  # DeepSeek: its scores (sigmoid; V4's score_fn) + bias
+        scores = logits if bias is None else getattr(gate, "score_fn", torch.sigmoid)(logits) + bias
         top = torch.topk(scores, k + 1, dim=-1).values
         gaps.append(float((top[:, k - 1] - top[:, k]).min()))
 
@@ -627,7 +678,8 @@ def transformers_logits(directory: str, tokens: np.ndarray, case: str = "llama3.
 
     for module in model.modules():
         gate = router(module)
-        if k and getattr(gate, "weight", None) is not None and gate.weight.shape[0] > 1 and hasattr(module, "experts"):
+        if k and getattr(gate, "weight", None) is not None and gate.weight.shape[0] > 1 and hasattr(module, "experts") \
+                and not hasattr(gate, "tid2eid"):  # DeepSeek-V4's first layers route by a table: no margin
             handles.append(module.register_forward_pre_hook(record))
         if type(module).__name__ == "Gemma4TextRouter":  # normalises and scales its input first: its output's
             handles.append(module.register_forward_hook(  # log-probabilities, the logits less a per-token constant
@@ -645,7 +697,8 @@ def transformers_logits(directory: str, tokens: np.ndarray, case: str = "llama3.
             handle.remove()
         for module in indexers:
             del module.forward
-    sparse = text.num_hidden_layers - (getattr(text, "first_k_dense_replace", None) or 0)
+    sparse = (text.num_hidden_layers - (getattr(text, "first_k_dense_replace", None) or 0)
+              - list(getattr(text, "mlp_layer_types", None) or []).count("hash_moe"))
     if k and len(gaps) != sparse:
         raise AssertionError(f"{case}: found {len(gaps)} routers, expected one per sparse layer ({sparse})")
     return logits, atol, min(gaps + index_gaps, default=float("inf"))
@@ -701,7 +754,7 @@ def run_child(python, checkpoints, work, loader="ost", variants=VARIANTS):
         np.save(reference_path, reference)
         np.save(atol_path, atol)
         cases.append({"case": case, "family": CASES[case][0], "hf_dir": hf_dir, "reference": reference_path,
-                      "atol": atol_path})
+                      "atol": atol_path, **({"mesh": CASE_MESH[case]} if case in CASE_MESH else {})})
     with open(cases_path, "w") as f:
         json.dump(cases, f)
     command = [python, CHILD, "--cases", cases_path, "--tokens", tokens_path,

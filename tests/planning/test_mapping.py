@@ -152,7 +152,8 @@ def test_save_pieces_of_a_head_dim_shard_are_split_per_head():
 
 @st.composite
 def transforms(draw) -> Transform:
-    """Random transpose + split/merge groups over 1-4 stored axes."""
+    """Random transpose + split/merge groups over 1-4 stored axes, then the tree piece's axes
+    in some order (``tree_perm``) or as they are."""
     groups, count = [], 0
     for _ in range(draw(st.integers(1, 3))):
         kind = draw(st.sampled_from(["same", "split", "merge"]))
@@ -167,7 +168,9 @@ def transforms(draw) -> Transform:
             groups.append((sizes, (math.prod(sizes),)))
             count += len(sizes)
     perm = tuple(draw(st.permutations(range(count))))
-    return Transform(perm, tuple(groups))
+    tree_axes = sum(len(tree) for _, tree in groups)
+    return Transform(perm, tuple(groups), tree_perm=tuple(draw(st.one_of(
+        st.just(()), st.permutations(range(tree_axes))))))
 
 
 @st.composite

@@ -31,11 +31,13 @@ from tests.planning.test_mapping import _SETTINGS, _slices, box_in, transforms
 
 
 def _pieces(data):
-    """A transform, a taken axis of its reshaped piece, and one piece per index of it."""
-    t = data.draw(transforms())
+    """A transform, a taken axis of its reshaped piece, and one piece per index of it (the axes
+    left in some order, or as they are)."""
+    t = dataclasses.replace(data.draw(transforms()), tree_perm=())
     reshaped = t.tree_shape
     axis = data.draw(st.integers(0, len(reshaped) - 1))
-    return t, [dataclasses.replace(t, takes=((axis, k),)) for k in range(reshaped[axis])]
+    order = data.draw(st.one_of(st.just(()), st.permutations(range(len(reshaped) - 1))))
+    return t, [dataclasses.replace(t, takes=((axis, k),), tree_perm=tuple(order)) for k in range(reshaped[axis])]
 
 
 def _tiles(data, shape):

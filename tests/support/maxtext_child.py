@@ -8,15 +8,17 @@ import (~12 s) once; pyconfig is re-initialised per case and variant::
     $MAXTEXT_VENV/bin/python tests/support/maxtext_child.py --cases cases.json --tokens tokens.npy \\
         --variants scan,unscan --devices 4 --mesh fsdp=2,tensor=2
 
-``cases.json`` is a list of ``{"case", "family", "hf_dir", "reference"[, "atol"][, "model_name"]}``
-(``atol``: an .npy of each logit's tolerance, ``tests/support/tolerances.py``; else ``--atol``): ``family``
+``cases.json`` is a list of ``{"case", "family", "hf_dir", "reference"[, "atol"][, "model_name"][, "mesh"]}``
+(``atol``: an .npy of each logit's tolerance, ``tests/support/tolerances.py``; else ``--atol``; ``mesh``:
+the case's, in ``--mesh``'s form, instead of ``--mesh``): ``family``
 is what is passed to ``ost.mappings.maxtext`` (``llama3.1``, ``qwen3``, ``mixtral``, ``mistral``,
 ``gemma3``, ``deepseek3``, ``deepseek2``, ``deepseek3.2``, ``gpt-oss``, ``qwen3-next``, ``qwen3.5``), ``model_name`` the MaxText model whose
 yml, layers and conversion tables are used (by default ``llama3.1-8b``, ``qwen3-0.6b`` or, with experts, ``qwen3-30b-a3b``,
 ``mixtral-8x7b``, ``mistral-7b``, ``gemma3-4b``, ``deepseek3-671b``, ``deepseek2-16b``, ``deepseek3.2-671b``,
 ``gpt-oss-20b``; ``qwen2.5-7b``; ``olmo3-7b``, or ``olmo3-7b-pt`` with default RoPE; ``qwen3-next-80b-a3b``,
 ``qwen3.5-35b-a3b``; ``gemma2-2b``; ``gemma4-31b``, with experts ``gemma4-26b``, with per-layer
-inputs ``gemma4-e2b`` or ``gemma4-e4b`` by its attention pattern). ``--hf-dir``/``--reference``/``--family``
+inputs ``gemma4-e2b`` or ``gemma4-e4b`` by its attention pattern; ``deepseek4-284b`` for ``deepseek4``,
+whose checkpoint has the release's names, not save_pretrained's). ``--hf-dir``/``--reference``/``--family``
 give a single case instead.
 
 For each case and variant (``scan``: ``scan_layers=True``, ``unscan``: ``scan_layers=False``) it
@@ -74,6 +76,7 @@ MAXTEXT_MODEL = {"llama3.1": "llama3.1-8b", "qwen3": "qwen3-0.6b", "mixtral": "m
 MAXTEXT_MODEL.update({"qwen2.5": "qwen2.5-7b", "olmo3": "olmo3-7b"})  # olmo3 with default RoPE: olmo3-7b-pt
 MAXTEXT_MODEL.update({"gemma2": "gemma2-2b", "gemma4": "gemma4-31b"})
 MAXTEXT_MODEL.update({"deepseek2": "deepseek2-16b", "deepseek3.2": "deepseek3.2-671b"})
+MAXTEXT_MODEL["deepseek4"] = "deepseek4-284b"  # every layer MoE: the routed experts are in its own overrides
 MOE_MODEL = {"qwen3": "qwen3-30b-a3b", "mixtral": "mixtral-8x7b", "gpt-oss": "gpt-oss-20b"}
 MAXTEXT_MODEL["qwen3-next"] = MOE_MODEL["qwen3-next"] = "qwen3-next-80b-a3b"
 MAXTEXT_MODEL["qwen3.5"] = MOE_MODEL["qwen3.5"] = "qwen3.5-35b-a3b"
@@ -93,7 +96,7 @@ MAXTEXT_LLAMA3_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor"
 def _parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", default=None,
-                   help='JSON file: [{"case", "family", "hf_dir", "reference"[, "atol"][, "model_name"]}, ...]')
+                   help='JSON file: [{"case", "family", "hf_dir", "reference"[, "atol"][, "model_name"][, "mesh"]}, ...]')
     p.add_argument("--hf-dir", default=None, help="a single case (with --reference, --family)")
     p.add_argument("--reference", default=None, help=".npy of the reference logits (batch, seq, vocab)")
     p.add_argument("--family", default="llama3.1", choices=sorted(MAXTEXT_MODEL))
@@ -138,8 +141,9 @@ def main(argv=None):
     tokens = np.load(args.tokens).astype(np.int32)
     make_loader = _loader_factory(args.loader)
     out_root = args.out_dir or tempfile.mkdtemp(prefix="maxtext-child-")
-    mesh_overrides = {f"ici_{axis}_parallelism": int(n)
-                      for axis, n in (item.split("=") for item in args.mesh.split(",") if item)}
+
+    def mesh_overrides(mesh):
+        return {f"ici_{axis}_parallelism": int(n) for axis, n in (item.split("=") for item in mesh.split(",") if item)}
 
     failed = False
     for case in _cases(args):
@@ -152,11 +156,11 @@ def main(argv=None):
             scan = {"scan": True, "unscan": False}[variant]
             result = {"case": case["case"], "family": case["family"], "model_name": model_name,
                       "variant": variant, "scan_layers": scan, "loader": args.loader, "devices": args.devices,
-                      "mesh": args.mesh, "import_seconds": round(import_seconds, 2)}
+                      "mesh": case.get("mesh", args.mesh), "import_seconds": round(import_seconds, 2)}
             t0 = time.perf_counter()
             try:
                 _run_variant(args, result, case["family"], model_name, case["hf_dir"], scan, hf_config, tokens,
-                             reference, atol, make_loader, mesh_overrides,
+                             reference, atol, make_loader, mesh_overrides(case.get("mesh", args.mesh)),
                              os.path.join(out_root, case["case"], variant),
                              jax=jax, np=np, nn=nn, pyconfig=pyconfig, models=models,
                              quantizations=quantizations, maxtext_utils=maxtext_utils,
@@ -346,7 +350,7 @@ def maxtext_overrides(family, model_name, hf, scan_layers, seq_len, out_dir):
     rope = dict(_get(hf, "rope_parameters") or _get(hf, "rope_scaling") or {})
     theta = rope.get("rope_theta", _get(hf, "rope_theta", 10000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if family not in (*DEEPSEEK, "gpt-oss", "olmo3", "qwen3-next", "qwen3.5"):  # their RoPE, biases, windows: _<family>_overrides
+    if family not in (*DEEPSEEK, "deepseek4", "gpt-oss", "olmo3", "qwen3-next", "qwen3.5"):  # their RoPE, biases, windows: _<family>_overrides
         _check_plain_block(family, model_name, hf, rope, rope_type)
     overrides = dict(
         run_name="ost-maxtext-mapping",
@@ -386,6 +390,8 @@ def maxtext_overrides(family, model_name, hf, scan_layers, seq_len, out_dir):
         overrides.update(_gemma2_overrides(hf))
     if family == "gemma4":  # its MoE keys too (top_k_experts, the shared expert): not the generic ones below
         return {**overrides, **_gemma4_overrides(hf)}
+    if family == "deepseek4":  # every layer's MoE and attention from its own keys
+        return {**overrides, **_deepseek4_overrides(hf, scan_layers)}
     if family in DEEPSEEK:
         overrides.update(_deepseek3_overrides(hf, rope, family))
     if family == "gpt-oss":
@@ -467,6 +473,58 @@ def _deepseek3_overrides(hf, rope, family="deepseek3"):
         num_experts=_get(hf, "n_routed_experts"), num_experts_per_tok=_get(hf, "num_experts_per_tok"),
         base_moe_mlp_dim=_get(hf, "moe_intermediate_size"), shared_experts=_get(hf, "n_shared_experts"),
         routed_scaling_factor=_get(hf, "routed_scaling_factor"), mtp_num_layers=0, **routing, **DENSE_MATMUL,
+    )
+
+
+def _deepseek4_overrides(hf, scan_layers):
+    """DeepSeek-V4's own keys (deepseek4-284b.yml; models/deepseek4.py, layers/attention_compressed.py,
+    layers/mhc.py, layers/moe.py): mHC streams, hash-routed prefix layers, per-layer compression, the
+    grouped output projection, the indexer, two RoPE thetas (default RoPE only: MaxText's
+    DeepSeekV4RotaryEmbedding has no YaRN), sqrt-softplus routing with the clamped SwiGLU.
+    Scanned, MaxText's DeepSeek4ScannableBlock hard-codes each block as HCA 128 then CSA 4."""
+    rope = _get(hf, "rope_parameters") or {}
+    main, compress = rope.get("main", {}), rope.get("compress", {})
+    if main.get("rope_type", "default") != "default" or compress.get("rope_type", "default") != "default":
+        raise ValueError("MaxText's deepseek4 block: default RoPE (its DeepSeekV4RotaryEmbedding has no YaRN)")
+    if _get(hf, "hc_eps", 1e-6) != 1e-6 or _get(hf, "hidden_act", "silu") != "silu":
+        raise ValueError("MaxText's deepseek4 block: mHC eps 1e-6 (mhc.py), SwiGLU")
+    if _get(hf, "scoring_func") in ("sigmoid", "sqrtsoftplus") and not _get(hf, "norm_topk_prob"):
+        raise ValueError("MaxText's deepseek4 routing renormalises sigmoid / sqrtsoftplus top-k weights "
+                         "(moe.py deepseek_scale_weights)")
+    # HF's layer types -> MaxText's per-layer compress_ratios (0: sliding window, 4: CSA with the
+    # indexer, > 4: HCA; attention_compressed.py CompressedAttention).
+    rates = _get(hf, "compress_rates") or {}
+    ratios = [0 if t == "sliding_attention" else rates[t] for t in _get(hf, "layer_types")]
+    if any(r not in (0, 4) and r <= 4 for r in ratios) or rates.get("compressed_sparse_attention", 4) != 4:
+        raise ValueError(f"MaxText's deepseek4 block: CSA compresses by 4, HCA by more ({ratios})")
+    mlp_types = _get(hf, "mlp_layer_types")
+    hash_layers = mlp_types.count("hash_moe")
+    if mlp_types != ["hash_moe"] * hash_layers + ["moe"] * (len(mlp_types) - hash_layers):
+        raise ValueError(f"MaxText's deepseek4 block: hash-routed layers first ({mlp_types})")
+    if scan_layers and (ratios[hash_layers:] != [128, 4] * ((len(ratios) - hash_layers) // 2)
+                        or (len(ratios) - hash_layers) % 2):
+        raise ValueError(f"MaxText's scanned deepseek4 blocks: HCA 128 then CSA 4 after the hash layers ({ratios})")
+    head_dim = _get(hf, "head_dim")
+    theta = lambda v: int(v) if float(v).is_integer() else v  # noqa: E731
+    moe_mlp = _get(hf, "moe_intermediate_size")
+    return dict(
+        base_num_kv_heads=_get(hf, "num_key_value_heads"), head_dim=head_dim,
+        qk_rope_head_dim=int(head_dim * _get(hf, "partial_rotary_factor")),
+        mhc_expansion_rate=_get(hf, "hc_mult"), sinkhorn_iterations=_get(hf, "hc_sinkhorn_iters"),
+        first_num_hash_layers=hash_layers, compress_ratios=ratios, attention_type="compressed",
+        q_lora_rank=_get(hf, "q_lora_rank"), o_groups=_get(hf, "o_groups"), o_lora_rank=_get(hf, "o_lora_rank"),
+        sliding_window_size=_get(hf, "sliding_window"), use_indexer=True,
+        indexer_n_heads=_get(hf, "index_n_heads"), indexer_head_dim=_get(hf, "index_head_dim"),
+        indexer_topk=_get(hf, "index_topk"),
+        rope_type="default", rope_max_timescale=theta(main.get("rope_theta", _get(hf, "rope_theta"))),
+        compressed_rope_max_timescale=theta(compress.get("rope_theta", _get(hf, "compress_rope_theta"))),
+        max_position_embeddings=_get(hf, "max_position_embeddings"),
+        num_experts=_get(hf, "n_routed_experts"), num_experts_per_tok=_get(hf, "num_experts_per_tok"),
+        shared_experts=_get(hf, "n_shared_experts"), base_moe_mlp_dim=moe_mlp, base_mlp_dim=moe_mlp,
+        mlp_activations=["silu", "linear"], mlp_activations_limit=_get(hf, "swiglu_limit"),
+        routed_score_func=_get(hf, "scoring_func"), routed_bias=True, norm_topk_prob=_get(hf, "norm_topk_prob"),
+        routed_scaling_factor=_get(hf, "routed_scaling_factor"), n_routing_groups=-1, topk_routing_group=-1,
+        mtp_num_layers=0, **DENSE_MATMUL,
     )
 
 
@@ -849,6 +907,7 @@ def _maxtext_converter(model_name, hf_config, config, hf_dir, boxes, *, np):
     the comparison used its hooks stacked at ``param_scan_axis`` instead.
     """
     import logging
+    import re
 
     from maxtext.checkpoint_conversion import to_maxtext
     from maxtext.checkpoint_conversion.utils.param_mapping import HOOK_FNS, PARAM_MAPPING
@@ -868,13 +927,19 @@ def _maxtext_converter(model_name, hf_config, config, hf_dir, boxes, *, np):
         weights = {k.replace("model.", "model.language_model.", 1): v for k, v in weights.items()}
     mapping = PARAM_MAPPING[model_name](hf, config, config.scan_layers)
     hooks = HOOK_FNS[model_name](hf, config, config.scan_layers, saving_to_hf=False)
-    keys = validate_and_filter_param_map_keys(mapping.keys(), {"params-" + n.replace(".", "-") for n in boxes})
+    # DeepSeek-V4's tables key its router bias and hash table by their own collections
+    # (MoEBiasVar-…, Tid2EidVar-…; to_maxtext.py stacks those at axis 0 by that prefix); the leaves'
+    # names here carry none (params-… stands for all).
+    in_params = lambda k: re.sub(r"^(MoEBiasVar|Tid2EidVar)-", "params-", k)  # noqa: E731
+    own = {in_params(k): k for k in mapping if isinstance(k, str) and in_params(k) != k}
+    keys = validate_and_filter_param_map_keys(mapping.keys(),
+                                              {own.get(k, k) for k in ("params-" + n.replace(".", "-") for n in boxes)})
     out, errors, workarounds = {}, {}, {}
     for key in keys:
         if isinstance(key, tuple):  # gpt-oss's (wi_0, wi_1) from one gate_up_proj: split as to_maxtext.py does
             out.update(_composite(key, mapping[key], hooks.get(key), weights, boxes, config, to_maxtext, np=np))
             continue
-        name = key.removeprefix("params-").replace("-", ".")
+        name = in_params(key).removeprefix("params-").replace("-", ".")
         shape = tuple(boxes[name].value.shape)
         load = to_maxtext._get_hf_loading_function(mapping[key], weights.__getitem__, hooks.get(key), shape, config,
                                                    key)

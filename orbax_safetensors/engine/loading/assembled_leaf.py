@@ -175,11 +175,13 @@ class AssembledLeaf:
 
     def _result(self) -> Any:
         buffers, self.buffers = self.buffers, {}
+        constant = self.assembly.constant
+        fill = 0 if constant is None else constant.value  # an empty leaf's, or a constant's
         if self.sharding is None:
             box = full_box(self.assembly.shape)
-            return buffers[box] if box in buffers else np.zeros(self.assembly.shape, self.dtype)
+            return buffers[box] if box in buffers else np.full(self.assembly.shape, fill, self.dtype)
         return device_array(self.assembly.shape, self.sharding, Cast(self.dtype), self.local,
-                            lambda box: buffers[box] if box in buffers else np.zeros(box_shape(box), self.dtype))
+                            lambda box: buffers[box] if box in buffers else np.full(box_shape(box), fill, self.dtype))
 
 
 def _read_as(piece: Piece, tensors: Mapping[str, TensorSource]) -> TensorSource:
@@ -191,6 +193,9 @@ def _read_as(piece: Piece, tensors: Mapping[str, TensorSource]) -> TensorSource:
 
 
 def leaf_dtype(assembly: Assembly, tensors: Mapping[str, TensorSource]) -> np.dtype:
-    """The dtype of an assembled leaf no target names one for: its first piece's values."""
+    """The dtype of an assembled leaf no target names one for: its first piece's values (a
+    constant's own)."""
+    if assembly.constant is not None:
+        return np.dtype(assembly.constant.dtype)
     piece = assembly.pieces[0]
     return piece.transform.tree_dtype(_read_as(piece, tensors).dtype.numpy)

@@ -182,7 +182,8 @@ def map_leaves(checkpoint: Checkpoint, target: LoadTarget, names: list[str], req
     unmapped = set(mapping.unmapped(names, side))
     problems = [f"no single rule maps the {side} names: {_some(sorted(unmapped))}"] if unmapped else []
     if from_checkpoint:
-        names = list(dict.fromkeys(leaf for n in names if n not in unmapped for leaf in mapping.tree_names(n)))
+        names = list(dict.fromkeys([*(leaf for n in names if n not in unmapped for leaf in mapping.tree_names(n)),
+                                    *mapping.constants]))
         requests = [_ANY] * len(names)
         unmapped = set()
     assemblies: list[Assembly | None] = []

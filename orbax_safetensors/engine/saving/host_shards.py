@@ -137,6 +137,10 @@ def _map_shards(shards: list[HostShard], assemblies: Mapping[str, Assembly],
     """
     mapped = []
     for shard in shards:
+        constant = assemblies[shard.name].constant
+        if constant is not None and not np.all(np.asarray(shard.data) == constant.value):
+            raise ArgumentError(f"tree leaf {shard.name!r} is a constant of the mapping ({constant.value} "
+                                "throughout, which the checkpoint holds no tensor for), but holds other values")
         for piece in assemblies[shard.name].pieces:
             part = piece.part(shard.box)
             if part is None:

@@ -81,18 +81,23 @@ class TreeBlocks:
         self.metadata = source.metadata
 
     def _leaf_dtype(self, assembly: Assembly, wanted: np.dtype | None) -> DType:
+        if assembly.constant is not None:
+            return _output_dtype(dtype_for_numpy(np.dtype(assembly.constant.dtype)), wanted)
         first = assembly.pieces[0]
         stored = first.quantized.dtype if first.quantized is not None else self._stored[first.stored].dtype
         return _output_dtype(dtype_for_numpy(first.transform.tree_dtype(stored.numpy)), wanted)
 
     def stacked(self, leaf: str) -> tuple[int, ...]:
         """The leaf's axes along which its pieces are stacked (layers, experts)."""
-        return self.assemblies[leaf].pieces[0].stacked
+        pieces = self.assemblies[leaf].pieces
+        return pieces[0].stacked if pieces else ()
 
     def read_block(self, info: TensorInfo, block: Box | None) -> memoryview:
         """``block`` of leaf ``info.name`` (``None``: all of it), from the stored boxes it meets."""
         assembly = self.assemblies[info.name]
         block = tuple((0, s) for s in assembly.shape) if block is None else block
+        if assembly.constant is not None:
+            return to_bytes(np.full(box_shape(block), assembly.constant.value, info.dtype.numpy))
         out = np.empty(box_shape(block), info.dtype.numpy)
         for piece in assembly.pieces:
             part = piece.part(block)
@@ -118,9 +123,27 @@ class TreeBlocks:
         piece.transform.to_tree(data, stored_box, own, out=out[into])
 
 
+def _leaves_under(specs: Sequence[TensorSpec], prefixes: tuple[str, ...]) -> dict[str, TensorSpec]:
+    """The arrays named one of ``prefixes`` + a leaf name, by leaf name (the first prefix's
+    where two hold one: refused, as the one to write back cannot be chosen)."""
+    leaves: dict[str, TensorSpec] = {}
+    for spec in specs:
+        prefix = next((p for p in prefixes if spec.name.startswith(p)), None)
+        if prefix is None:
+            continue
+        leaf = spec.name[len(prefix):]
+        if leaf in leaves:
+            raise ArgumentError(f"the source holds {leaf!r} twice: as {leaves[leaf].name!r} and {spec.name!r}")
+        leaves[leaf] = spec
+    if not leaves:
+        raise ArgumentError(f"the source holds no arrays under {' or '.join(map(repr, prefixes))}"
+                            if any(prefixes) else "the source holds no arrays")
+    return leaves
+
+
 class StoredBlocks:
-    """The leaves of ``source`` named ``prefix`` + a tree name of ``mapping``, as the stored
-    tensors the mapping makes of them (other leaves are left out).
+    """The leaves of ``source`` named ``prefix`` (or one of several) + a tree name of ``mapping``,
+    as the stored tensors the mapping makes of them (other leaves are left out).
 
     ``dtype`` is the stored tensors' floating-point dtype (``None``: the
     mapping's, else the leaf's).
@@ -137,13 +160,10 @@ class StoredBlocks:
     output), nor where one layer of every leaf would not fit.
     """
 
-    def __init__(self, source: BlockSource, mapping: Mapping, *, prefix: str = "",
+    def __init__(self, source: BlockSource, mapping: Mapping, *, prefix: str | tuple[str, ...] = "",
                  dtype: np.dtype | None = None, band_bytes: int = 0):
         self._source = source
-        self._leaves = {spec.name[len(prefix):]: spec for spec in source.specs if spec.name.startswith(prefix)}
-        if not self._leaves:
-            raise ArgumentError(f"the source holds no arrays under {prefix!r}" if prefix
-                                else "the source holds no arrays")
+        self._leaves = _leaves_under(source.specs, (prefix,) if isinstance(prefix, str) else tuple(prefix))
         tree = [TensorSpec(name, spec.dtype, spec.shape) for name, spec in self._leaves.items()]
         stored, assemblies = mapping.map_specs(sorted(tree, key=lambda s: natural_key(s.name)))
         mapping.check_sizes({spec.name: spec.shape for spec in stored})  # written with the config beside them
@@ -157,7 +177,7 @@ class StoredBlocks:
         stacked = {}
         for leaf, assembly in assemblies.items():
             axis = assembly.pieces[0].stacked[0] if assembly.pieces and assembly.pieces[0].stacked else None
-            if axis is not None and (chunks is None or chunks(prefix + leaf)[axis] > 1):
+            if axis is not None and (chunks is None or chunks(self._leaves[leaf].name)[axis] > 1):
                 stacked[leaf] = axis  # a chunk per layer needs no band
         per_index = sum(self._leaves[leaf].dtype.nbytes(self._leaves[leaf].shape) // self._leaves[leaf].shape[axis]
                         for leaf, axis in stacked.items())
