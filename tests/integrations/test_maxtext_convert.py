@@ -12,14 +12,12 @@ The tiny models, the MaxText venv and the child are ``tests/families/test_maxtex
   the bfloat16-rounded weights (the checkpoint saved in bfloat16), within the float32 tolerance
   (``tests/support/tolerances.py``): the rounding of the weights is the only difference, and it is in the
   reference too. A bfloat16 checkpoint round trips HF -> MaxText form -> HF byte for byte.
-* **The reverse of MaxText's own converter**: ``to_maxtext.py`` itself (``tests/support/maxtext_to_maxtext.py``,
-  ``--save_dtype float32 --lazy_load_tensors``) writes the checkpoint, ``ost.convert`` takes it back
-  to Hugging Face's form: the original tensors byte for byte (float32: MaxText's query scale
-  1/sqrt(head_dim) is a power of two here) and transformers' logits.
 * **2 processes = 1 process**: two ``jax.distributed`` processes convert HF -> MaxText form and back;
   the Orbax checkpoint holds the same arrays and metadata, the HF files are byte-identical. When one
   process fails (a source missing on its host, a read failing mid-conversion), the other fails
   promptly too and nothing is left at the destination.
+
+The reverse of MaxText's own converter is ``tests/integrations/test_maxtext_reverse.py``.
 
     python -m pytest tests/integrations/test_maxtext_convert.py -m slow -s
 """
@@ -28,8 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
 import time
 
 import jax
@@ -42,15 +38,9 @@ from tests.families.test_maxtext_mapping import (  # noqa: F401 -- maxtext_pytho
     CASES,
     CHILD_TIMEOUT,
     KNOWN,
-    MAXTEXT_CONVERTER_BUGS,
-    MAXTEXT_CONVERTER_FAILS,
-    MAXTEXT_FORWARD_BUGS,
-    NO_CONVERTER,
     PIP_TIMEOUT,
-    REPO,
     TOKENS,
     VARIANTS,
-    _clean_env,
     assert_child_result,
     case_params,
     complete_child_run,
@@ -60,13 +50,9 @@ from tests.families.test_maxtext_mapping import (  # noqa: F401 -- maxtext_pytho
     transformers_logits,
     write_checkpoint,
 )
-from tests.support.maxtext_child import TOWERS
-from tests.support.tolerances import assert_within
-from tests.support import REPO
 
 pytestmark = pytest.mark.slow
 
-TO_MAXTEXT = os.path.join(REPO, "tests", "support", "maxtext_to_maxtext.py")
 BF16_CASE = "llama3.1"
 _MODULE = "tests.integrations.test_maxtext_convert"
 
@@ -146,90 +132,6 @@ def test_bfloat16_round_trips_through_maxtexts_form_byte_for_byte(bf16_checkpoin
     ost.convert(bf16_dir, tmp_path / "maxtext", mapping=mapping, dtype="bfloat16")
     ost.convert(tmp_path / "maxtext", tmp_path / "hf", mapping=mapping)
     assert not _differing(_tensors(tmp_path / "hf"), _tensors(bf16_dir))
-
-
-# --- The reverse of MaxText's own converter --------------------------------------------------------
-
-def to_maxtext_timeout(jobs: int) -> int:
-    """Seconds for one to_maxtext.py process of ``jobs`` conversions: its import, then about
-    25 s each on a loaded 2-core machine (a tiny model's conversion is mostly MaxText's fixed
-    cost), with room to spare."""
-    return CHILD_TIMEOUT + 60 * jobs
-
-
-def run_to_maxtext(python, jobs, work):
-    """MaxText's own to_maxtext.py on each of ``jobs`` ({key: (case, hf_dir, scan)}), all in one
-    process, float32: {key: (its base_output_directory, None or its error)}."""
-    outs = {key: os.path.join(work, f"out{i}") for i, key in enumerate(jobs)}
-    jobs_path, results_path = os.path.join(work, "jobs.json"), os.path.join(work, "results.json")
-    with open(jobs_path, "w") as f:
-        json.dump([dict(hf_dir=hf_dir, family=CASES[case][0], out=outs[key], scan_layers=scan, save_dtype="float32")
-                   for key, (case, hf_dir, scan) in jobs.items()], f)
-    start = time.perf_counter()
-    done = subprocess.run([python, TO_MAXTEXT, jobs_path, results_path], capture_output=True, text=True,
-                          timeout=to_maxtext_timeout(len(jobs)), env=_clean_env(), check=False)
-    print(f"\nto_maxtext.py, {len(jobs)} conversions: {time.perf_counter() - start:.1f} s, exit {done.returncode}")
-    results = _json(results_path) if os.path.exists(results_path) else {}
-    lost = f"no result (exit {done.returncode}):\n{(done.stdout + done.stderr)[-4000:]}"
-    return {key: (out, results[out].get("traceback") if out in results else lost) for key, out in outs.items()}
-
-
-# to_maxtext.py itself stops with "Shape mismatch" where its stacking contradicts MaxText's tree.
-REVERSE_KNOWN = {**{key: ("xfail", f"MaxText 0.2.5's to_maxtext.py cannot convert it: {sorted(leaves)} "
-                               "(Shape mismatch)") for key, leaves in MAXTEXT_CONVERTER_BUGS.items()},
-                 **{(case, v): ("skip", "MaxText 0.2.5 has no converter (to_maxtext.py) for it")
-                    for case in NO_CONVERTER for v in VARIANTS},
-                 # Its Gemma 3 converter reads the multimodal config (config["text_config"]): it
-                 # stops with KeyError 'text_config' on a text-only Gemma3ForCausalLM checkpoint.
-                 **{("gemma3", v): ("xfail", "MaxText 0.2.5's to_maxtext.py converts Gemma 3 only as the "
-                                             "multimodal model (KeyError 'text_config' on a text-only one)")
-                    for v in VARIANTS},
-                 # Likewise its Qwen3.5 tables (QWEN3_5_MAXTEXT_TO_HF_PARAM_MAPPING reads
-                 # config["text_config"], names model.language_model.…): the case is the text model.
-                 **{("qwen3.5", v): ("xfail", "MaxText 0.2.5's to_maxtext.py converts Qwen3.5 only as the "
-                                              "multimodal release (KeyError 'text_config' on a text-only one)")
-                    for v in VARIANTS},
-                 # QWEN3_VL_MAXTEXT_TO_HF_PARAM_MAPPING fuses the experts for unscanned layers only.
-                 ("qwen3-vl-moe", "scan"): ("xfail", "MaxText 0.2.5's to_maxtext.py cannot convert a scanned "
-                                                     "Qwen3-VL-MoE: " + MAXTEXT_CONVERTER_FAILS[("qwen3-vl-moe", "scan")]),
-                 # Its DeepSeek tables name the router bias params-…-gate-bias; its model holds it in
-                 # the MoEBiasVar collection, so to_maxtext.py stops ("missing keys: MoEBiasVar-…").
-                 **{(case, v): ("xfail", "MaxText 0.2.5's to_maxtext.py cannot convert DeepSeek-V3 or V3.2: "
-                                         "its tables miss the MoEBiasVar router bias")
-                    for case in ("deepseek3", "deepseek3.2") for v in VARIANTS},
-                 # DeepSeek-V2 has no router bias, but scanned, to_maxtext.py takes every key holding
-                 # "MoeBlock" (DeepSeekMoeBlock_0's router and shared experts too) for an unscanned
-                 # expert stack, stacks its layers at axis 0 and its hook cannot reshape them.
-                 **{(case, "scan"): ("xfail", "MaxText 0.2.5's to_maxtext.py cannot convert a scanned DeepSeek: "
-                                              "it stacks DeepSeekMoeBlock_0's router and shared experts as "
-                                              "experts (cannot reshape)") for case in ("deepseek2", "deepseek2-236b")},
-                 # MaxText's forward is not run here: its known forward bugs do not apply.
-                 **{key: mark for key, mark in KNOWN.items() if key[0] not in MAXTEXT_FORWARD_BUGS}}
-
-
-@pytest.fixture(scope="module")
-def to_maxtext_outputs(request, maxtext_python, hf_checkpoints, tmp_path_factory):
-    """to_maxtext.py's checkpoint of every (case, variant) the reverse test runs, or its error."""
-    jobs = {(case, v): (case, hf_checkpoints[case][0], v == "scan") for case in selected_cases(
-        request, "test_transformers_loads_our_reverse_of_to_maxtext", REVERSE_KNOWN)
-            for v in VARIANTS if REVERSE_KNOWN.get((case, v), ("run",))[0] != "skip"}
-    return run_to_maxtext(maxtext_python, jobs, str(tmp_path_factory.mktemp("to_maxtext")))
-
-
-@pytest.mark.timeout(PIP_TIMEOUT + to_maxtext_timeout(2 * len(CASES)))  # a first run builds the venv, then converts all
-@pytest.mark.parametrize(("case", "variant"), list(case_params(REVERSE_KNOWN)))
-def test_transformers_loads_our_reverse_of_to_maxtext(to_maxtext_outputs, hf_checkpoints, tmp_path, case, variant):
-    hf_dir, reference, atol = hf_checkpoints[case]
-    out, error = to_maxtext_outputs[case, variant]
-    if error is not None:
-        pytest.fail(f"MaxText's to_maxtext.py failed:\n{error[-4000:]}")
-    ost.convert(out, tmp_path / "hf", mapping=_mapping(case, hf_dir, variant == "scan"))
-    shutil.copy(os.path.join(hf_dir, "config.json"), tmp_path / "hf")
-    towers = TOWERS.get(CASES[case][0], ())  # MaxText's text model holds none of a multimodal release's towers
-    expected = {name: t for name, t in _tensors(hf_dir).items() if not name.startswith(towers)}
-    assert not _differing(_tensors(tmp_path / "hf"), expected)  # float32: exact
-    logits, _, _ = transformers_logits(str(tmp_path / "hf"), TOKENS, case)
-    assert_within(logits, reference, atol, err_msg=f"{case} {variant}")
 
 
 # --- 2 processes = 1 process -----------------------------------------------------------------------
