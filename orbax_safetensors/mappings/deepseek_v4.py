@@ -146,10 +146,13 @@ def _model(config: Any, where: str) -> _Model:
     attention = tuple(None if r == 0 else CSA if r == 4 else HCA for r in ratios[:layers])
     hashed = config_value(config, "num_hash_layers")
     if hashed is None:
-        kinds = list(config_value(config, "mlp_layer_types", []))
-        hashed = len(kinds) - len("".join("h" if k == "hash_moe" else "m" for k in kinds).lstrip("h"))
-        if kinds[hashed:].count("hash_moe"):
-            raise ArgumentError(f"{where}: mlp_layer_types {kinds}: the hash-routed layers come first")
+        kinds = config_value(config, "mlp_layer_types")
+        if kinds is None:
+            raise ArgumentError(f"{where}: the config has neither mlp_layer_types nor num_hash_layers, which say "
+                                "the layers that route by token table")
+        hashed = next((i for i, kind in enumerate(kinds) if kind != "hash_moe"), len(kinds))
+        if "hash_moe" in kinds[hashed:]:
+            raise ArgumentError(f"{where}: mlp_layer_types {list(kinds)}: the hash-routed layers come first")
     dims = {"heads": int(sizes["num_attention_heads"]), "head_dim": int(sizes["head_dim"]),
             "kv_heads": int(config_value(config, "num_key_value_heads", 1)), "o_groups": int(sizes["o_groups"]),
             "o_lora_rank": int(sizes["o_lora_rank"])}

@@ -222,7 +222,7 @@ class Rule:
     tensors from the leaf (and the other leaves with slices of them) slice by slice.
     ``concat``'s sizes are then the stored patterns' whole sizes along the axis, and the
     order may leave slices to other leaves: DeepSeek-V4's ``hc_attn_fn`` holds MaxText's
-    ``pre_alpha``, ``post_alpha`` (``take``) and ``res_alpha`` (its last ``k`` slices, ordered).
+    ``pre_alpha``, ``post_alpha`` and ``res_alpha``, its first, second and last ``k`` slices.
 
     A size is an int, ``-1`` (inferred), or a dimension name looked up in the
     ``Mapping``'s ``dims`` (inferred when absent). Sizes are only needed where
@@ -290,6 +290,7 @@ class Rule:
 
     def __post_init__(self):
         where = f"rule {self.stored_patterns[0]!r}"
+        object.__setattr__(self, "only", {p: frozenset(int(v) for v in values) for p, values in self.only.items()})
         self._check_names()
         self._check_tiling(where)
         self._check_arrangement(where)
@@ -300,7 +301,6 @@ class Rule:
         side's only) and the strided ones' ``within`` (the tree side's only); ``only``'s are
         on both."""
         _, tree_names = _pattern(self.tree, "tree")
-        object.__setattr__(self, "only", {p: frozenset(int(v) for v in values) for p, values in self.only.items()})
         if not set(self.only) <= set(tree_names) - set(self.stack) - set(self.strided):
             raise MappingError(f"rule {self.stored_patterns[0]!r} ↔ {self.tree!r}: only {sorted(self.only)} must "
                                "name placeholders both sides have")
@@ -807,7 +807,7 @@ class Mapping:
         counts = ([tree[axis] for axis in tiling.stacked] if tree is not None
                   else self._stack_counts(rule, values, stored_shapes or {}, where))
         first = _piece_names(rule, values, (0,) * len(counts))
-        # An ordered rule's slices are its pieces, of the chunk's width: the patterns' sizes are its slices'.
+        # An ordered rule's pieces are its slices, each of the chunk's shape: no pattern is one piece.
         sizes = (None if rule.order else self._concat_sizes(rule, tree, stored_shapes, first, where)
                  ) or (None,) * len(first)
         own = [None if tree is None else tiling.piece_shape(tree, size) for size in sizes]

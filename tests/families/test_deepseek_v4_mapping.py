@@ -196,6 +196,10 @@ def test_configs_maxtext_cannot_scan_or_that_lack_sizes_are_refused(release):
     ost.mappings.maxtext("deepseek4", swapped, scan_layers=False)  # each layer its own: any order
     with pytest.raises(ArgumentError, match="config is None"):
         ost.mappings.maxtext("deepseek4", None)
+    with pytest.raises(ArgumentError, match="the hash-routed layers come first"):
+        ost.mappings.deepseek_v4(dict(config.to_dict(), mlp_layer_types=["hash_moe", "moe", "hash_moe", "moe", "moe"]))
+    with pytest.raises(ArgumentError, match="neither mlp_layer_types nor num_hash_layers"):
+        ost.mappings.deepseek_v4({k: v for k, v in config.to_dict().items() if k != "mlp_layer_types"})
     with pytest.raises(ArgumentError, match="the config has no hc_mult"):
         ost.mappings.deepseek_v4({k: v for k, v in config.to_dict().items() if k != "hc_mult"})
     with pytest.raises(ArgumentError, match="names='hf'; one of 'release', 'transformers'"):
