@@ -8,7 +8,8 @@ Run with the MaxText venv's Python (3.12), never imported by pytest::
 
     $MAXTEXT_VENV/bin/python tests/support/maxtext_to_maxtext.py JOBS.json RESULTS.json
 
-``JOBS.json``: a list of ``{"hf_dir", "family", "out", "scan_layers", "save_dtype"}``;
+``JOBS.json``: a list of ``{"hf_dir", "family", "out", "scan_layers", "save_dtype"[,
+"simulated_cpu_devices_count"]}`` (the last passed on to to_maxtext.py where given);
 ``RESULTS.json``: ``{out: {"seconds": ...}}`` or ``{out: {"error": ..., "traceback": ...}}`` per
 job, in order, each written as soon as it is known (a crash leaves the ones before).
 
@@ -29,7 +30,8 @@ import time
 import traceback
 
 
-def convert(hf_dir: str, family: str, out: str, scan_layers: bool, save_dtype: str) -> None:
+def convert(hf_dir: str, family: str, out: str, scan_layers: bool, save_dtype: str,
+            simulated_cpu_devices_count: int | None = None) -> None:
     """One run of to_maxtext.py's ``__main__`` (the modules it imports are imported once)."""
     import transformers
     from maxtext.checkpoint_conversion.utils.hf_model_configs import HF_MODEL_CONFIGS
@@ -46,6 +48,8 @@ def convert(hf_dir: str, family: str, out: str, scan_layers: bool, save_dtype: s
     base_yml = os.path.join(os.path.dirname(pyconfig.__file__), "base.yml")
     sys.argv = ["to_maxtext.py", base_yml, *(f"{k}={v}" for k, v in overrides.items()),
                 f"--hf_model_path={hf_dir}", f"--save_dtype={save_dtype}", "--lazy_load_tensors=true"]
+    if simulated_cpu_devices_count is not None:
+        sys.argv.append(f"--simulated_cpu_devices_count={simulated_cpu_devices_count}")
     runpy.run_module("maxtext.checkpoint_conversion.to_maxtext", run_name="__main__", alter_sys=True)
 
 
