@@ -57,6 +57,7 @@ from orbax_safetensors.errors import (
     UnreachableError,
     UnsupportedOrbaxError,
 )
+from orbax_safetensors.planning.group_quantization import NVFP4, IntQuantized, MXFP4Packed
 from orbax_safetensors.planning.quantization import FP8, MXFP4
 from orbax_safetensors.planning.assembly import Constant
 from orbax_safetensors.planning.rules import Mapping, Rule, Strided
@@ -108,7 +109,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "FP8", "MXFP4", "Constant", "Mapping", "MappingError", "Rule", "Strided", "Transform", "mappings",
+    "FP8", "MXFP4", "IntQuantized", "MXFP4Packed", "NVFP4", "Constant", "Mapping", "MappingError", "Rule", "Strided", "Transform", "mappings",
     "Error", "ArgumentError", "ArgumentTypeError", "CheckpointChangedError", "ProtocolError",
     "AccessDeniedError", "ReadOnlyLocationError", "UnreachableError", "LocationTakenError",
     "MissingDependencyError", "DistributedSetupError", "PeerTimeoutError",

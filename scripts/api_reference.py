@@ -25,7 +25,7 @@ GROUPS = {
     "Options and results": ["LoadOptions", "SaveOptions", "ConsolidateOptions", "ConvertOptions",
                             "LoadStats", "SaveStats", "CheckpointMetadata",
                             "VerifyReport", "Problem", "ConvertStats"],
-    "Name and arrangement mapping": ["Mapping", "Rule", "Strided", "Constant", "Transform", "FP8", "MXFP4", "MappingError", "mappings"],
+    "Name and arrangement mapping": ["Mapping", "Rule", "Strided", "Constant", "Transform", "FP8", "MXFP4", "IntQuantized", "NVFP4", "MXFP4Packed", "MappingError", "mappings"],
     "Orbax": ["SafetensorsSave", "SafetensorsRestore", "SafetensorsCheckpointHandler",
               "SafetensorsHandler", "SafetensorsLayout", "install_orbax_layout"],
     "Errors": ["Error", "ArgumentError", "ArgumentTypeError", "SafetensorsError", "MissingTensorError",

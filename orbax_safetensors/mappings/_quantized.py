@@ -16,11 +16,13 @@ from typing import Any
 
 from orbax_safetensors.errors import ArgumentError
 from orbax_safetensors.mappings._config import config_value
-from orbax_safetensors.planning.quantization import FP8, MXFP4, Quantization
+from orbax_safetensors.planning.dequantized import Quantization
+from orbax_safetensors.planning.group_quantization import NVFP4, IntQuantized, MXFP4Packed
+from orbax_safetensors.planning.quantization import FP8, MXFP4
 from orbax_safetensors.planning.rules import Mapping, Rule
 
 
-def quantization(config: Any) -> Quantization | None:
+def quantization(config: Any) -> Quantization | tuple[Quantization, ...] | None:
     """What ``config``'s ``quantization_config`` says (``None``: not quantized)."""
     spec = config_value(config, "quantization_config") if config is not None else None
     if spec is None:
@@ -31,11 +33,88 @@ def quantization(config: Any) -> Quantization | None:
         if spec.get("fmt", "e4m3") != "e4m3":
             raise ArgumentError(f"quantization_config fmt {spec['fmt']!r}: only e4m3 FP8 is read")
         block = spec.get("weight_block_size")
-        return FP8(None if block is None else tuple(int(b) for b in block))
+        block = None if block is None else tuple(int(b) for b in block)
+        if config_value(config, "model_type") != "deepseek_v4":
+            return FP8(block)
+        return _deepseek_v4(config, spec, block)
     if method == "mxfp4":
         return MXFP4()
-    raise ArgumentError(f"quantization_config quant_method {method!r} is not read; "
-                        "read: fp8 (block-scaled, weight_scale_inv), mxfp4")
+    if method == "compressed-tensors":
+        return _compressed_tensors(spec)
+    if method == "modelopt":
+        return _modelopt(spec)
+    raise ArgumentError(f"quantization_config quant_method {method!r} is not read; read: fp8 (block-scaled, "
+                        "weight_scale_inv), mxfp4, compressed-tensors, modelopt")
+
+
+# DeepSeek-V4's routed experts, in the release's names and in save_pretrained's: not its shared experts.
+_V4_EXPERTS = r".*\.experts\.\d+\..+"
+
+
+def _deepseek_v4(config: Any, spec: dict, block: tuple[int, ...] | None) -> Quantization | tuple[Quantization, ...]:
+    """DeepSeek-V4's mix: FP8 block-scaled weights with their E8M0 scales beside the module
+    (``X.scale``), and, where ``expert_dtype`` says ``fp4`` (its config or, as transformers
+    moves it, its ``quantization_config``), routed experts in MXFP4 (``X.weight`` I8, ``X.scale``)."""
+    expert = spec.get("expert_dtype") or config_value(config, "expert_dtype", None)
+    if expert not in (None, "fp8", "fp4"):
+        raise ArgumentError(f"DeepSeek-V4 expert_dtype {expert!r} is not read; read: fp8, fp4")
+    if expert != "fp4":
+        return FP8(block, scale_suffix=".scale")
+    return (FP8(block, scale_suffix=".scale", only=f"(?!{_V4_EXPERTS}$).*"),
+            MXFP4Packed("deepseek-v4", only=_V4_EXPERTS))
+
+
+def _compressed_tensors(spec: dict) -> Quantization | tuple[Quantization, ...]:
+    """One scheme per config group of a compressed-tensors config (its ``targets``: class
+    names such as ``Linear`` take any module, ``re:`` ones the modules they match)."""
+    groups = spec.get("config_groups") or {}
+    found = []
+    for key, group in groups.items():
+        weights = group.get("weights") if isinstance(group, dict) else None
+        if weights is None:
+            continue  # activations only: the weights are stored as they are
+        targets = group.get("targets") or []
+        patterns = [t[len("re:"):] for t in targets if t.startswith("re:")]
+        only = None if len(patterns) < len(targets) or not patterns else "|".join(f"(?:{p}).*" for p in patterns)
+        found.append(_compressed_scheme(key, group.get("format") or spec.get("format"), weights, only))
+    if not found:
+        raise ArgumentError("quantization_config (compressed-tensors) has no config group with weights")
+    return found[0] if len(found) == 1 else tuple(found)
+
+
+_CT_FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized", "nvfp4-pack-quantized")
+
+
+def _compressed_scheme(key: str, fmt: str | None, weights: dict, only: str | None) -> Quantization:
+    where = f"quantization_config (compressed-tensors) group {key!r}"
+    if fmt not in _CT_FORMATS:
+        raise ArgumentError(f"{where}: format {fmt!r} is not read; read: {', '.join(_CT_FORMATS)}")
+    kind, bits, strategy = weights.get("type", "int"), int(weights.get("num_bits", 8)), weights.get("strategy")
+    group = weights.get("group_size")
+    if fmt == "nvfp4-pack-quantized":
+        return NVFP4("compressed-tensors", int(group or 16), only=only)
+    if strategy not in ("tensor", "channel", "group", "block", "tensor_group"):
+        raise ArgumentError(f"{where}: weight strategy {strategy!r} is not read")
+    if kind == "float":
+        if bits != 8 or strategy not in ("tensor", "channel", "block"):
+            raise ArgumentError(f"{where}: float weights of {bits} bits, strategy {strategy!r}: read are FP8 "
+                                "per tensor, per channel or per block")
+        block = weights.get("block_structure") if strategy == "block" else None
+        return FP8(None if block is None else tuple(int(b) for b in block), scale_suffix="_scale", only=only)
+    if strategy == "block":
+        raise ArgumentError(f"{where}: block-scaled integer weights are not read")
+    return IntQuantized(bits, int(group) if strategy in ("group", "tensor_group") else None,
+                        symmetric=bool(weights.get("symmetric", True)), packed=fmt == "pack-quantized",
+                        only=only)
+
+
+def _modelopt(spec: dict) -> Quantization:
+    algo = spec.get("quant_algo")
+    if algo == "NVFP4":
+        return NVFP4("modelopt", int(spec.get("group_size") or 16))
+    if algo == "FP8":
+        return FP8(None, scale_suffix="_scale")
+    raise ArgumentError(f"quantization_config (modelopt) quant_algo {algo!r} is not read; read: NVFP4, FP8")
 
 
 def quantized_mapping(rules: Iterable[Rule], config: Any, *, dequantize: bool = True, **mapping: Any) -> Mapping:
@@ -43,8 +122,10 @@ def quantized_mapping(rules: Iterable[Rule], config: Any, *, dequantize: bool = 
     rules, scheme = list(rules), quantization(config)
     if scheme is None or dequantize:
         return Mapping(rules, quantization=scheme, **mapping)
-    if not isinstance(scheme, FP8):
-        raise ArgumentError("an MXFP4 checkpoint is read dequantized (dequantize=True)")
+    if not isinstance(scheme, FP8) or scheme.only is not None:
+        raise ArgumentError(f"a {type(scheme).__name__ if not isinstance(scheme, tuple) else 'mixed'} "
+                            "checkpoint is read dequantized (dequantize=True); kept as stored are FP8 "
+                            "weights of one scheme")
     return Mapping([kept for rule in rules for kept in _kept(rule, scheme)], **mapping)
 
 

@@ -38,6 +38,7 @@ from orbax_safetensors.planning.read_plan import (
     reshard_parts,
     row_blocks,
 )
+from orbax_safetensors.planning.group_quantization import NVFP4, IntQuantized, MXFP4Packed
 from orbax_safetensors.planning.quantization import FP8, MXFP4
 from orbax_safetensors.planning.rules import ConfigSize, Mapping, Rule, Strided
 from orbax_safetensors.planning.transfers import GAP, Runs, Segment, Transfer, Transfers, coalesce
@@ -66,7 +67,7 @@ __all__ = [
     "StoredSlice", "TensorReads", "TensorSource", "box_runs", "plan_block", "plan_byte_reads", "plan_reads",
     "plan_region_reads", "plan_regions", "plan_tensor_reads", "plan_whole_reads", "read_once_boxes",
     "replication_factor", "reshard_parts", "row_blocks",
-    "FP8", "MXFP4", "ConfigSize", "Mapping", "Rule", "Strided",
+    "FP8", "MXFP4", "IntQuantized", "MXFP4Packed", "NVFP4", "ConfigSize", "Mapping", "Rule", "Strided",
     "GAP", "Runs", "Segment", "Transfer", "Transfers", "coalesce",
     "Transform",
     "HEADER", "FilePlan", "SliceSpec", "TensorSpec", "Upload", "WritePlan", "owned_ranges",

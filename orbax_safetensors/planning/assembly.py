@@ -29,7 +29,7 @@ from collections.abc import Iterable, Sequence
 
 from orbax_safetensors.errors import MappingError
 from orbax_safetensors.planning.boxes import Box, bounding_box, full_box, intersect
-from orbax_safetensors.planning.quantization import Quantized
+from orbax_safetensors.planning.dequantized import QuantizedTensor
 from orbax_safetensors.planning.transforms import Transform
 
 
@@ -37,13 +37,13 @@ from orbax_safetensors.planning.transforms import Transform
 class Piece:
     """One stored tensor's place in a tree leaf: the block ``region`` of the leaf, whose
     ``stacked`` axes (one index each) the piece itself does not have. ``quantized``: the
-    stored tensor is the dequantized twin of these quantized values and scales."""
+    stored tensor is the dequantized twin of these quantized values and their parameters."""
 
     stored: str
     transform: Transform
     region: Box
     stacked: tuple[int, ...] = ()
-    quantized: Quantized | None = None
+    quantized: QuantizedTensor | None = None
 
     @property
     def stored_tensors(self) -> tuple[str, ...]:

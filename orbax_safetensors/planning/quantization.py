@@ -37,6 +37,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import re
 from collections.abc import Callable, Iterator, Sequence
 from collections.abc import Mapping as MappingABC
 
@@ -49,10 +50,10 @@ from orbax_safetensors.planning.boxes import Box, box_shape, box_size
 from orbax_safetensors.planning.transforms import copy_into
 
 # e2m1: sign, 2 exponent bits, 1 mantissa bit; nibble → value.
-_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
                  np.float32)
 # byte → its two values (low nibble first) as one 8-byte item: one gather decodes a byte.
-_E2M1_PAIRS = np.stack([_E2M1[np.arange(256) & 0x0F], _E2M1[np.arange(256) >> 4]], -1).view(np.uint64)[:, 0]
+E2M1_PAIRS = np.stack([E2M1[np.arange(256) & 0x0F], E2M1[np.arange(256) >> 4]], -1).view(np.uint64)[:, 0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +61,12 @@ class FP8:
     """FP8 weights (``F8_E4M3``) with float32 scales, stored as ``<weight><scale_suffix>``:
     one per block of ``block`` (a config's ``weight_block_size``, e.g. ``(128, 128)``;
     the last axes of the weight, a partial last block included), or with ``None`` one per
-    tensor or per channel (each scale axis 1 or the weight's own size).
+    tensor or per channel (each scale axis 1 or the weight's own size). compressed-tensors'
+    ``float-quantized`` and ModelOpt's FP8 name the scales ``weight_scale``
+    (``scale_suffix="_scale"``); a suffix that starts with a dot names them beside the module,
+    not the weight: DeepSeek-V4's ``X.scale`` for ``X.weight`` (``scale_suffix=".scale"``),
+    E8M0 powers of two. ``only``: a regular expression the module name (``X`` of
+    ``X.weight``) must match, for a release whose modules are quantized differently.
 
     ``ost.Mapping(rules, quantization=ost.FP8((128, 128)))`` reads each such weight as
     ``float32(fp8) * scale``, rounded once more into the target's dtype: what MaxText's
@@ -72,9 +78,11 @@ class FP8:
 
     block: tuple[int, ...] | None = None
     scale_suffix: str = "_scale_inv"
-    # Scales as releases store them (float32; bfloat16 and float16 too): an integer scale is
-    # no FP8 scale (an I32 one loaded values up to 4e11).
-    scale_dtypes = ("F32", "BF16", "F16")
+    only: str | None = None  # a regular expression of the weights read (the module names, with ".weight")
+    # Scales as releases store them (float32; bfloat16 and float16 too; E8M0 powers of two, as
+    # their own dtype or as bytes): an integer scale is no FP8 scale (an I32 one loaded values
+    # up to 4e11).
+    scale_dtypes = ("F32", "BF16", "F16", "F8_E8M0", "U8")
     value_dtypes = None  # the values are cast to float32 whatever they are
 
     def __post_init__(self):
@@ -85,17 +93,24 @@ class FP8:
             object.__setattr__(self, "block", block)
         if not self.scale_suffix:
             raise MappingError("FP8: an empty scale suffix")
+        check_pattern(self)
 
     def find(self, name: str, shapes: MappingABC[str, Sequence[int]]) -> Quantized | None:
         """The quantized tensor behind twin ``name`` in a checkpoint of ``shapes``, if any."""
-        scales = name + self.scale_suffix
-        if name not in shapes or scales not in shapes:
+        scales = self._scales(name)
+        if scales is None or name not in shapes or scales not in shapes or not reads_module(self, name):
             return None
-        return Quantized(self, name, scales, tuple(shapes[name]), tuple(shapes[scales]))
+        return Quantized(self, name, scales, tuple(shapes[name]), tuple(shapes[scales]),
+                         activation_parameters(name, shapes))
 
     def twin(self, name: str) -> str | None:
         """The twin a stored ``name`` would be the values of (if its scales are there)."""
         return None if name.endswith(self.scale_suffix) else name
+
+    def _scales(self, name: str) -> str | None:
+        if not self.scale_suffix.startswith("."):
+            return name + self.scale_suffix
+        return name[:-len(".weight")] + self.scale_suffix if name.endswith(".weight") else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,39 +143,22 @@ class MXFP4:
         return name[:-len("_blocks")] if name.endswith("_blocks") else None
 
 
-Quantization = FP8 | MXFP4
-
-
-class Dequantized(dict):
-    """A checkpoint's tensor shapes as a quantization reads them (name → shape): each
-    quantized tensor as its dequantized twin, its scales gone; ``quantized`` says what
-    each twin is read from."""
-
-    quantized: dict[str, Quantized]
-
-
-def dequantized(scheme: Quantization, shapes: MappingABC[str, Sequence[int]]) -> Dequantized:
-    """``shapes`` (a checkpoint's) as ``scheme`` reads them; a quantized tensor whose scales
-    do not fit it is an error naming both (``Quantized``), before anything is read."""
-    found = {twin: q for name in shapes for twin in [scheme.twin(name)] if twin is not None
-             for q in [scheme.find(twin, shapes)] if q is not None}
-    read = {stored for q in found.values() for stored in q.stored}
-    view = Dequantized((name, shape) for name, shape in shapes.items() if name not in read)
-    view.update((twin, q.shape) for twin, q in found.items())
-    view.quantized = found
-    return view
-
-
 @dataclasses.dataclass(frozen=True)
 class Quantized:
     """One quantized tensor: ``weight`` (its stored values) and ``scales``, both stored
-    names, with their stored shapes; ``shape`` is the twin's."""
+    names, with their stored shapes; ``shape`` is the twin's. ``dropped``: stored tensors
+    of the module that are no part of its values (activation scales), left out of a load.
 
-    scheme: Quantization
+    The protocol every quantized tensor keeps (``group_quantization.GroupQuantized`` too):
+    ``stored`` (the values first, then the parameters read before them), ``boxes``,
+    ``problem``, ``check_dtypes`` and ``dequantize``."""
+
+    scheme: FP8 | MXFP4
     weight: str
     scales: str
     weight_shape: tuple[int, ...]
     scale_shape: tuple[int, ...]
+    dropped: tuple[str, ...] = ()
 
     def __post_init__(self):
         self._check()
@@ -202,30 +200,25 @@ class Quantized:
             return tuple(scale) + (1,) * (ndim - len(scale))
         return tuple(scale)
 
-    def check_dtypes(self, weight: str, scales: str) -> None:
-        """Refuses stored dtypes (codes) the scheme does not read as it says, before any
-        read: the values would come out as another number, or numpy's broadcast error."""
+    def check_dtypes(self, codes: MappingABC[str, str]) -> None:
+        """Refuses stored dtypes (``codes``: name → dtype code) the scheme does not read as it
+        says, before any read: the values would come out as another number, or numpy's
+        broadcast error."""
         scheme = type(self.scheme).__name__
-        for name, code, accepted in ((self.weight, weight, self.scheme.value_dtypes),
-                                     (self.scales, scales, self.scheme.scale_dtypes)):
-            if accepted is not None and code not in accepted:
+        for name, accepted in ((self.weight, self.scheme.value_dtypes), (self.scales, self.scheme.scale_dtypes)):
+            code = codes.get(name)
+            if accepted is not None and code is not None and code not in accepted:
                 raise MappingError(f"quantized tensor {self.weight!r}: {name!r} is stored as {code}; "
                                    f"{scheme} reads {' or '.join(accepted)} there")
 
-    def scale_problem(self, scales: np.ndarray) -> str | None:
-        """What is wrong with scales read (``None``: nothing): a NaN or infinite scale (an
-        MXFP4 exponent byte 0xFF is NaN in the OCP MX spec) makes every value of its block
-        NaN or inf, which is damage to say, not a result to load."""
-        if isinstance(self.scheme, MXFP4):
-            bad = np.flatnonzero(np.asarray(scales).view(np.uint8).reshape(-1) == 0xFF)
-            what = "exponent 0xFF (NaN in the MX spec)"
-        else:
-            bad = np.flatnonzero(~np.isfinite(np.asarray(scales).astype(np.float32).reshape(-1)))
-            what = "NaN or infinite scales"
-        if not bad.size:
-            return None
-        return (f"{self.scales!r} holds {bad.size} {what}, the first at flat index {int(bad[0])} "
-                f"of the scales read; every value of {self.weight!r} it scales would be NaN or inf")
+    def problem(self, index: int, scales: np.ndarray) -> str | None:
+        """What is wrong with the scales read (``index`` 0, the one parameter; ``None``:
+        nothing). An MXFP4 exponent byte 0xFF is NaN in the OCP MX spec."""
+        if not isinstance(self.scheme, MXFP4):
+            return nonfinite_problem(self.scales, self.weight, scales)
+        bad = np.flatnonzero(np.asarray(scales).view(np.uint8).reshape(-1) == 0xFF)
+        return None if not bad.size else _bad_scales(self.scales, self.weight, bad,
+                                                     "exponent 0xFF (NaN in the MX spec)")
 
     def _check(self) -> None:
         where = f"quantized tensor {self.weight!r} {self.weight_shape} with scales {self.scales!r} {self.scale_shape}"
@@ -269,20 +262,22 @@ class Quantized:
         """The scale blocks (one range per value axis) a box of the values touches."""
         return tuple((a // b, -(-c // b)) if c > a else (0, 0) for (a, c), b in zip(values, self._blocks))
 
-    def dequantize(self, weight: np.ndarray, scales: np.ndarray, box: Box,
+    def dequantize(self, weight: np.ndarray, parameters: Sequence[np.ndarray], box: Box,
                    out: np.ndarray | None = None,
                    check: Callable[[np.ndarray], None] | None = None, file: str | None = None) -> np.ndarray:
-        """Twin box ``box`` from the values and scales ``boxes(box)`` names: each value the
+        """Twin box ``box`` from the values and scales (``parameters``: one) ``boxes(box)``
+        names: each value the
         float32 product, written into ``out`` (rounded once more to its dtype) when given,
         else a new float32 array. ``check`` sees the float32 products before they are rounded
         into ``out`` (the load's cast policy: a product past a float16 target's range is
         refused, as a stored float32 value would be, not made inf). A product past float32
-        itself is refused whatever the target (``_in_float32``; ``file``: the values' file,
+        itself is refused whatever the target (``in_float32``; ``file``: the values' file,
         for its message). FP8 goes a cache-sized chunk at a time, so a load writes a
         bfloat16 leaf's buffer directly: the bits of casting the float32 box, without that box
         (a device's share of a DeepSeek-V3 expert stack is gigabytes of it)."""
         if box_size(box) == 0:
             return np.zeros(box_shape(box), np.float32) if out is None else out
+        (scales,) = parameters
         weight_box, scale_box = self.boxes(box)
         values = self._unswapped(box)
         if isinstance(self.scheme, MXFP4):
@@ -297,7 +292,7 @@ class Quantized:
             return out
         out = np.empty(box_shape(box), np.float32) if out is None else out
         grid = self._grid(values)
-        s = np.asarray(scales).astype(np.float32, copy=False).reshape(
+        s = scale_values(scales).reshape(
             box_shape(grid) if math.prod(self.scale_shape) != 1 else (1,) * len(values))
         # Every axis but the last: each index's scale row (a few rows per block; cheap).
         for axis in range(len(values) - 1):
@@ -314,7 +309,7 @@ class Quantized:
         step = max(1, _CHUNK // last)
         for i in range(0, rows, step):  # in cache-sized chunks: a box's float32 is never whole
             x = _as_float32(codes[i:i + step])
-            with self._in_float32(file):
+            with in_float32(self.scales, self.weight, file):
                 self._scale_last_axis(x, s[i:i + step] if s.shape[0] > 1 else s, values[-1], grid[-1][0])
             if check is not None:
                 check(x)
@@ -322,20 +317,6 @@ class Quantized:
         if target is not out:
             out[...] = target
         return out
-
-    @contextlib.contextmanager
-    def _in_float32(self, file: str | None) -> Iterator[None]:
-        """Products computed inside past float32's range refused: as inf they would pass any
-        target's range check (float16 holds inf too) and load a damaged scale as infinities."""
-        try:
-            with np.errstate(over="raise"):
-                yield
-        except FloatingPointError:
-            raise SafetensorsError(
-                f"a value times its scale in {self.scales!r} is past float32's largest "
-                f"({float(np.finfo(np.float32).max):.4g}), the dtype dequantized values are computed in: "
-                "refusing to read it as inf (a scale that large is damaged, or not this scheme's)",
-                file=file, tensor=self.weight) from None
 
     def _scale_last_axis(self, x: np.ndarray, s: np.ndarray, columns: tuple[int, int], first_block: int) -> None:
         """``x *= s`` in place, ``s`` holding a scale per block of the last axis: its whole
@@ -358,15 +339,83 @@ class Quantized:
 
     def _mxfp4(self, raw: np.ndarray, exponents: np.ndarray, values: Box, file: str | None) -> np.ndarray:
         """The e2m1 pairs of ``raw`` times ``2 ** (exponent - 127)``, cut to ``values``'s last axis."""
-        pairs = _E2M1_PAIRS[raw.view(np.uint8)]
+        pairs = E2M1_PAIRS[raw.view(np.uint8)]
         decoded = pairs.view(np.float32)  # [..., group // 2 * 2]: low nibble, high nibble, ...
         with np.errstate(over="ignore"):  # 0xFF (NaN in the spec; a load refuses it first) is inf, as the reference's
             powers = np.ldexp(np.float32(1), exponents.view(np.uint8).astype(np.int32) - 127)
-        with self._in_float32(file):
+        with in_float32(self.scales, self.weight, file):
             decoded *= powers[..., None]
         flat = decoded.reshape(decoded.shape[:-2] + (-1,))
         (a, c), first = values[-1], (values[-1][0] // self.scheme.group) * self.scheme.group
         return flat[..., a - first:c - first]
+
+
+@contextlib.contextmanager
+def in_float32(scales: str, weight: str, file: str | None) -> Iterator[None]:
+    """Products computed inside past float32's range refused: as inf they would pass any
+    target's range check (float16 holds inf too) and load a damaged scale as infinities."""
+    try:
+        with np.errstate(over="raise"):
+            yield
+    except FloatingPointError:
+        raise SafetensorsError(
+            f"a value times its scale in {scales!r} is past float32's largest "
+            f"({float(np.finfo(np.float32).max):.4g}), the dtype dequantized values are computed in: "
+            "refusing to read it as inf (a scale that large is damaged, or not this scheme's)",
+            file=file, tensor=weight) from None
+
+
+def scale_values(scales: np.ndarray) -> np.ndarray:
+    """Scales as read, in float32: E8M0 exponents stored as bytes (U8) are ``2 ** (byte - 127)``
+    and their byte 0xFF NaN, as E8M0's own dtype reads them."""
+    scales = np.asarray(scales)
+    if scales.dtype == np.uint8:
+        with np.errstate(over="ignore"):
+            powers = np.ldexp(np.float32(1), scales.astype(np.int32) - 127)
+        return np.where(scales == 0xFF, np.float32(np.nan), powers).astype(np.float32)
+    return scales.astype(np.float32, copy=False)
+
+
+def nonfinite_problem(scales: str, weight: str, values: np.ndarray) -> str | None:
+    """What is wrong with scales read (``None``: nothing): a NaN or infinite scale makes
+    every value of its block NaN or inf, which is damage to say, not a result to load."""
+    bad = np.flatnonzero(~np.isfinite(scale_values(values).reshape(-1)))
+    return None if not bad.size else _bad_scales(scales, weight, bad, "NaN or infinite scales")
+
+
+def _bad_scales(scales: str, weight: str, bad: np.ndarray, what: str) -> str:
+    return (f"{scales!r} holds {bad.size} {what}, the first at flat index {int(bad[0])} "
+            f"of the scales read; every value of {weight!r} it scales would be NaN or inf")
+
+
+def check_pattern(scheme: object) -> None:
+    """Refuses a scheme whose ``only`` is no regular expression, when it is made."""
+    if scheme.only is not None:
+        try:
+            re.compile(scheme.only)
+        except re.error as e:
+            raise MappingError(f"{type(scheme).__name__} only={scheme.only!r}: not a regular expression ({e})")
+
+
+def reads_module(scheme: object, twin: str) -> bool:
+    """Whether ``scheme`` (its ``only``) reads weight ``twin`` (``X.weight``): ``only``
+    matches the module name ``X``."""
+    if scheme.only is None:
+        return True
+    return twin.endswith(".weight") and re.fullmatch(scheme.only, twin[:-len(".weight")]) is not None
+
+
+# A quantized module's activation parameters (static FP8 and compressed-tensors' W8A8, NVFP4):
+# written beside its weight, no part of its values.
+ACTIVATION_PARAMETERS = ("input_scale", "input_global_scale", "input_zero_point", "output_scale",
+                         "output_zero_point", "output_global_scale")
+
+
+def activation_parameters(twin: str, shapes: MappingABC[str, Sequence[int]], also: Sequence[str] = ()) -> tuple[str, ...]:
+    """The activation parameters (and ``also``) stored beside weight ``twin`` (``X.weight``)."""
+    module = twin[:-len(".weight")] if twin.endswith(".weight") else None
+    names = [] if module is None else [f"{module}.{p}" for p in ACTIVATION_PARAMETERS]
+    return tuple(n for n in names + list(also) if n in shapes)
 
 
 _FP8_VALUES = {np.dtype(t): np.arange(256, dtype=np.uint8).view(t).astype(np.float32)

@@ -49,7 +49,8 @@ import numpy as np
 from orbax_safetensors.errors import MappingError
 from orbax_safetensors.format.dtypes import dtype_for_numpy
 from orbax_safetensors.planning.assembly import Assembly, Constant, Tiling, assemble
-from orbax_safetensors.planning.quantization import FP8, Quantization, dequantized
+from orbax_safetensors.planning.dequantized import Quantization, dequantized, schemes
+from orbax_safetensors.planning.quantization import FP8
 from orbax_safetensors.planning.transforms import PERMUTATIONS, Permutation, Transform, untransposed_axes
 from orbax_safetensors.planning.write_plan import TensorSpec
 
@@ -652,9 +653,10 @@ class Mapping:
     tensors) holds it, for ``ost.convert``: ``None``, the tree is the
     checkpoint; ``"maxtext"``, MaxText's train state (``0/items``, the tree
     under ``params.params``).
-    ``quantization`` (``FP8``, ``MXFP4``): the checkpoint may store tensors
-    quantized so; each is read as its dequantized twin, the tensor the rules
-    name (``planning.quantization``), dequantized box by box as it is read.
+    ``quantization`` (``FP8``, ``MXFP4``, ``IntQuantized``, ``NVFP4``, or a sequence of
+    them): the checkpoint may store tensors quantized so; each is read as its
+    dequantized twin, the tensor the rules name (``planning.quantization``,
+    ``planning.group_quantization``), dequantized box by box as it is read.
     ``ignore``: prefixes of stored names the tree does not hold (DeepSeek-V3's
     multi-token-prediction layer, which transformers skips too): left out of
     a load or a conversion, and never reported as unmapped or unexpected.
@@ -668,7 +670,8 @@ class Mapping:
     """
 
     def __init__(self, rules: Iterable[Rule], *, dims: MappingABC[str, int] | None = None,
-                 checkpoint_form: str | None = None, quantization: Quantization | None = None,
+                 checkpoint_form: str | None = None,
+                 quantization: Quantization | Sequence[Quantization] | None = None,
                  ignore: Iterable[str] = (), sizes: Iterable[ConfigSize] = (),
                  undeclared: str | None = None, constants: MappingABC[str, Constant] | None = None):
         self.rules = tuple(rules)
@@ -678,6 +681,7 @@ class Mapping:
         self.sizes = tuple(sizes)
         self.checkpoint_form = checkpoint_form
         self.quantization = quantization
+        self._schemes = schemes(quantization)
         self.ignore = tuple(ignore)
         self._stored = [(rule, _pattern(p, "stored")[0]) for rule in self.rules for p in rule.stored_patterns]
         self._tree = [(rule, _pattern(rule.tree, "tree")[0]) for rule in self.rules]
@@ -698,18 +702,20 @@ class Mapping:
             return stored_shapes
         if self.ignore:
             stored_shapes = {n: shape for n, shape in stored_shapes.items() if not self.ignores(n)}
-        if self.quantization is None:
+        if not self._schemes:
             self.check_sizes(stored_shapes)
             return stored_shapes
-        view = dequantized(self.quantization, stored_shapes)
-        unscaled = [name for name, code in (dtypes or {}).items() if isinstance(self.quantization, FP8)
-                    and code.startswith("F8_") and name in view and name not in view.quantized]
+        view = dequantized(self._schemes, stored_shapes)
+        fp8 = [s for s in self._schemes if isinstance(s, FP8)]
+        unscaled = [name for name, code in (dtypes or {}).items() if fp8 and code.startswith("F8_")
+                    and name in view and name not in view.quantized
+                    and not name.endswith("_scale")]  # NVFP4's group scales are FP8 of their own
         if unscaled:
-            raise MappingError(f"{len(unscaled)} FP8 tensors have no scales ({self.quantization}): "
+            raise MappingError(f"{len(unscaled)} FP8 tensors have no scales ({fp8[0]}): "
                                + ", ".join(sorted(unscaled)[:5]) + (" ..." if len(unscaled) > 5 else ""))
         if dtypes is not None:
             for quantized in view.quantized.values():
-                quantized.check_dtypes(dtypes[quantized.weight], dtypes[quantized.scales])
+                quantized.check_dtypes(dtypes)
         self.check_sizes(view)
         return view
 

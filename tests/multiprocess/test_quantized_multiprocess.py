@@ -1,5 +1,5 @@
 """Quantized checkpoints loaded by 2 real JAX processes × 4 CPU devices, with scale blocks
-(FP8) and groups (MXFP4) cut between the processes.
+(FP8) and groups (MXFP4, INT4, NVFP4) cut between the processes.
 
 * FP8 ``a.weight`` [576, 256], block 128, scales [5, 2] (DeepSeek-V3's kv_a_proj_with_mqa rows:
   a partial last block of 64 rows), rows over the 8 devices: 72 each, so process 0 holds rows
@@ -8,6 +8,12 @@
 * MXFP4 ``e.w`` (gpt-oss layout: blocks [4, 24, 3, 16], twin [4, 96, 24]), the twin's axis 1
   over the 8 devices: 12 values each, process 0 values 0..47, process 1 48..95; group 1 (values
   32..63) is cut between them.
+* INT4 (compressed-tensors ``pack-quantized``, asymmetric, group 32): ``i`` [64, 96] with its
+  input axis over the devices (group 1, values 32..63, cut between the processes and between
+  devices), and ``j`` [40, 64] with its rows over them (5 rows a device: the packed zero points'
+  word 2, rows 16..23, is cut between the processes).
+* NVFP4, both layouts (``n``: compressed-tensors, ``o``: ModelOpt) [16, 96], input axis over the
+  devices: 12 values each, groups of 16 cut.
 
 Each process checks its addressable shards bit for bit against the numpy reference
 (``tests/support/quantized_reference.py``) and returns its ``ost.LoadStats``: each read only the
@@ -22,12 +28,24 @@ gpt-oss's 2880 hidden values over 8 devices touch 12-13 groups for 11.25 a devic
 import dataclasses
 import os
 
+import ml_dtypes
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
 import orbax_safetensors as ost
-from tests.support.quantized_reference import BF16, bits, fp8_reference, mxfp4_reference, random_fp8, random_mxfp4
+from tests.support.quantized_reference import (
+    BF16,
+    bits,
+    fp8_reference,
+    int_reference,
+    mxfp4_reference,
+    nvfp4_reference,
+    pack_int,
+    pack_nibbles,
+    random_fp8,
+    random_mxfp4,
+)
 
 pytestmark = pytest.mark.slow  # several JAX processes
 
@@ -40,13 +58,46 @@ def _sources():
     """The stored tensors (deterministic: the parent saves them, each child recomputes them)."""
     weight, scales = random_fp8(np.random.default_rng(0), (ROWS, COLS), (-(-ROWS // BLOCK), -(-COLS // BLOCK)))
     blocks, exponents = random_mxfp4(np.random.default_rng(1), (EXPERTS, OUT), GROUPS)
-    return {"a.weight": weight, "a.weight_scale_inv": scales, "e.w_blocks": blocks, "e.w_scales": exponents}
+    return {"a.weight": weight, "a.weight_scale_inv": scales, "e.w_blocks": blocks, "e.w_scales": exponents,
+            **{name: value for name, (value, _) in _group_quantized().items()}}
+
+
+def _group_quantized():
+    """The INT4 and NVFP4 tensors: stored name → (value, its part of the twins)."""
+    rng = np.random.default_rng(2)
+    out = {}
+    for module, shape in (("i", (64, 96)), ("j", (40, 64))):
+        codes, groups = rng.integers(-8, 8, shape), (shape[0], shape[1] // 32)
+        scales = rng.uniform(0.01, 0.1, groups).astype(np.float32)
+        zeros = rng.integers(-8, 8, groups)
+        twin = int_reference(codes, scales, zeros, (1, 32))
+        out.update({f"{module}.weight_packed": (pack_int(codes, 4), twin), f"{module}.weight_scale": (scales, None),
+                    f"{module}.weight_zero_point": (pack_int(zeros, 4, axis=-2), None),
+                    f"{module}.weight_shape": (np.array(shape, np.int64), None)})
+    nibbles = rng.integers(0, 16, (16, 96))
+    scales = rng.uniform(0.01, 400, (16, 6)).astype(ml_dtypes.float8_e4m3fn)
+    out.update({"n.weight_packed": (pack_nibbles(nibbles), nvfp4_reference(
+                    nibbles, scales.astype(np.float32), 0.5, "compressed-tensors")),
+                "n.weight_scale": (scales, None), "n.weight_global_scale": (np.array([0.5], np.float32), None),
+                "o.weight": (pack_nibbles(nibbles), nvfp4_reference(nibbles, scales.astype(np.float32), 0.5,
+                                                                     "modelopt")),
+                "o.weight_scale": (scales, None), "o.weight_scale_2": (np.array(0.5, np.float32), None)})
+    return out
+
+
+# One file, every scheme, as a mixed release (compressed-tensors' config groups) stores them:
+# ``only`` parts the schemes that would read one another's tensors.
+_SCHEMES = (ost.FP8((BLOCK, BLOCK)), ost.MXFP4(), ost.IntQuantized(4, 32, symmetric=False, only="[ij]"),
+            ost.NVFP4(only="n"), ost.NVFP4("modelopt", only="o"))
+_AXIS = {"a.weight": 0, "e.w": 1, "i.weight": 1, "j.weight": 0, "n.weight": 1, "o.weight": 1}
 
 
 def _twins():
     s = _sources()
     return {"a.weight": fp8_reference(s["a.weight"], s["a.weight_scale_inv"], (BLOCK, BLOCK)).astype(BF16),
-            "e.w": mxfp4_reference(s["e.w_blocks"], s["e.w_scales"]).astype(BF16)}
+            "e.w": mxfp4_reference(s["e.w_blocks"], s["e.w_scales"]).astype(BF16),
+            **{name.rsplit(".", 1)[0] + ".weight": twin.astype(BF16)
+               for name, (_, twin) in _group_quantized().items() if twin is not None}}
 
 
 def _child_load(args):
@@ -54,13 +105,12 @@ def _child_load(args):
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     mesh = Mesh(np.array(jax.devices()), ("x",))
-    specs = {"a.weight": PartitionSpec("x"), "e.w": PartitionSpec(None, "x")}
     twins = _twins()
     name = args["tensor"]
-    quantization = ost.FP8((BLOCK, BLOCK)) if name == "a.weight" else ost.MXFP4()
-    target = {name: jax.ShapeDtypeStruct(twins[name].shape, BF16, sharding=NamedSharding(mesh, specs[name]))}
+    spec = PartitionSpec(*(None,) * _AXIS[name], "x")
+    target = {name: jax.ShapeDtypeStruct(twins[name].shape, BF16, sharding=NamedSharding(mesh, spec))}
     stats = ost.LoadStats()
-    loaded = ost.load(args["path"], target, mapping=ost.Mapping([ost.Rule(name, name)], quantization=quantization),
+    loaded = ost.load(args["path"], target, mapping=ost.Mapping([ost.Rule(name, name)], quantization=_SCHEMES),
                       stats=stats, strict="target",  # the other tensor is left unread
                       options=ost.LoadOptions(max_overread=1.0))  # no gaps read: the bytes are the boxes'
 
@@ -115,3 +165,18 @@ def test_mxfp4_group_cut_between_processes(multiprocess, checkpoint):
         once = group_rows * _blocks_touched(ranges[0][0], ranges[-1][1], 32)
         assert stats["bytes_needed"] == needed, (ranges, stats)
         assert once <= stats["bytes_read"] <= needed, (ranges, stats)
+
+
+@pytest.mark.parametrize("tensor", ["i.weight", "j.weight", "n.weight", "o.weight"])
+def test_int4_and_nvfp4_groups_cut_between_processes(multiprocess, checkpoint, tensor):
+    """Each process's shards are the reference bit for bit (in the child); each reads its own
+    codes and only the scale and zero-point groups they touch: under its share of the whole."""
+    axis = _AXIS[tensor]
+    loads = _load(multiprocess, checkpoint, tensor, axis=axis)
+    size = _twins()[tensor].shape[axis]
+    assert [(r[0][0], r[-1][1]) for r, _ in loads] == [(0, size // 2), (size // 2, size)]
+    stored = {n: v for n, (v, _) in _group_quantized().items() if n.startswith(tensor[0] + ".")}
+    whole = sum(v.nbytes for v in stored.values())
+    for _, stats in loads:
+        assert 0 < stats["bytes_read"] <= stats["bytes_needed"], stats
+        assert stats["bytes_read"] < 0.75 * whole, (stats, whole)

@@ -26,7 +26,7 @@ def _check_box(q, weight, scales, reference, box):
     """``q`` reads ``box`` of ``reference`` from the boxes it names, and those scale boxes
     are exactly the scale blocks the box touches (never a block it does not)."""
     weight_box, scale_box = q.boxes(box)
-    got = q.dequantize(_slice(weight, weight_box), _slice(scales, scale_box), box)
+    got = q.dequantize(_slice(weight, weight_box), (_slice(scales, scale_box),), box)
     assert got.dtype == np.float32
     np.testing.assert_array_equal(bits(got), bits(_slice(reference, box)))
     return weight_box, scale_box
@@ -105,7 +105,7 @@ def test_fp8_into_a_bfloat16_buffer_rounds_the_float32_product_once(shape, block
     want = fp8_reference(weight, scales, block)[tuple(slice(a, c) for a, c in box)].astype(BF16)
     buffer = np.full(tuple(2 * (c - a) if strided else c - a for a, c in box), np.nan, BF16)
     into = buffer[tuple(slice(None, None, 2 if strided else 1) for _ in box)]
-    assert q.dequantize(_slice(weight, weight_box), _slice(scales, scale_box), box, out=into) is into
+    assert q.dequantize(_slice(weight, weight_box), (_slice(scales, scale_box),), box, out=into) is into
     np.testing.assert_array_equal(bits(into), bits(want))
     if strided:  # nothing written between the view's elements
         assert np.isnan(buffer[tuple(slice(1, None, 2) for _ in box)].astype(np.float32)).all()
@@ -117,7 +117,7 @@ def test_mxfp4_into_a_bfloat16_buffer():
     box = ((1, 2), (5, 70), (1, 6))
     weight_box, scale_box = q.boxes(box)
     into = np.empty((1, 65, 5), BF16)
-    q.dequantize(_slice(blocks, weight_box), _slice(scales, scale_box), box, out=into)
+    q.dequantize(_slice(blocks, weight_box), (_slice(scales, scale_box),), box, out=into)
     want = mxfp4_reference(blocks, scales)[1:2, 5:70, 1:6].astype(BF16)
     np.testing.assert_array_equal(bits(into), bits(want))
 
@@ -168,7 +168,7 @@ def test_empty_boxes_are_empty(scheme, weight_shape, scale_shape, box):
     q = Quantized(scheme, "w", "s", weight_shape, scale_shape)
     weight_box, scale_box = q.boxes(box)
     weight, scales = np.zeros(weight_shape, np.uint8), np.zeros(scale_shape, np.float32)
-    got = q.dequantize(_slice(weight, weight_box), _slice(scales, scale_box), box)
+    got = q.dequantize(_slice(weight, weight_box), (_slice(scales, scale_box),), box)
     assert got.shape == tuple(c - a for a, c in box)
 
 
@@ -192,7 +192,7 @@ def test_mxfp4_low_nibble_is_the_even_element():
     blocks[..., 0] = 0x72  # low nibble 2 (1.0) first, high nibble 7 (6.0) second
     scales = np.full((1, 1, 1), 128, np.uint8)  # 2 ** 1
     q = Quantized(MXFP4(swap_last=False), "x_blocks", "x_scales", blocks.shape, scales.shape)
-    got = q.dequantize(blocks, scales, ((0, 1), (0, 1), (0, 2)))
+    got = q.dequantize(blocks, (scales,), ((0, 1), (0, 1), (0, 2)))
     assert got.tolist() == [[[2.0, 12.0]]]
 
 

@@ -77,3 +77,52 @@ def bits(x: np.ndarray) -> np.ndarray:
     """``x``'s bit patterns (an unsigned view), to compare arrays bit for bit (-0.0 ≠ 0.0)."""
     x = np.asarray(x)
     return x.view({2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
+
+
+def pack_int(codes: np.ndarray, bits: int, axis: int = -1) -> np.ndarray:
+    """Signed ``bits``-bit ``codes`` packed into int32 words along ``axis``, as compressed-tensors'
+    ``pack-quantized`` defines them: code ``i`` of a run at bits ``i * bits`` of the run's bit
+    stream (``32 // bits`` a word), each stored as ``code + 2 ** (bits - 1)``; a short last word
+    is padded with zero bits."""
+    moved = np.moveaxis(np.asarray(codes, np.int64) + (1 << (bits - 1)), axis, -1)
+    per = 32 // bits
+    pad = -moved.shape[-1] % per
+    moved = np.concatenate([moved, np.zeros(moved.shape[:-1] + (pad,), np.int64)], -1)
+    runs = moved.reshape(moved.shape[:-1] + (-1, per))
+    words = (runs << (bits * np.arange(per))).sum(-1)
+    # Contiguous: safetensors' numpy save_file writes a strided array's memory, not its values.
+    return np.ascontiguousarray(np.moveaxis(words.astype(np.uint32).view(np.int32), -1, axis))
+
+
+def int_reference(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None,
+                  blocks: tuple[int, ...]) -> np.ndarray:
+    """The float32 values ``(code - zero) * scale`` of integer ``codes`` with ``scales`` (and
+    ``zeros``) per block of ``blocks`` values on each axis."""
+    def spread(p: np.ndarray) -> np.ndarray:
+        p = np.asarray(p, np.float64).reshape(p.shape + (1,) * (codes.ndim - p.ndim))
+        for axis, b in enumerate(blocks):
+            p = np.repeat(p, b, axis=axis)[tuple(slice(0, n) for n in codes.shape[:axis + 1])]
+        return p
+    x = codes.astype(np.float64) - (0 if zeros is None else spread(zeros))
+    return (x * spread(scales)).astype(np.float32)
+
+
+def nvfp4_reference(nibbles: np.ndarray, scales: np.ndarray, second: float, layout: str) -> np.ndarray:
+    """The float32 values of NVFP4 codes ``nibbles`` ``[..., n]`` (0..15) with FP8 ``scales``
+    ``[..., n // 16]`` and the second-level scale: compressed-tensors computes the group scale
+    ``float32(scale / global_scale)`` then ``code * that``, ModelOpt
+    ``float32(scale * scale_2)`` then ``code * that``, each rounded to float32 (float64
+    products and quotients of these operands round once to the same bits), and ModelOpt's
+    code 0b1000 is +0.0."""
+    s = scales.astype(np.float64)
+    group = (s / np.float64(np.float32(second)) if layout == "compressed-tensors"
+             else s * np.float64(np.float32(second))).astype(np.float32)
+    values = e2m1(nibbles)
+    if layout == "modelopt":
+        values = np.where(values == 0, 0.0, values)
+    return (values * np.repeat(group.astype(np.float64), 16, axis=-1)).astype(np.float32)
+
+
+def pack_nibbles(nibbles: np.ndarray) -> np.ndarray:
+    """Codes 0..15 two a byte along the last axis, the even one in the low nibble."""
+    return (nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)).astype(np.uint8)

@@ -31,10 +31,11 @@ class AssembledLeaf:
     devices, so a leaf's host buffers live from its first piece to its last
     (on CPU they become the array itself: 64-byte aligned, adopted by XLA).
 
-    A quantized piece (``Piece.quantized``) is two jobs: its scales, read
-    ``first`` (every such job finishes before any other: ``plan_reads``) and
-    kept, and its values, dequantized box by box with them as they are
-    finished. Each reads only the blocks its boxes touch.
+    A quantized piece (``Piece.quantized``) is a job per parameter (scales,
+    zero points...), each read ``first`` (every such job finishes before any
+    other: ``plan_reads``) and kept, and one of its values, dequantized box by
+    box with them as they are finished. Each reads only the groups its boxes
+    touch.
     """
 
     def __init__(self, name: str, tensors: Mapping[str, TensorSource], assembly: Assembly,
@@ -82,39 +83,43 @@ class AssembledLeaf:
 
     def _quantized_jobs(self, piece: Piece, parts: dict[Box, tuple[Box, Box]], tensors: Mapping[str, TensorSource],
                         policy: ReadPolicy, cast: Cast) -> list[Job]:
-        """A quantized piece's two jobs: its scales' (first, kept; a NaN or infinite one
-        refused) and its values', dequantized under ``cast``'s check of the products."""
+        """A quantized piece's jobs: one per parameter (scales, zero points...: ``first``,
+        kept; a damaged one refused) and its values', dequantized under ``cast``'s check of
+        the products."""
         quantized, transform = piece.quantized, piece.transform
         boxes = {twin: quantized.boxes(twin) for twin in dict.fromkeys(
             transform.stored_box(own) for _, own in parts.values())}
-        weight, scales = tensors[quantized.weight], tensors[quantized.scales]
-        file = weight.slices[0].file if weight.slices else None
-        staged_weight = Staging(weight, quantized.weight, [w for w, _ in boxes.values()])
-        staged_scales = Staging(scales, quantized.scales, [s for _, s in boxes.values()])
-        held: dict[Box, np.ndarray] = {}
+        sources = [tensors[name] for name in quantized.stored]
+        staged = [Staging(source, name, [b[k] for b in boxes.values()])
+                  for k, (source, name) in enumerate(zip(sources, quantized.stored))]
+        file = sources[0].slices[0].file if sources[0].slices else None
+        held: dict[Box, list[Any]] = {twin: [None] * (len(sources) - 1) for twin in boxes}
 
-        def keep(buffers: list[np.ndarray]) -> None:
-            views = staged_scales.views(buffers)
-            held.update((twin, np.array(views(s))) for twin, (_, s) in boxes.items())
-            for kept in held.values():
-                problem = quantized.scale_problem(kept)
-                if problem is not None:
-                    raise SafetensorsError(problem, file=scales.slices[0].file if scales.slices else None,
-                                           tensor=quantized.scales)
+        def keep(k: int) -> Callable[[list[np.ndarray]], None]:
+            def finish(buffers: list[np.ndarray]) -> None:
+                views = staged[k].views(buffers)
+                for twin, stored in boxes.items():
+                    kept = np.array(views(stored[k]))
+                    problem = quantized.problem(k - 1, kept)
+                    if problem is not None:
+                        raise SafetensorsError(problem, file=sources[k].slices[0].file if sources[k].slices else None,
+                                               tensor=quantized.stored[k])
+                    held[twin][k - 1] = kept
+            return finish
 
         def values(buffers: list[np.ndarray]) -> Callable[[Box, Box, np.ndarray], Any]:
-            views = staged_weight.views(buffers)
+            views = staged[0].views(buffers)
 
             def write(twin: Box, own: Box, into: np.ndarray) -> None:
                 """Dequantized straight into the leaf's buffer where the arrangement is the stored
                 one, else rounded to its dtype first unless the transform computes with them
                 (then its results are what the cast checks)."""
                 if not transform.changes_values:
-                    staged = into if transform.is_identity else np.empty(box_shape(twin), into.dtype)
-                    quantized.dequantize(views(boxes[twin][0]), held[twin], twin, out=staged, check=cast.check,
+                    staged_box = into if transform.is_identity else np.empty(box_shape(twin), into.dtype)
+                    quantized.dequantize(views(boxes[twin][0]), held[twin], twin, out=staged_box, check=cast.check,
                                          file=file)
-                    if staged is not into:
-                        transform.to_tree(staged, twin, own, out=into)
+                    if staged_box is not into:
+                        transform.to_tree(staged_box, twin, own, out=into)
                     return
                 products = quantized.dequantize(views(boxes[twin][0]), held[twin], twin,
                                                 out=np.empty(box_shape(twin), np.float32), file=file)
@@ -128,13 +133,13 @@ class AssembledLeaf:
 
             return write
 
-        def nbytes(source: TensorSource, which: int) -> int:
-            return sum(box_size(b[which]) for b in boxes.values()) * source.dtype.bits // 8
+        def reads(k: int) -> Any:
+            needed = sum(box_size(b[k]) for b in boxes.values()) * sources[k].dtype.bits // 8
+            return planned_reads(sources[k], staged[k].boxes, needed, policy)
 
-        scale_reads = planned_reads(scales, staged_scales.boxes, nbytes(scales, 1), policy)
-        return [Job(dataclasses.replace(scale_reads, first=True), keep, scratch=True),
-                Job(planned_reads(weight, staged_weight.boxes, nbytes(weight, 0), policy),
-                    self._fill(transform, parts, values), scratch=True, prepare=self._prepare(parts))]
+        return [*(Job(dataclasses.replace(reads(k), first=True), keep(k), scratch=True)
+                  for k in range(1, len(sources))),
+                Job(reads(0), self._fill(transform, parts, values), scratch=True, prepare=self._prepare(parts))]
 
     def _fill(self, transform: Transform, parts: dict[Box, tuple[Box, Box]],
               values: Callable[[list[np.ndarray]], Callable[[Box, Box, np.ndarray], Any]],

@@ -210,6 +210,8 @@ def map_leaves(checkpoint: Checkpoint, target: LoadTarget, names: list[str], req
         assemblies.append(assembly)
     problems += [f"{leaves[0]}: {cause}" if len(leaves) == 1 else
                  f"{cause} (in {len(leaves)} tensors, e.g. {leaves[0]})" for cause, leaves in failed.items()]
+    # A quantized module's activation parameters are accounted for: no part of its values.
+    used.update(n for q in getattr(shapes, "quantized", {}).values() for n in q.dropped)
     unexpected = sorted(n for n in set(checkpoint.tensors) - used if not mapping.ignores(n))
     if strict is True and unexpected and not from_checkpoint:
         problems.append(f"in the checkpoint but not the target: {', '.join(unexpected)}")

@@ -110,13 +110,14 @@ class TreeBlocks:
         quantized = piece.quantized
         if quantized is None:
             data = _read(self._source, self._stored[piece.stored], stored_box)
-        else:  # the values and the scales of the blocks the box touches, dequantized
-            weight, scales = (_read(self._source, self._stored[name], box)
-                              for name, box in zip(quantized.stored, quantized.boxes(stored_box)))
-            problem = quantized.scale_problem(scales)
-            if problem is not None:
-                raise SafetensorsError(problem, tensor=quantized.scales)
-            data = quantized.dequantize(weight, scales, stored_box)
+        else:  # the values and the parameters of the groups the box touches, dequantized
+            weight, *parameters = (_read(self._source, self._stored[name], box)
+                                   for name, box in zip(quantized.stored, quantized.boxes(stored_box)))
+            for k, (name, values) in enumerate(zip(quantized.stored[1:], parameters)):
+                problem = quantized.problem(k, values)
+                if problem is not None:
+                    raise SafetensorsError(problem, tensor=name)
+            data = quantized.dequantize(weight, parameters, stored_box)
         # The piece's place in the block; its stacked axes (one index each) indexed away.
         into = tuple(a - b0 if axis in piece.stacked else slice(a - b0, b - b0)
                      for axis, ((a, b), (b0, _)) in enumerate(zip(inside, block)))
