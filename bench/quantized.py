@@ -4,9 +4,10 @@ against load-then-dequantize and MaxText 0.2.5's dequantize scripts.
     .venv/bin/python bench/quantized.py                # ~1 GB stored per family, 3 repeats, cold and warm
     .venv/bin/python bench/quantized.py --quick        # a few MB, 1 repeat, every tensor checked: a smoke test
     .venv/bin/python bench/quantized.py --families fp8 --contenders ours,load_dequantize --repeats 5
+    .venv/bin/python bench/quantized.py --families int4,nvfp4 --repeats 1   # to quantized-int4-nvfp4.md
 
 What it measures: loading a quantized Hugging Face checkpoint as bf16 ``jax.Array``s on 8 host
-CPU devices, from two synthetic checkpoints (``tests/support/quantized_checkpoints.py``, written once
+CPU devices, from four synthetic checkpoints (``tests/support/quantized_checkpoints.py``, written once
 and cached under ``--work-dir``):
 
 * ``fp8``: DeepSeek-V3-shaped (MLA attention, a dense first layer, then MoE layers of routed
@@ -14,7 +15,19 @@ and cached under ``--work-dir``):
   per 128 × 128 block (``kv_a_proj_with_mqa``'s 576 rows end in a partial block); embeddings,
   norms, router bf16, ``e_score_correction_bias`` float32;
 * ``mxfp4``: gpt-oss-shaped, the experts' ``gate_up_proj`` / ``down_proj`` as MXFP4
-  ``*_blocks`` + ``*_scales`` (U8), everything else bf16.
+  ``*_blocks`` + ``*_scales`` (U8), everything else bf16;
+* ``int4``: Kimi-K2-Thinking-shaped (DeepSeek-V3's architecture, 24 routed experts at "1" so
+  that it stores ~1 GB): the routed experts compressed-tensors ``pack-quantized`` INT4
+  (symmetric, a BF16 scale per 32 values, ``weight_shape``), everything else bf16 as the release
+  ships it (its config's ``ignore``: attention, shared experts, the dense MLP, ``lm_head``);
+* ``nvfp4``: DeepSeek-V3-shaped (32 routed experts at "1"), every ``Linear`` weight
+  (attention, routed and shared experts, dense MLP) compressed-tensors ``nvfp4-pack-quantized``
+  (U8 codes, an F8_E4M3 scale per 16, an F32 ``weight_global_scale``), the router, norms,
+  embeddings and ``lm_head`` bf16.
+
+The INT4 and NVFP4 checkpoints hold random codes and scales (``quantized_checkpoints.random_codes``):
+a 4-bit result is 4× the bytes its codes store, so at "1" they are the biggest results here
+(2.6 and 3.3 GB of bf16).
 
 The result is every tensor's dequantized twin (bf16; float32 tensors stay float32; gpt-oss's
 experts ``[experts, in, out]``), each 2-D or 3-D tensor split 8 ways along its first axis that 8
@@ -25,8 +38,8 @@ rest replicated. (Splits that cut MXFP4's 32-value groups are tested, not benchm
 
 Contenders:
 
-* ``ours``: ``ost.load(path, target, mapping=ost.Mapping(rules, quantization=ost.FP8((128, 128))
-  or ost.MXFP4()))``, identity-name rules (``{i}``, ``{e}`` placeholders), ``target`` the
+* ``ours``: ``ost.load(path, target, mapping=ost.Mapping(rules, quantization=ost.FP8((128, 128)),
+  ost.MXFP4(), ost.IntQuantized(4, 32) or ost.NVFP4()))``, identity-name rules (``{i}``, ``{e}`` placeholders), ``target`` the
   twins' ``jax.ShapeDtypeStruct``s with their ``NamedSharding``s: each device's shard is
   dequantized from the bytes and scales that cover it;
 * ``load_dequantize``: what a user writes without us: ``safetensors.safe_open(f,
@@ -34,7 +47,13 @@ Contenders:
   in float32 (``tests/support/quantized_checkpoints.py``'s ``dequantize_fp8`` / ``dequantize_mxfp4``),
   then bf16, then
   ``jax.device_put(twin, sharding)``, tensor by tensor (safetensors 0.8's numpy backend looks
-  float8 up on numpy, so the worker gives it ``ml_dtypes.float8_e4m3fn`` there first);
+  float8 up on numpy, so the worker gives it ``ml_dtypes.float8_e4m3fn`` there first). For
+  ``int4`` and ``nvfp4`` it is what transformers' dequantizing load does, without the model:
+  ``safe_open(f, framework="pt").get_tensor`` of each module's stored tensors, whole, handed to
+  compressed-tensors 0.20.1's own ``BaseCompressor.get_value_from_registry(format)
+  .decompress(state_dict, scheme)`` (the scale in its stored dtype, as transformers 5.24's
+  ``CompressedTensorsDequantize`` hands it), the weight ``.to(bfloat16)``, then
+  ``jax.device_put``; torch and compressed-tensors are imported before the clock;
 * ``maxtext``: MaxText 0.2.5's dequantize step as users run it today:
   ``standalone_scripts/deepseek_dequantize.py --input-path --output-path`` (fp8) and
   ``dequantize_mxfp4.py`` (mxfp4), the files from its package, unmodified, each writing a
@@ -44,7 +63,8 @@ Contenders:
   through ``runpy`` with ``safetensors.torch.load_file`` mapped to the CPU, and its output
   directory is made first (the script creates its *input* directory). Its time is the whole
   command (imports and writing the bf16 checkpoint, which the user then still has to load into
-  devices); it does not place anything on devices.
+  devices); it does not place anything on devices. MaxText 0.2.5 has no script for
+  compressed-tensors checkpoints: for ``int4`` and ``nvfp4`` it is absent.
 
 Method, as in ``bench/load.py`` / ``bench/convert.py`` (whose helpers this reuses): every run is
 a fresh process; *cold* with nothing prefaulted, *warm* after a child touched and freed 4 GB
@@ -58,14 +78,20 @@ contender by contender and cold/warm; a run during which others used the CPU is 
 (``--attempts``). Every run's output is checked before its number counts: shapes, dtypes and
 shardings of every leaf, and the values of a sample (layer 0, the last layer and the
 non-layer tensors; every tensor with ``--quick`` or ``--check all``) bit for bit against the
-numpy reference (``tests/support/quantized_reference.py``); the maxtext rows check their written bf16 tensors as values (its e2m1 decoder
+numpy reference (``tests/support/quantized_reference.py``; ``int4`` / ``nvfp4``: its
+``int_reference`` / ``nvfp4_reference`` of the unpacked codes); compressed-tensors'
+decompression as values (−0 equal to +0; on these checkpoints it is also bit for bit equal:
+its bf16 product of a bf16 scale, and its float32 NVFP4 group scale ``scale / global``
+times the code, round once to bf16, as ours); the maxtext rows check their written bf16 tensors as values (its e2m1 decoder
 writes −0 as +0, 5.6 % of the tiny gpt-oss experts' elements; the float32
 ``e_score_correction_bias``, which it casts to bf16, is left out).
 
 Targets: ours ≥ 3× faster than load-then-dequantize (*ours ÷ row* time ≤ 1/3),
 RSS growth ≤ 1.2× the bytes of the result.
 
-Results go to stdout and ``bench/results/quantized.md`` (``quantized-quick.md`` with ``--quick``).
+Results go to stdout and ``bench/results/quantized.md`` (``quantized-quick.md`` with ``--quick``)
+when every family runs, else ``quantized-<families>.md`` (``--results`` names another), so that a
+run of some families leaves the whole table be.
 """
 
 from __future__ import annotations
@@ -101,19 +127,27 @@ from load import checkpoint_files, warm_page_cache
 
 from tests.support import quantized_checkpoints as qc
 
+# family → (specs, twins, writer, MaxText 0.2.5's dequantize script or None: it has none).
 FAMILIES = {"fp8": (qc.DEEPSEEK, qc.deepseek_twins, qc.write_deepseek, "deepseek_dequantize.py"),
-            "mxfp4": (qc.GPT_OSS, qc.gpt_oss_twins, qc.write_gpt_oss, "dequantize_mxfp4.py")}
+            "mxfp4": (qc.GPT_OSS, qc.gpt_oss_twins, qc.write_gpt_oss, "dequantize_mxfp4.py"),
+            "int4": (qc.KIMI_INT4, qc.kimi_int4_twins, qc.write_kimi_int4, None),
+            "nvfp4": (qc.DEEPSEEK_NVFP4, qc.deepseek_nvfp4_twins, qc.write_deepseek_nvfp4, None)}
 CONTENDERS = ("ours", "load_dequantize", "maxtext")
 SIZES = ("tiny", "1")
 SEED = 20260601
 CONTENDER_NOTES = {
     "ours": "`ost.load(path, target, mapping=ost.Mapping(rules, quantization=ost.FP8((128, 128)) / "
-            "ost.MXFP4()))`: each shard dequantized as it is read",
-    "load_dequantize": "`safe_open(f, framework=\"numpy\").get_tensor` of each weight and its scales, whole, "
-                       "numpy dequantization (float32, then bf16), `jax.device_put(twin, sharding)`",
+            "ost.MXFP4() / ost.IntQuantized(4, 32) / ost.NVFP4()))`: each shard dequantized as it is read",
+    "load_dequantize": "fp8, mxfp4: `safe_open(f, framework=\"numpy\").get_tensor` of each weight and its scales, "
+                       "whole, numpy dequantization (float32, then bf16); int4, nvfp4: `safe_open(f, "
+                       "framework=\"pt\")` whole tensors, compressed-tensors 0.20.1's own "
+                       "`BaseCompressor.get_value_from_registry(format).decompress(state_dict, scheme)` per module "
+                       "(scale in its stored dtype, as transformers 5.24 calls it), `.to(bfloat16)`; then "
+                       "`jax.device_put(twin, sharding)`",
     "maxtext": "MaxText 0.2.5's `deepseek_dequantize.py` / `dequantize_mxfp4.py`, unmodified (the latter's "
                "`device=\"cuda\"` mapped to the CPU), torch on CPU, writing a bf16 checkpoint: the whole "
-               "command's time and peak RSS, not placing anything on devices",
+               "command's time and peak RSS, not placing anything on devices; MaxText has no script for "
+               "compressed-tensors checkpoints (int4, nvfp4): absent there",
 }
 
 
@@ -206,28 +240,56 @@ def check_values(get, checkpoint: Path, twins: dict, names: list[str], bitwise: 
 def load_ours(checkpoint: Path, twins: dict, target: dict):
     import orbax_safetensors as ost
 
-    config = json.loads((checkpoint / "config.json").read_text())["quantization_config"]
-    scheme = (ost.FP8(tuple(config["weight_block_size"])) if config["quant_method"] == "fp8" else ost.MXFP4())
-    mapping = ost.Mapping([ost.Rule(p, p) for p in qc.identity_patterns(twins)], quantization=scheme)
+    mapping = ost.Mapping([ost.Rule(p, p) for p in qc.identity_patterns(twins)],
+                          quantization=scheme_of(json.loads((checkpoint / "config.json").read_text())))
     return ost.load(str(checkpoint), target, mapping=mapping)
+
+
+def scheme_of(config: dict):
+    """The quantization scheme of a bench checkpoint's ``config.json``, written out as a user would."""
+    import orbax_safetensors as ost
+
+    config = config["quantization_config"]
+    if config["quant_method"] == "fp8":
+        return ost.FP8(tuple(config["weight_block_size"]))
+    if config["quant_method"] == "mxfp4":
+        return ost.MXFP4()
+    weights = config["config_groups"]["group_0"]["weights"]
+    if config["format"] == "pack-quantized":
+        return ost.IntQuantized(weights["num_bits"], weights["group_size"], symmetric=weights["symmetric"])
+    return ost.NVFP4("compressed-tensors", weights["group_size"])
 
 
 def load_dequantize(checkpoint: Path, twins: dict, target: dict):
     import jax
     from safetensors import safe_open
 
-    opened = partial(safe_open, framework="numpy")
+    opened = partial(safe_open, framework="pt" if compressed_tensors(checkpoint) else "numpy")
     return {name: jax.device_put(twin, target[name].sharding)
             for name, twin in qc.reference_twins(checkpoint, twins, open_file=opened, reference=False)}
+
+
+def compressed_tensors(checkpoint: Path) -> bool:
+    """Whether the checkpoint is compressed-tensors' (its peer: torch and compressed-tensors' own
+    decompression, checked as values)."""
+    config = json.loads((checkpoint / "config.json").read_text())["quantization_config"]
+    return config["quant_method"] == "compressed-tensors"
 
 
 LOADERS = {"ours": load_ours, "load_dequantize": load_dequantize}
 
 
-def prepare(contender: str) -> None:
-    """Imports before the clock (and safetensors' numpy backend taught float8)."""
+def prepare(contender: str, checkpoint: Path) -> None:
+    """Imports before the clock (and safetensors' numpy backend taught float8; compressed-tensors'
+    compressor and scheme looked up)."""
     if contender == "ours":
         import orbax_safetensors  # noqa: F401
+        return
+    if compressed_tensors(checkpoint):
+        import safetensors.torch  # noqa: F401
+
+        qc._compressor(json.dumps(json.loads((checkpoint / "config.json").read_text())["quantization_config"],
+                                  sort_keys=True))
         return
     import ml_dtypes
     import numpy as np
@@ -243,11 +305,12 @@ def worker(args: dict) -> dict:
     home = Path(args["home"])
     checkpoint, twins = home / "checkpoint", twins_of(home)
     target = build_target(twins)
-    prepare(args["contender"])
+    prepare(args["contender"], checkpoint)
     load = partial(LOADERS[args["contender"]], checkpoint, twins, target)
     result, report = common.timed_load(lambda: jax.block_until_ready(load()), args["condition"])
     check_leaves(result, target)
-    check_values(lambda name: result[name], checkpoint, twins, sample(twins, args["check"]))
+    check_values(lambda name: result[name], checkpoint, twins, sample(twins, args["check"]),
+                 bitwise=args["contender"] == "ours" or not compressed_tensors(checkpoint))
     return {"ok": True, **report, "bytes": sum(int(x.nbytes) for x in result.values())}
 
 
@@ -348,10 +411,10 @@ def run_all(args) -> dict:
     results, benches = {}, {}
     for family in args.families:
         bench = benches[family] = Bench(args, family)
-        results[family] = {c: {k: [] for k in CONDITIONS} for c in args.contenders}
+        results[family] = {c: {k: [] for k in CONDITIONS} for c in contenders_of(args, family)}
         for repeat in range(args.repeats):
             order = args.conditions if repeat % 2 == 0 else args.conditions[::-1]
-            for contender in args.contenders:
+            for contender in contenders_of(args, family):
                 for condition in order:
                     result = run_undisturbed(partial(bench.run, contender, condition), args.attempts)
                     results[family][contender][condition].append(result)
@@ -359,6 +422,11 @@ def run_all(args) -> dict:
                     print(f"[{family} {repeat + 1}/{args.repeats} {condition}] {contender}: {shown}",
                           file=sys.stderr, flush=True)
     return {"results": results, "benches": benches}
+
+
+def contenders_of(args, family: str) -> list[str]:
+    """The contenders a family runs: maxtext only where MaxText has a script for it."""
+    return [c for c in args.contenders if c != "maxtext" or FAMILIES[family][3] is not None]
 
 
 def growth_rows(family: str, by_contender: dict, contenders: list[str], result_bytes: int) -> list[str]:
@@ -398,6 +466,7 @@ def render(args, measured: dict, wall: float) -> str:
          "*RSS growth ÷ result* (second table; target ≤ 1.2): (peak − RSS before the load) ÷ the result's bytes "
          "(maxtext: its whole peak). Every run's output was checked against the numpy reference "
          f"({'every tensor' if args.check == 'all' else 'a sample: layer 0, the last layer, the rest'}, bit for bit; "
+         "compressed-tensors' own decompression (int4, nvfp4 load_dequantize) as values; "
          "maxtext's written tensors as values: its e2m1 decoder writes −0 as +0) before it counted."),
         "",
         ("| size GB | family | contender | cold s | warm s | peak RSS cold GB | peak RSS warm GB | ours ÷ row, "
@@ -405,10 +474,10 @@ def render(args, measured: dict, wall: float) -> str:
         "|---|---|---|---|---|---|---|---:|---:|---|",
     ]
     for family, by_contender in results.items():
-        lines += convert_rows(args.size, family, by_contender, args.contenders)
+        lines += convert_rows(args.size, family, by_contender, list(by_contender))
     lines += ["", "| family | contender | RSS growth ÷ result, cold / warm |", "|---|---|---:|"]
     for family, by_contender in results.items():
-        lines += growth_rows(family, by_contender, args.contenders, benches[family].result_bytes)
+        lines += growth_rows(family, by_contender, list(by_contender), benches[family].result_bytes)
     lines += ["", "Contenders: " + "; ".join(f"**{c}**: {CONTENDER_NOTES[c]}" for c in args.contenders) + "."]
     return "\n".join(lines) + "\n"
 
@@ -427,6 +496,9 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--check", choices=("sample", "all"), default=None,
                         help="the tensors whose values are checked (sample; all with --quick)")
     parser.add_argument("--quick", action="store_true", help="the tiny checkpoints, 1 repeat, every tensor checked")
+    parser.add_argument("--results", default=None,
+                        help="the results file's name under bench/results/, without .md (default: quantized when "
+                             "every family runs, else quantized-<families>; -quick appended with --quick)")
     args = parser.parse_args()
     args.repeats = args.repeats or (1 if args.quick else 3)
     args.size = "tiny" if args.quick else args.size
@@ -434,18 +506,32 @@ def arguments() -> argparse.Namespace:
     args.families = common.listed(parser, args.families, FAMILIES, "family")
     args.contenders = common.listed(parser, args.contenders, CONTENDERS, "contender")
     args.conditions = common.listed(parser, args.conditions, CONDITIONS, "condition")
+    scripted = [family for family in args.families if FAMILIES[family][3] is not None]
     if "maxtext" in args.contenders:
-        found = {family: maxtext_script(FAMILIES[family][3]) for family in args.families}
-        if None in found.values() or not os.path.exists(GNU_TIME):
+        found = {family: maxtext_script(FAMILIES[family][3]) for family in scripted}
+        if not scripted or None in found.values() or not os.path.exists(GNU_TIME):
             args.contenders.remove("maxtext")
         args.maxtext = found
     return args
 
 
+def results_name(argv: list[str]) -> str:
+    """``--results``, or ``quantized`` when every family runs and ``quantized-<families>`` when
+    some do (a run of some families leaves the whole table's file as it was)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--families", default=",".join(FAMILIES))
+    parser.add_argument("--results", default=None)
+    known, _ = parser.parse_known_args(argv)
+    if known.results:
+        return known.results
+    families = [f.strip() for f in known.families.split(",") if f.strip()]
+    return "quantized" if set(families) >= set(FAMILIES) else "-".join(["quantized", *families])
+
+
 def main() -> None:
     common.dispatch({"--worker": lambda payload: common.report_result(worker(json.loads(payload))),
                      "--check-written": lambda home, written, check: check_written_here(Path(home), Path(written), check)},
-                    arguments, run_all, render, "quantized")
+                    arguments, run_all, render, results_name(sys.argv[1:]))
 
 
 if __name__ == "__main__":

@@ -2,13 +2,16 @@
 
 ``quantization_config`` in a Hugging Face config says how the weights are
 stored: ``{"quant_method": "fp8", "weight_block_size": [128, 128]}``
-(DeepSeek-V3, Qwen3-FP8) or ``{"quant_method": "mxfp4"}`` (gpt-oss). The
-family's rules are written for the bfloat16 release; ``dequantize=True``
-reads each quantized tensor as that release's tensor (``Mapping.quantization``),
-``dequantize=False`` keeps FP8 weights as ``float8_e4m3fn`` leaves with their
-scales beside them (``<kernel>_scale``).
+(DeepSeek-V3, Qwen3-FP8; with ``scale_fmt: "ue8m0"`` and ``expert_dtype:
+"fp4"``, DeepSeek-V4's FP8 beside MXFP4 experts), ``{"quant_method": "mxfp4"}``
+(gpt-oss), ``{"quant_method": "compressed-tensors", "config_groups": ...}``
+(one scheme per group: INT4/INT8 ``IntQuantized``, FP8, ``NVFP4``) or
+``{"quant_method": "modelopt", "quant_algo": "NVFP4"}``. The family's rules
+are written for the bfloat16 release; ``dequantize=True`` reads each quantized
+tensor as that release's tensor (``Mapping.quantization``), ``dequantize=False``
+keeps FP8 weights of one scheme as ``float8_e4m3fn`` leaves with their scales
+beside them (``<kernel>_scale``); the other formats are read dequantized.
 """
-
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -138,4 +141,4 @@ def _kept(rule: Rule, scheme: FP8) -> list[Rule]:
         return [rule]
     shared = {"transpose": (1, 0), "stack": rule.stack, "strided": rule.strided}
     return [Rule(rule.stored, rule.tree, **shared),
-            Rule(rule.stored + scheme.scale_suffix, rule.tree + "_scale", **shared)]
+            Rule(scheme.scales_name(rule.stored), rule.tree + "_scale", **shared)]

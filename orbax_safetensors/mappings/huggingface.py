@@ -282,8 +282,9 @@ FAMILIES["deepseek_v4"] = deepseek_v4
 def for_config(config: Any, *, scan_layers: bool = False, dtype: Any = None,
                dequantize: bool = True) -> Mapping:
     """The mapping of the family ``config.model_type`` names, for the release ``config``
-    describes: a quantized one (``quantization_config``: FP8 block-scaled, MXFP4) read
-    dequantized (``dequantize=True``) or, FP8, kept as stored (``mappings._quantized``)."""
+    describes: a quantized one (``quantization_config``: FP8 block-scaled, MXFP4,
+    compressed-tensors, ModelOpt NVFP4, DeepSeek-V4's FP8 + MXFP4) read dequantized
+    (``dequantize=True``) or, FP8, kept as stored (``mappings._quantized``)."""
     model_type = config_value(config, "model_type")
     if model_type not in FAMILIES:
         raise ArgumentError(f"no shipped mapping for model_type {model_type!r}; shipped: {', '.join(FAMILIES)}")

@@ -63,8 +63,37 @@ from orbax_safetensors.planning.transforms import copy_into
 _CHUNK = 1 << 16  # values decoded at once: their float32 (256 KiB) stays in cache
 
 
+class _GroupScheme:
+    """What the group schemes share: the layouts they read, their tensors' names, and
+    finding a module's codes and scales."""
+
+    layouts: tuple[str, ...] = ()
+    scales_suffix = ".weight_scale"
+
+    def __post_init__(self):
+        layout = getattr(self, "layout", None)
+        if layout not in (self.layouts or (None,)):
+            raise MappingError(f"{type(self).__name__} layout {layout!r}: " + " or ".join(map(repr, self.layouts)))
+        _check_group(self, self.group)
+
+    def twin(self, name: str) -> str | None:
+        """The twin a stored ``name`` would be the codes of."""
+        if not name.endswith(self.codes_suffix):
+            return None
+        module = name[:-len(self.codes_suffix)]
+        return module + ".weight" if _module(self, module + ".weight") is not None else None
+
+    def _stored_pair(self, name: str, shapes: Mapping[str, Sequence[int]]
+                     ) -> tuple[str, StoredTensor, StoredTensor] | None:
+        """The module of twin ``name``, its codes and its scales, where ``shapes`` has both."""
+        module = _module(self, name)
+        if module is None or module + self.codes_suffix not in shapes or module + self.scales_suffix not in shapes:
+            return None
+        return module, _stored(module + self.codes_suffix, shapes), _stored(module + self.scales_suffix, shapes)
+
+
 @dataclasses.dataclass(frozen=True)
-class IntQuantized:
+class IntQuantized(_GroupScheme):
     """Integer codes with a scale (and an optional zero point) per group, as
     compressed-tensors writes them: ``packed=True`` is its ``pack-quantized``
     format (``X.weight_packed``, I32), ``packed=False`` its ``int-quantized``
@@ -91,7 +120,7 @@ class IntQuantized:
         if self.bits not in ((1, 2, 4, 8) if self.packed else (8,)):
             raise MappingError(f"IntQuantized bits {self.bits!r}: read are 1, 2, 4 or 8 packed, 8 unpacked "
                                "(codes that straddle a word's bytes are not)")
-        _check_group(self, self.group)
+        super().__post_init__()
 
     @property
     def codes_suffix(self) -> str:
@@ -106,25 +135,22 @@ class IntQuantized:
         """Codes per stored element."""
         return 32 // self.bits if self.packed else 1
 
-    def twin(self, name: str) -> str | None:
-        return _twin(self, name)
-
     def find(self, name: str, shapes: Mapping[str, Sequence[int]]) -> GroupQuantized | None:
-        module = _module(self, name)
-        if module is None or module + self.codes_suffix not in shapes or module + ".weight_scale" not in shapes:
+        pair = self._stored_pair(name, shapes)
+        if pair is None:
             return None
+        module, codes, scales = pair
         zero = None if self.symmetric else _required(module + ".weight_zero_point", shapes, self)
         recorded = module + ".weight_shape"
         return GroupQuantized(
-            self, name, _stored(module + self.codes_suffix, shapes), _stored(module + ".weight_scale", shapes),
-            zero=zero,
+            self, name, codes, scales, zero=zero,
             recorded_shape=(_stored(recorded, shapes)
                             if self.packed and self.group is None and recorded in shapes else None),
             dropped=activation_parameters(name, shapes, (recorded,) if self.packed and self.group is not None else ()))
 
 
 @dataclasses.dataclass(frozen=True)
-class NVFP4:
+class NVFP4(_GroupScheme):
     """NVFP4: E2M1 codes two a byte (the even one in the low nibble), an FP8 E4M3 scale
     per 16 of them and an F32 second-level scale, read as ``X.weight``.
 
@@ -143,11 +169,7 @@ class NVFP4:
     scale_dtypes = ("F8_E4M3",)
     value_dtypes = ("U8",)
     per_code = 2
-
-    def __post_init__(self):
-        if self.layout not in ("compressed-tensors", "modelopt"):
-            raise MappingError(f"NVFP4 layout {self.layout!r}: 'compressed-tensors' or 'modelopt'")
-        _check_group(self, self.group)
+    layouts = ("compressed-tensors", "modelopt")
 
     @property
     def codes_suffix(self) -> str:
@@ -157,21 +179,17 @@ class NVFP4:
     def second_suffix(self) -> str:
         return ".weight_global_scale" if self.layout == "compressed-tensors" else ".weight_scale_2"
 
-    def twin(self, name: str) -> str | None:
-        return _twin(self, name)
-
     def find(self, name: str, shapes: Mapping[str, Sequence[int]]) -> GroupQuantized | None:
-        module = _module(self, name)
-        if module is None or module + self.codes_suffix not in shapes or module + ".weight_scale" not in shapes:
+        pair = self._stored_pair(name, shapes)
+        if pair is None:
             return None
-        return GroupQuantized(self, name, _stored(module + self.codes_suffix, shapes),
-                              _stored(module + ".weight_scale", shapes),
-                              second=_required(module + self.second_suffix, shapes, self),
+        module, codes, scales = pair
+        return GroupQuantized(self, name, codes, scales, second=_required(module + self.second_suffix, shapes, self),
                               dropped=activation_parameters(name, shapes))
 
 
 @dataclasses.dataclass(frozen=True)
-class MXFP4Packed:
+class MXFP4Packed(_GroupScheme):
     """MXFP4 codes packed along a ``Linear`` weight's input axis: E2M1 two a byte (the even
     one in the low nibble) and an E8M0 exponent per 32 (``2 ** (byte - 127)``), read as
     ``X.weight`` ``[out, in]``: DeepSeek-V4's experts (``layout="deepseek-v4"``:
@@ -185,12 +203,9 @@ class MXFP4Packed:
     group: int = 32
     only: str | None = None
     scale_dtypes = ("F8_E8M0", "U8")
+    value_dtypes = ("I8", "U8")
     per_code = 2
-
-    def __post_init__(self):
-        if self.layout not in ("deepseek-v4", "compressed-tensors"):
-            raise MappingError(f"MXFP4Packed layout {self.layout!r}: 'deepseek-v4' or 'compressed-tensors'")
-        _check_group(self, self.group)
+    layouts = ("deepseek-v4", "compressed-tensors")
 
     @property
     def codes_suffix(self) -> str:
@@ -200,19 +215,12 @@ class MXFP4Packed:
     def scales_suffix(self) -> str:
         return ".scale" if self.layout == "deepseek-v4" else ".weight_scale"
 
-    @property
-    def value_dtypes(self) -> tuple[str, ...]:
-        return ("I8", "U8")
-
-    def twin(self, name: str) -> str | None:
-        return _twin(self, name)
-
     def find(self, name: str, shapes: Mapping[str, Sequence[int]]) -> GroupQuantized | None:
-        module = _module(self, name)
-        if module is None or module + self.codes_suffix not in shapes or module + self.scales_suffix not in shapes:
+        pair = self._stored_pair(name, shapes)
+        if pair is None:
             return None
-        return GroupQuantized(self, name, _stored(module + self.codes_suffix, shapes),
-                              _stored(module + self.scales_suffix, shapes), dropped=activation_parameters(name, shapes))
+        _, codes, scales = pair
+        return GroupQuantized(self, name, codes, scales, dropped=activation_parameters(name, shapes))
 
 
 GroupScheme = IntQuantized | NVFP4 | MXFP4Packed
@@ -428,8 +436,8 @@ class GroupQuantized:
             x = self._decode(codes[i:i + step])[:, skip:skip + last]
             with in_float32(self.scales.name, self.codes.name, file):
                 if zeros is not None:
-                    x -= _spread(zeros[i:i + step] if zeros.shape[0] > 1 else zeros, columns)
-                x *= _spread(scales[i:i + step] if scales.shape[0] > 1 else scales, columns)
+                    _apply(np.subtract, x, zeros[i:i + step] if zeros.shape[0] > 1 else zeros, columns)
+                _apply(np.multiply, x, scales[i:i + step] if scales.shape[0] > 1 else scales, columns)
             if check is not None:
                 check(x)
             flat[i:i + step] = x
@@ -493,17 +501,23 @@ class GroupQuantized:
         return _int_codes(np.ascontiguousarray(codes), self.scheme.bits)
 
 
-def _spread(values: np.ndarray, columns: np.ndarray | int) -> np.ndarray:
-    """``[rows, groups]`` values spread over their groups' columns: a broadcast view where
-    the groups are whole (``columns`` the group size), a gather where a box cuts one."""
+def _apply(op: np.ufunc, x: np.ndarray, values: np.ndarray, columns: np.ndarray | int) -> None:
+    """``x = op(x, values)`` in place, ``values`` ``[rows, groups]`` spread over their groups'
+    columns: broadcast over a reshape where the groups are whole (``columns`` the group size),
+    gathered per column where a box cuts one."""
     if isinstance(columns, int):
-        return np.repeat(values, columns, axis=-1)
-    return values[:, columns]
+        grouped = x.reshape(x.shape[0], -1, columns)
+        op(grouped, values[:, :, None], out=grouped)
+    else:
+        op(x, values[:, columns], out=x)
 
 
 def _int_codes(words: np.ndarray, bits: int) -> np.ndarray:
-    """Packed I32 words → their signed codes as float32, along the last axis."""
+    """Packed I32 words → their signed codes as float32, along the last axis: one gather of a
+    byte's codes (8 bytes of float32 for two INT4 codes) per byte."""
     flat = words.astype("<i4", copy=False).view(np.uint8)
+    if bits == 4:
+        return _INT4_PAIRS[flat].view(np.float32)
     return _INT_TABLES[bits][flat].reshape(flat.shape[:-1] + (-1,))
 
 
@@ -515,6 +529,7 @@ def _int_table(bits: int) -> np.ndarray:
 
 
 _INT_TABLES = {bits: _int_table(bits) for bits in (1, 2, 4, 8)}
+_INT4_PAIRS = np.ascontiguousarray(_INT_TABLES[4]).view(np.uint64)[:, 0]
 _PLUS_ZERO = np.where(E2M1 == 0, np.float32(0), E2M1).astype(np.float32)
 _E2M1_PAIRS_PLUS_ZERO = np.stack([_PLUS_ZERO[np.arange(256) & 0x0F], _PLUS_ZERO[np.arange(256) >> 4]],
                                  -1).view(np.uint64)[:, 0]
@@ -524,14 +539,6 @@ def _check_group(scheme: GroupScheme, group: int | None) -> None:
     if group is not None and (not isinstance(group, int) or group < 1):
         raise MappingError(f"{type(scheme).__name__} group {group!r}: a positive int")
     check_pattern(scheme)
-
-
-def _twin(scheme: GroupScheme, name: str) -> str | None:
-    """The twin a stored ``name`` would be the codes of."""
-    if not name.endswith(scheme.codes_suffix):
-        return None
-    module = name[:-len(scheme.codes_suffix)]
-    return module + ".weight" if _module(scheme, module + ".weight") is not None else None
 
 
 def _module(scheme: GroupScheme, twin: str) -> str | None:

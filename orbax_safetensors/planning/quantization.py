@@ -97,7 +97,7 @@ class FP8:
 
     def find(self, name: str, shapes: MappingABC[str, Sequence[int]]) -> Quantized | None:
         """The quantized tensor behind twin ``name`` in a checkpoint of ``shapes``, if any."""
-        scales = self._scales(name)
+        scales = self.scales_name(name)
         if scales is None or name not in shapes or scales not in shapes or not reads_module(self, name):
             return None
         return Quantized(self, name, scales, tuple(shapes[name]), tuple(shapes[scales]),
@@ -107,7 +107,8 @@ class FP8:
         """The twin a stored ``name`` would be the values of (if its scales are there)."""
         return None if name.endswith(self.scale_suffix) else name
 
-    def _scales(self, name: str) -> str | None:
+    def scales_name(self, name: str) -> str | None:
+        """The name of weight ``name``'s scales (``None``: a name whose module has none)."""
         if not self.scale_suffix.startswith("."):
             return name + self.scale_suffix
         return name[:-len(".weight")] + self.scale_suffix if name.endswith(".weight") else None

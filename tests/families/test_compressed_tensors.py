@@ -23,12 +23,13 @@ between devices (NVFP4's 16 are not; the planning and multi-process tests cut th
 import json
 import os
 
-import jax
 import ml_dtypes
 import numpy as np
 import pytest
 
 import orbax_safetensors as ost
+from tests.support.quantized_reference import bits
+from tests.support.sharded_targets import sharded_target
 from tests.support.trees import flat
 
 pytest.importorskip("torch")
@@ -74,29 +75,8 @@ def releases(tmp_path_factory):
     return release
 
 
-def _sharded_target(mapping: ost.Mapping, path: str, dtype) -> dict:
-    """Every leaf the mapping makes of ``path``, its largest axis over 4 devices and its next
-    over 2, where they divide."""
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("a", "b"))
-    shapes = mapping.tree_shapes(mapping.stored_view({n: t.shape for n, t in ost.metadata(path).tensors.items()}))
-    target = {}
-    for name, shape in shapes.items():
-        spec = [None] * len(shape)
-        for axis, (mesh_axis, ways) in zip(np.argsort(shape, kind="stable")[::-1], (("a", 4), ("b", 2))):
-            if shape[axis] % ways == 0:
-                spec[axis] = mesh_axis
-        target[name] = jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(
-            mesh, jax.sharding.PartitionSpec(*spec)))
-    return target
-
-
 def _host(tree) -> dict:
     return {name: np.asarray(value) for name, value in flat(tree).items()}
-
-
-def _bits(x):
-    x = np.asarray(x)
-    return x.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[x.dtype.itemsize])
 
 
 @pytest.mark.parametrize("model,scheme", CASES, ids=[f"{m}-{s}" for m, s in CASES])
@@ -106,18 +86,18 @@ def test_sharded_loads_are_the_format_s_own_dequantization(releases, model, sche
     assert mapping.quantization is not None
     plain = ost.mappings.for_config({k: v for k, v in config.items() if k != "quantization_config"})
     for dtype, twin in ((np.float32, twin32), (ml_dtypes.bfloat16, twin16)):
-        target = _sharded_target(mapping, path, dtype)
+        target = sharded_target(mapping, path, dtype)
         loaded = ost.load(path, target, mapping=mapping, strict=True)  # every stored tensor accounted for
         got = _host(loaded)
         want = _host(ost.load(twin, target, mapping=plain))
         assert got.keys() == want.keys()
         for name, value in want.items():
-            np.testing.assert_array_equal(_bits(got[name]), _bits(value), err_msg=f"{dtype.__name__} {name}")
+            np.testing.assert_array_equal(bits(got[name]), bits(value), err_msg=f"{dtype.__name__} {name}")
             assert flat(loaded)[name].sharding == target[name].sharding
         if dtype is np.float32:  # the bfloat16 twin is the float32 one rounded once
             twin_values = want
     for name, value in got.items():
-        np.testing.assert_array_equal(_bits(value), _bits(twin_values[name].astype(ml_dtypes.bfloat16)), err_msg=name)
+        np.testing.assert_array_equal(bits(value), bits(twin_values[name].astype(ml_dtypes.bfloat16)), err_msg=name)
 
 
 @pytest.mark.slow  # a transformers forward per case
@@ -164,4 +144,47 @@ def test_converting_a_kimi_shaped_int4_release_to_maxtext_equals_converting_its_
                 for out in ("from_int4", "from_twin")]
     assert restored[0].keys() == restored[1].keys()
     for name, value in restored[1].items():
-        np.testing.assert_array_equal(_bits(restored[0][name]), _bits(value), err_msg=name)
+        np.testing.assert_array_equal(bits(restored[0][name]), bits(value), err_msg=name)
+
+
+def _damaged(release: str, directory, change) -> str:
+    """``release`` rewritten with ``change`` applied to its tensors (torch, as stored)."""
+    from safetensors.torch import save_file
+
+    tensors = cc.read_tensors(release)
+    change(tensors)
+    os.makedirs(directory)
+    save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(release, "config.json")) as f:
+        (directory / "config.json").write_text(f.read())
+    return str(directory)
+
+
+_Q = "model.layers.0.self_attn.q_proj"
+DAMAGE = {  # what is done to layer 0's q_proj → the error and what it must say
+    "zero-point-missing": (lambda t: t.pop(f"{_Q}.weight_zero_point"), ost.MappingError,
+                           rf"'{_Q}.weight'.*'{_Q}.weight_zero_point' is missing"),
+    "scale-mis-shaped": (lambda t: t.update({f"{_Q}.weight_scale": t[f"{_Q}.weight_scale"][:, :1].contiguous()}),
+                         ost.MappingError, rf"'{_Q}.weight'.*groups of 32"),
+    "zero-point-mis-shaped": (lambda t: t.update({f"{_Q}.weight_zero_point": t[f"{_Q}.weight_zero_point"][:1]}),
+                              ost.MappingError, rf"zero points '{_Q}.weight_zero_point' are \(1, 2\)"),
+    "scale-nan": (lambda t: t[f"{_Q}.weight_scale"].view(-1)[3].fill_(float("nan")), ost.SafetensorsError,
+                  rf"'{_Q}.weight_scale' holds 1 NaN"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_a_damaged_release_is_refused_naming_the_tensor(releases, damage, tmp_path):
+    change, error, message = DAMAGE[damage]
+    release, _, _, config = releases("llama", "int4-group-asym")
+    damaged = _damaged(release, tmp_path / "damaged", change)
+    with pytest.raises(error, match=message):
+        ost.load(damaged, mapping=ost.mappings.for_config(config))
+
+
+def test_a_global_scale_missing_from_an_nvfp4_release_is_refused(releases, tmp_path):
+    release, _, _, config = releases("llama", "nvfp4")
+    name = "model.layers.1.mlp.down_proj.weight_global_scale"
+    damaged = _damaged(release, tmp_path / "damaged", lambda t: t.pop(name))
+    with pytest.raises(ost.MappingError, match=f"'{name}' is missing"):
+        ost.load(damaged, mapping=ost.mappings.for_config(config))

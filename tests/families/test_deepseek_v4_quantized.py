@@ -16,13 +16,13 @@ equal loading the twin, bit for bit.
 import json
 import os
 
-import jax
 import ml_dtypes
 import numpy as np
 import pytest
 
 import orbax_safetensors as ost
-from tests.support.quantized_reference import e2m1
+from tests.support.quantized_reference import bits, e2m1
+from tests.support.sharded_targets import sharded_target
 from tests.support.trees import flat
 
 torch = pytest.importorskip("torch")
@@ -109,25 +109,6 @@ def releases(tmp_path_factory):
     return str(release_dir), str(twin_dir), release_config, config, maxtext
 
 
-def _sharded_target(mapping: ost.Mapping, path: str, dtype) -> dict:
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("a", "b"))
-    shapes = mapping.tree_shapes(mapping.stored_view({n: t.shape for n, t in ost.metadata(path).tensors.items()}))
-    target = {}
-    for name, shape in shapes.items():
-        spec = [None] * len(shape)
-        for axis, (mesh_axis, ways) in zip(np.argsort(shape, kind="stable")[::-1], (("a", 4), ("b", 2))):
-            if shape[axis] % ways == 0:
-                spec[axis] = mesh_axis
-        target[name] = jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(
-            mesh, jax.sharding.PartitionSpec(*spec)))
-    return target
-
-
-def _bits(x):
-    x = np.asarray(x)
-    return x.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[x.dtype.itemsize])
-
-
 MAPPINGS = {"flax": lambda config, scan: ost.mappings.deepseek_v4(config),
             "maxtext-unscanned": lambda config, scan: ost.mappings.maxtext("deepseek4", config, scan_layers=False),
             "maxtext-scanned": lambda config, scan: ost.mappings.maxtext("deepseek4", config, scan_layers=True)}
@@ -143,12 +124,12 @@ def test_fp4_experts_and_fp8_blocks_load_as_the_twin(releases, which):
     assert {type(q.scheme).__name__ for n, q in view.quantized.items() if ".ffn.experts." not in n} == {"FP8"}
     plain = MAPPINGS[which](config, None)
     for dtype in (np.float32, ml_dtypes.bfloat16):
-        target = _sharded_target(mapping, release, dtype)
+        target = sharded_target(mapping, release, dtype)
         got = flat(ost.load(release, target, mapping=mapping, strict=True))
         want = flat(ost.load(twin, target, mapping=plain))
         assert got.keys() == want.keys()
         for name, value in want.items():
-            np.testing.assert_array_equal(_bits(got[name]), _bits(value), err_msg=f"{dtype.__name__} {name}")
+            np.testing.assert_array_equal(bits(got[name]), bits(value), err_msg=f"{dtype.__name__} {name}")
             assert got[name].sharding == target[name].sharding
 
 

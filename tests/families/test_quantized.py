@@ -21,6 +21,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import orbax_safetensors as ost  # noqa: E402
+from tests.support.sharded_targets import sharded_target  # noqa: E402
 from tests.support.trees import flat  # noqa: E402
 
 pytest.importorskip("transformers")
@@ -88,22 +89,6 @@ def releases(tmp_path_factory):
     return str(root / "fp8"), str(root / "twin"), fp8_config, config, quantized
 
 
-def _sharded_target(mapping: ost.Mapping, path: str, dtype=np.float32) -> dict:
-    """Every leaf the mapping makes of ``path``, sharded over 8 devices along its largest axis
-    (4 ways) and its next (2 ways), where they divide: block boundaries fall inside shards."""
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("a", "b"))
-    shapes = mapping.tree_shapes({n: t.shape for n, t in ost.metadata(path).tensors.items()})
-    target = {}
-    for name, shape in shapes.items():
-        spec = [None] * len(shape)
-        for axis, (mesh_axis, ways) in zip(np.argsort(shape)[::-1], (("a", 4), ("b", 2))):
-            if shape[axis] % ways == 0:
-                spec[axis] = mesh_axis
-        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
-        target[name] = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-    return target
-
-
 def _host(tree: dict) -> dict:
     return {name: np.asarray(value) for name, value in flat(tree).items()}
 
@@ -113,7 +98,7 @@ def test_fp8_release_loads_as_its_dequantized_twin(releases, scan_layers):
     fp8, twin, fp8_config, config, _ = releases
     quantized = ost.mappings.for_config(fp8_config, scan_layers=scan_layers)
     assert quantized.quantization == ost.FP8(BLOCK)
-    target = _sharded_target(quantized, fp8)
+    target = sharded_target(quantized, fp8)
     loaded = ost.load(fp8, target, mapping=quantized)
     expected = ost.load(twin, target, mapping=ost.mappings.for_config(config, scan_layers=scan_layers))
     got, want = _host(loaded), _host(expected)
@@ -143,7 +128,7 @@ def _config(values: dict):
 def test_bfloat16_target_rounds_the_float32_product_once(releases):
     fp8, twin, fp8_config, config, _ = releases
     mapping = ost.mappings.for_config(fp8_config)
-    target = _sharded_target(mapping, fp8, dtype=jax.numpy.bfloat16)
+    target = sharded_target(mapping, fp8, dtype=jax.numpy.bfloat16)
     got = _host(ost.load(fp8, target, mapping=mapping))
     want = _host(ost.load(twin, mapping=ost.mappings.for_config(config)))
     for name, value in want.items():
@@ -213,7 +198,7 @@ def test_an_unread_quantization_method_is_refused(releases):
 def test_strict_target_counts_the_scales_as_used(releases):
     fp8, _, fp8_config, _, _ = releases
     mapping = ost.mappings.for_config(fp8_config)
-    target = _sharded_target(mapping, fp8)
+    target = sharded_target(mapping, fp8)
     loaded = ost.load(fp8, target, mapping=mapping, strict=True)
     assert set(flat(loaded)) == set(target)
 

@@ -26,7 +26,8 @@ _NOT_RUN = {
     ("concepts.md", 1): "a gs:// bucket (tests/storage/test_object_store.py: the same load against a GCS emulator)",
     ("models.md", 1): "MaxText's own modules (tests/families/test_maxtext_mapping.py runs it in MaxText's venv)",
     ("models.md", 3): "a DeepSeek-V3 release (tests/families/test_deepseek_mapping.py: the same calls, a small one)",
-    ("models.md", 4): "a DeepSeek-V3 release (tests/benchmarks/test_bench_quantized.py: the same calls, a small one)",
+    ("models.md", 4): "DeepSeek-V3 and Kimi-K2 releases (tests/benchmarks/test_bench_quantized.py and "
+                      "tests/families/test_compressed_tensors.py: the same calls, small ones)",
     ("models.md", 5): "a MaxText training state (tests/integrations/test_maxtext_orbax.py: the same manager calls)",
     ("storage.md", 0): "an S3 endpoint (tests/storage/test_object_store.py: the same calls against moto)",
     ("storage.md", 1): "the Hugging Face Hub (tests/storage/test_hf_hub.py: the same calls against a stand-in)",

@@ -1,6 +1,6 @@
 """Quantized checkpoints for the tests and ``bench/quantized.py``, and their numpy reference.
 
-Two releases as people download them, scaled down, written once from random weights:
+Four releases as people download them, scaled down, written once from random weights:
 
 * ``write_deepseek``: FP8 block-scaled, DeepSeek-V3-shaped. Every ``Linear`` weight of the
   MLA attention (``q_a_proj``, ``q_b_proj``, ``kv_a_proj_with_mqa``, ``kv_b_proj``,
@@ -14,21 +14,44 @@ Two releases as people download them, scaled down, written once from random weig
   values a byte, the even element in the low nibble) and ``*_scales`` (U8 exponents
   ``[experts, rows, groups]``, one per 32 values); their biases, the attention (with its
   biases and sinks), the router, norms and embeddings are bf16.
+* ``write_kimi_int4``: compressed-tensors ``pack-quantized`` INT4, DeepSeek-V3-shaped as
+  Kimi-K2-Thinking ships it: the routed experts only (symmetric, a BF16 scale per 32 values
+  along the input axis) as ``X.weight_packed`` (I32 ``[out, in / 8]``, code ``i`` of a word at
+  bits ``4 i``, stored as ``q + 8``), ``X.weight_scale`` (BF16 ``[out, in / 32]``) and
+  ``X.weight_shape`` (I64 ``[2]``); attention, shared experts, the dense MLP, the router,
+  norms, embeddings and ``lm_head`` bf16 (its config's ``ignore``, ``KIMI_K2_IGNORE``).
+* ``write_deepseek_nvfp4``: compressed-tensors ``nvfp4-pack-quantized``, DeepSeek-V3-shaped
+  with *every* ``Linear`` weight (attention, routed and shared experts, dense MLP) NVFP4, as
+  the all-Linear NVFP4 releases of DeepSeek-R1/V3 quantize them: ``X.weight_packed`` (U8
+  ``[out, in / 2]``, the even element in the low nibble), ``X.weight_scale`` (F8_E4M3
+  ``[out, in / 16]``), ``X.weight_global_scale`` and ``X.input_global_scale`` (F32 ``[1]``);
+  the router, norms, embeddings and ``lm_head`` bf16.
+
+  Both write random codes and scales (every code, no float weights behind them: what is
+  measured is reading and decoding, not the quantizer) packed by the format's rule
+  (``quantized_reference.pack_int`` / ``pack_nibbles``), fast enough for a 1 GB checkpoint;
+  ``tests/support/compressed_checkpoints.py`` writes the same formats with compressed-tensors'
+  own code, tiny.
 
 ``reference_twins`` reads a checkpoint's tensors as their twins, dequantized by
 ``tests/support/quantized_reference.py`` (the ground truth, independent of
 ``orbax_safetensors.planning.quantization``) or, for the bench's load-then-dequantize peer, by
 ``dequantize_fp8`` / ``dequantize_mxfp4``: whole tensors in float32, as a user (and MaxText's
 scripts) write it: an FP8 value is ``float32(fp8) * float32(scale)``; an MXFP4 value is
-``e2m1(nibble) * 2 ** (scale - 127)``. Each quantized tensor reads as its *dequantized twin*: ``X.weight`` for FP8;
-``X`` for ``X_blocks`` + ``X_scales``, with its last two axes swapped (``[experts, in, out]``,
-as transformers' dequantization returns gpt-oss's experts).
+``e2m1(nibble) * 2 ** (scale - 127)``. The compressed-tensors checkpoints' peer instead reads
+torch tensors and hands each module to compressed-tensors 0.20.1's own decompression
+(``compressors/base.py`` ``BaseCompressor.get_value_from_registry(format).decompress(state_dict,
+scheme)``, the scale in its stored dtype, as transformers 5.24's ``CompressedTensorsDequantize``
+calls it), bf16 out. Each quantized tensor reads as its *dequantized twin*: ``X.weight`` for
+FP8, INT4 and NVFP4; ``X`` for ``X_blocks`` + ``X_scales``, with its last two axes swapped
+(``[experts, in, out]``, as transformers' dequantization returns gpt-oss's experts).
 
 Specs are plain dicts (``bench/quantized.py`` caches them as JSON).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Iterator
@@ -45,6 +68,28 @@ GROUP = 32  # MXFP4 values per scale
 FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
               "weight_block_size": list(BLOCK)}
 MXFP4_CONFIG = {"quant_method": "mxfp4"}
+INT4_GROUP = 32  # Kimi-K2-Thinking's group_size
+NVFP4_GROUP = 16  # NVFP4's values per FP8 scale
+# Kimi-K2-Thinking's config.json: only the routed experts are int4 (the dense MLP is ``mlp.*_proj``).
+KIMI_K2_IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"]
+INT4_CONFIG = {
+    "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+    "config_groups": {"group_0": {
+        "targets": ["Linear"], "input_activations": None, "output_activations": None,
+        "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": INT4_GROUP,
+                    "dynamic": False, "actorder": None, "block_structure": None, "observer": "minmax",
+                    "observer_kwargs": {}}}},
+    "ignore": KIMI_K2_IGNORE, "kv_cache_scheme": None}
+# compressed-tensors 0.20.1's NVFP4 preset (quantization/quant_scheme.py ``NVFP4``) on every Linear.
+_NVFP4_ARGS = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group",
+               "group_size": NVFP4_GROUP}
+NVFP4_CONFIG = {
+    "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "quantization_status": "compressed",
+    "config_groups": {"group_0": {
+        "targets": ["Linear"], "output_activations": None,
+        "weights": {**_NVFP4_ARGS, "dynamic": False, "observer": "minmax"},
+        "input_activations": {**_NVFP4_ARGS, "dynamic": "local", "observer": "static_minmax"}}},
+    "ignore": ["lm_head", "re:.*mlp.gate$"], "kv_cache_scheme": None}
 MLA = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128}
 
 # DeepSeek-V3 (hidden 7168, 256 experts, 61 layers) and gpt-oss-20b (hidden 2880, 32 experts,
@@ -55,6 +100,15 @@ DEEPSEEK = {
                  experts=8, layers=2, dense_layers=1, vocab=1024, max_shard_size="2MB"),
     "1": dict(hidden=1024, heads=8, q_lora_rank=384, intermediate=2816, moe_intermediate=512,
               experts=16, layers=29, dense_layers=1, vocab=32000, max_shard_size="200MB"),
+}
+# DeepSeek-V3's shape (as DEEPSEEK) with more routed experts, so that 4-bit experts store ~1 GB at "1".
+KIMI_INT4 = {
+    "tiny": DEEPSEEK["tiny"],
+    "1": dict(DEEPSEEK["1"], experts=24),
+}
+DEEPSEEK_NVFP4 = {
+    "tiny": DEEPSEEK["tiny"],
+    "1": dict(DEEPSEEK["1"], experts=32),
 }
 GPT_OSS = {
     "tiny": dict(hidden=320, heads=4, kv_heads=2, head_dim=64, intermediate=192, experts=8,
@@ -96,6 +150,21 @@ def deepseek_twins(s: dict) -> dict[str, tuple[tuple[int, ...], str]]:
     return twins | {"model.norm.weight": ((h,), "bf16"), "lm_head.weight": ((s["vocab"], h), "bf16")}
 
 
+def kimi_int4_twins(s: dict) -> dict[str, tuple[tuple[int, ...], str]]:
+    """``deepseek_twins`` as Kimi-K2-Thinking stores them: routed experts ``int4``, the other
+    ``Linear`` weights ``bf16``."""
+    return {name: (shape, "int4" if ROUTED.search(name) else "bf16" if how == "fp8" else how)
+            for name, (shape, how) in deepseek_twins(s).items()}
+
+
+def deepseek_nvfp4_twins(s: dict) -> dict[str, tuple[tuple[int, ...], str]]:
+    """``deepseek_twins`` with every ``Linear`` weight ``nvfp4``."""
+    return {name: (shape, "nvfp4" if how == "fp8" else how) for name, (shape, how) in deepseek_twins(s).items()}
+
+
+ROUTED = re.compile(r"\.mlp\.experts\.\d+\.")
+
+
 def _mlp(prefix: str, hidden: int, inner: int) -> dict:
     return {prefix + "gate_proj.weight": ((inner, hidden), "fp8"), prefix + "up_proj.weight": ((inner, hidden), "fp8"),
             prefix + "down_proj.weight": ((hidden, inner), "fp8")}
@@ -128,7 +197,8 @@ def stored_bytes(twins: dict) -> int:
         if how == "fp8":
             total += n + 4 * int(np.prod([-(-d // b) for d, b in zip(shape, BLOCK)]))
         else:
-            total += {"bf16": 2 * n, "f32": 4 * n, "mxfp4": n // 2 + n // GROUP}[how]
+            total += {"bf16": 2 * n, "f32": 4 * n, "mxfp4": n // 2 + n // GROUP,
+                      "int4": n // 2 + 2 * n // INT4_GROUP + 16, "nvfp4": n // 2 + n // NVFP4_GROUP + 8}[how]
     return total
 
 
@@ -207,19 +277,53 @@ def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return values.reshape(*blocks.shape[:-2], -1)
 
 
+def unpack_int4(words: np.ndarray) -> np.ndarray:
+    """``pack-quantized`` I32 words ``[..., n / 8]`` as their signed codes ``[..., n]``, by the
+    format's rule (``quantized_reference.pack_int``'s inverse): code ``i`` at bits ``4 i``,
+    stored as ``code + 8``."""
+    shifted = words.view(np.uint32)[..., None] >> (4 * np.arange(8, dtype=np.uint32))
+    return ((shifted & 0xF).astype(np.int8) - 8).reshape(*words.shape[:-1], -1)
+
+
+def unpack_nibbles(packed: np.ndarray) -> np.ndarray:
+    """U8 ``[..., n / 2]`` as its codes 0..15 ``[..., n]``, the even one from the low nibble."""
+    return np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
+
+
 def stored_names(twin: str, how: str) -> tuple[str, ...]:
-    """The stored tensors a twin is read from: values first, then scales."""
+    """The stored tensors a twin is read from: values first, then scales (and what
+    compressed-tensors' decompression takes besides: ``weight_shape``, ``weight_global_scale``)."""
     if how == "fp8":
         return twin, twin + "_scale_inv"
     if how == "mxfp4":
         return twin + "_blocks", twin + "_scales"
+    module = twin.removesuffix(".weight")
+    if how == "int4":
+        return module + ".weight_packed", module + ".weight_scale", module + ".weight_shape"
+    if how == "nvfp4":
+        return module + ".weight_packed", module + ".weight_scale", module + ".weight_global_scale"
     return (twin,)
 
 
-def twin_from_stored(how: str, stored: list[np.ndarray], block: tuple[int, int] = BLOCK,
-                     reference: bool = True) -> np.ndarray:
+def twin_from_stored(how: str, stored: list, block: tuple[int, int] = BLOCK,
+                     reference: bool = True, config: dict | None = None) -> np.ndarray:
     """The twin (in its load dtype) of the stored tensors ``stored_names`` names, dequantized by
-    ``tests/support/quantized_reference.py`` or (``reference=False``) by this module's float32 numpy."""
+    ``tests/support/quantized_reference.py`` or (``reference=False``) by this module's float32
+    numpy (FP8, MXFP4) or compressed-tensors' own decompression of torch tensors (INT4, NVFP4;
+    ``config`` the checkpoint's ``quantization_config``)."""
+    if how in ("int4", "nvfp4") and not reference:
+        return decompress_compressed_tensors(how, stored, config)
+    if how == "int4":
+        words, scales, shape = stored
+        codes = unpack_int4(words)
+        if list(codes.shape) != [int(d) for d in shape]:
+            raise ValueError(f"weight_shape {list(shape)} is not the {list(codes.shape)} its words hold")
+        return quantized_reference.int_reference(codes, scales, None, (1, INT4_GROUP)).astype(ml_dtypes.bfloat16)
+    if how == "nvfp4":
+        packed, scales, global_scale = stored
+        values = quantized_reference.nvfp4_reference(unpack_nibbles(packed), scales, float(global_scale.reshape(-1)[0]),
+                                                      "compressed-tensors")
+        return values.astype(ml_dtypes.bfloat16)
     if how == "fp8":
         values = quantized_reference.fp8_reference(*stored, block) if reference else dequantize_fp8(*stored, block)
         return values.astype(ml_dtypes.bfloat16)
@@ -227,7 +331,41 @@ def twin_from_stored(how: str, stored: list[np.ndarray], block: tuple[int, int] 
         values = (quantized_reference.mxfp4_reference(*stored) if reference
                   else np.swapaxes(dequantize_mxfp4(*stored), -1, -2))
         return values.astype(ml_dtypes.bfloat16, order="C")
-    return stored[0]
+    return stored[0] if isinstance(stored[0], np.ndarray) else torch_to_numpy(stored[0])
+
+
+def torch_to_numpy(t) -> np.ndarray:
+    """A torch tensor as numpy, its memory shared (bfloat16 and float8 through a same-size view)."""
+    import torch
+
+    views = {torch.bfloat16: (torch.int16, ml_dtypes.bfloat16), torch.float8_e4m3fn: (torch.uint8, ml_dtypes.float8_e4m3fn)}
+    if t.dtype in views:
+        raw, dtype = views[t.dtype]
+        return t.contiguous().view(raw).numpy().view(dtype)
+    return t.numpy()
+
+
+def decompress_compressed_tensors(how: str, stored: list, config: dict) -> np.ndarray:
+    """compressed-tensors 0.20.1's own decompression of one module's whole torch tensors
+    (``compressors/base.py`` ``BaseCompressor.get_value_from_registry(format).decompress(state_dict,
+    scheme)``, the scale handed over in its stored dtype, as transformers 5.24's
+    ``integrations/compressed_tensors.py`` ``CompressedTensorsDequantize`` hands it), as bf16
+    numpy (a view of the tensor's memory)."""
+    import torch
+
+    compressor, scheme = _compressor(json.dumps(config, sort_keys=True))
+    keys = ("weight_packed", "weight_scale", "weight_shape" if how == "int4" else "weight_global_scale")
+    return torch_to_numpy(compressor.decompress(dict(zip(keys, stored)), scheme)["weight"].to(torch.bfloat16))
+
+
+@functools.cache
+def _compressor(config: str):
+    """The format's compressor and the config's one scheme (``group_0``), from its JSON."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    parsed = QuantizationConfig.model_validate(json.loads(config))
+    return BaseCompressor.get_value_from_registry(parsed.format), parsed.config_groups["group_0"]
 
 
 def reference_twins(checkpoint: Path, twins: dict, names=None, open_file=None,
@@ -235,8 +373,8 @@ def reference_twins(checkpoint: Path, twins: dict, names=None, open_file=None,
     """``(twin name, twin)`` for ``names`` (default: all of ``twins``), each stored tensor read
     whole (``open_file(path).get_tensor(name)``; default ``RawFile``), file by file, and
     dequantized by ``twin_from_stored(..., reference=reference)``."""
-    config = json.loads((Path(checkpoint) / "config.json").read_text())
-    block = tuple(config["quantization_config"].get("weight_block_size", BLOCK))
+    config = json.loads((Path(checkpoint) / "config.json").read_text())["quantization_config"]
+    block = tuple(config.get("weight_block_size", BLOCK))
     where = weight_map(Path(checkpoint))
     by_file: dict[str, list[str]] = {}
     for name in list(twins) if names is None else names:
@@ -250,10 +388,11 @@ def reference_twins(checkpoint: Path, twins: dict, names=None, open_file=None,
                 if source not in handles:
                     handles[source] = (open_file or RawFile)(str(Path(checkpoint) / source))
                 stored.append(handles[source].get_tensor(stored_name))
-            yield name, twin_from_stored(twins[name][1], stored, block, reference)
+            yield name, twin_from_stored(twins[name][1], stored, block, reference, config)
 
 
-STORED_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "BF16": ml_dtypes.bfloat16, "F32": np.float32, "U8": np.uint8}
+STORED_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "BF16": ml_dtypes.bfloat16, "F32": np.float32, "U8": np.uint8,
+                 "I32": np.int32, "I64": np.int64}
 
 
 class RawFile:
@@ -291,6 +430,11 @@ def stored_tensors(twins: dict, seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     out = {}
     for name, (shape, how) in twins.items():
+        if how in ("int4", "nvfp4"):
+            out |= dict(zip(stored_names(name, how), random_codes(rng, shape, how)))
+            if how == "nvfp4":
+                out[name.removesuffix(".weight") + ".input_global_scale"] = _global_scale(rng)
+            continue
         x = rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
         if "norm" in name:
             x += np.float32(1.0)
@@ -301,6 +445,26 @@ def stored_tensors(twins: dict, seed: int) -> dict[str, np.ndarray]:
         else:
             out[name] = x.astype(twin_dtype(how))
     return out
+
+
+def random_codes(rng: np.random.Generator, shape: tuple[int, int], how: str) -> tuple[np.ndarray, ...]:
+    """Random stored tensors of a ``[out, in]`` weight, every code equally likely: INT4's words,
+    BF16 scales (about 0.02 / 8, a std-0.02 weight's) and ``weight_shape``; NVFP4's bytes,
+    positive finite F8_E4M3 scales and the F32 ``weight_global_scale`` (``448 * 6 / amax``,
+    llm-compressor's ``generate_gparam``, for an amax near 0.1)."""
+    rows, cols = shape
+    if how == "int4":
+        codes = rng.integers(-8, 8, shape, dtype=np.int8)
+        scales = rng.uniform(0.5, 2.0, (rows, cols // INT4_GROUP)).astype(np.float32) * np.float32(0.0025)
+        return (quantized_reference.pack_int(codes, 4), scales.astype(ml_dtypes.bfloat16),
+                np.array(shape, np.int64))
+    nibbles = rng.integers(0, 16, shape, dtype=np.uint8)
+    scales = rng.uniform(1.0, 448.0, (rows, cols // NVFP4_GROUP)).astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
+    return quantized_reference.pack_nibbles(nibbles), scales, _global_scale(rng)
+
+
+def _global_scale(rng: np.random.Generator) -> np.ndarray:
+    return np.array([448.0 * 6.0 / rng.uniform(0.05, 0.2)], np.float32)
 
 
 def _write(directory: Path, twins: dict, config: dict, seed: int, max_shard_size: str) -> Path:
@@ -314,14 +478,29 @@ def _write(directory: Path, twins: dict, config: dict, seed: int, max_shard_size
 
 def write_deepseek(directory: Path, s: dict, seed: int = 0) -> Path:
     """A DeepSeek-V3-shaped FP8 checkpoint of spec ``s`` (``DEEPSEEK``) in ``directory``."""
-    config = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
-              "hidden_size": s["hidden"], "num_attention_heads": s["heads"], "num_key_value_heads": s["heads"],
-              "q_lora_rank": s["q_lora_rank"], **MLA, "intermediate_size": s["intermediate"],
-              "moe_intermediate_size": s["moe_intermediate"], "n_routed_experts": s["experts"],
-              "n_shared_experts": 1, "num_experts_per_tok": min(8, s["experts"]),
-              "first_k_dense_replace": s["dense_layers"], "num_hidden_layers": s["layers"],
-              "vocab_size": s["vocab"], "torch_dtype": "bfloat16", "quantization_config": FP8_CONFIG}
-    return _write(directory, deepseek_twins(s), config, seed, s["max_shard_size"])
+    return _write(directory, deepseek_twins(s), _deepseek_config(s, FP8_CONFIG), seed, s["max_shard_size"])
+
+
+def _deepseek_config(s: dict, quantization: dict) -> dict:
+    return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+            "hidden_size": s["hidden"], "num_attention_heads": s["heads"], "num_key_value_heads": s["heads"],
+            "q_lora_rank": s["q_lora_rank"], **MLA, "intermediate_size": s["intermediate"],
+            "moe_intermediate_size": s["moe_intermediate"], "n_routed_experts": s["experts"],
+            "n_shared_experts": 1, "num_experts_per_tok": min(8, s["experts"]),
+            "first_k_dense_replace": s["dense_layers"], "num_hidden_layers": s["layers"],
+            "vocab_size": s["vocab"], "torch_dtype": "bfloat16", "quantization_config": quantization}
+
+
+def write_kimi_int4(directory: Path, s: dict, seed: int = 0) -> Path:
+    """A Kimi-K2-Thinking-shaped checkpoint (DeepSeek-V3's architecture, routed experts
+    compressed-tensors INT4) of spec ``s`` (``KIMI_INT4``) in ``directory``."""
+    return _write(directory, kimi_int4_twins(s), _deepseek_config(s, INT4_CONFIG), seed, s["max_shard_size"])
+
+
+def write_deepseek_nvfp4(directory: Path, s: dict, seed: int = 0) -> Path:
+    """A DeepSeek-V3-shaped checkpoint, every Linear weight compressed-tensors NVFP4, of spec
+    ``s`` (``DEEPSEEK_NVFP4``) in ``directory``."""
+    return _write(directory, deepseek_nvfp4_twins(s), _deepseek_config(s, NVFP4_CONFIG), seed, s["max_shard_size"])
 
 
 def write_gpt_oss(directory: Path, s: dict, seed: int = 0) -> Path:

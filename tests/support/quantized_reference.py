@@ -76,7 +76,7 @@ def random_mxfp4(rng: np.random.Generator, lead: tuple[int, ...], groups: int, g
 def bits(x: np.ndarray) -> np.ndarray:
     """``x``'s bit patterns (an unsigned view), to compare arrays bit for bit (-0.0 ≠ 0.0)."""
     x = np.asarray(x)
-    return x.view({2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
+    return x.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[x.dtype.itemsize])
 
 
 def pack_int(codes: np.ndarray, bits: int, axis: int = -1) -> np.ndarray:
