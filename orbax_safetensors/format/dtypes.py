@@ -87,6 +87,17 @@ _TABLE = (
 )
 
 DTYPES: dict[str, DType] = {d.code: d for d in _TABLE}
+# The order the Rust crate writes a file's tensors in: its ``Dtype`` enum, highest first (which
+# is widest first, so every tensor starts aligned to its own width), then by name (safetensors
+# 0.8, observed; F6, which its TensorSpec cannot name, among the sub-byte ones).
+_WRITE_ORDER = {code: rank for rank, code in enumerate((
+    "U64", "I64", "F64", "C64", "F32", "U32", "I32", "BF16", "F16", "U16", "I16", "F8_E5M2FNUZ", "F8_E4M3FNUZ",
+    "F8_E8M0", "F8_E4M3", "F8_E5M2", "I8", "U8", "F6_E3M2", "F6_E2M3", "F4", "BOOL"))}
+
+
+def write_order(dtype: DType) -> int:
+    """Where tensors of ``dtype`` go in a file the Rust crate writes (lower first)."""
+    return _WRITE_ORDER[dtype.code]
 _BY_NUMPY: dict[np.dtype, DType] = {d.numpy: d for d in _TABLE}
 
 

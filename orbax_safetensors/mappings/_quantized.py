@@ -9,11 +9,15 @@ stored: ``{"quant_method": "fp8", "weight_block_size": [128, 128]}``
 ``{"quant_method": "modelopt", "quant_algo": "NVFP4"}``. The family's rules
 are written for the bfloat16 release; ``dequantize=True`` reads each quantized
 tensor as that release's tensor (``Mapping.quantization``), ``dequantize=False``
-keeps FP8 weights of one scheme as ``float8_e4m3fn`` leaves with their scales
-beside them (``<kernel>_scale``); the other formats are read dequantized.
+keeps each quantized weight as the tensors its scheme stores (``kept_tensors``:
+the codes as the kernel, ``<kernel>_scale`` and the other parameters beside it),
+so a save writes the release back as it was. gpt-oss's MXFP4 and DeepSeek-V4 are
+read dequantized only.
 """
 from __future__ import annotations
 
+import fnmatch
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -21,7 +25,7 @@ from orbax_safetensors.errors import ArgumentError
 from orbax_safetensors.mappings._config import config_value
 from orbax_safetensors.planning.dequantized import Quantization
 from orbax_safetensors.planning.group_quantization import NVFP4, IntQuantized, MXFP4Packed
-from orbax_safetensors.planning.quantization import FP8, MXFP4
+from orbax_safetensors.planning.quantization import FP8, MXFP4, reads_module
 from orbax_safetensors.planning.rules import Mapping, Rule
 
 
@@ -79,7 +83,8 @@ def _compressed_tensors(spec: dict) -> Quantization | tuple[Quantization, ...]:
         targets = group.get("targets") or []
         patterns = [t[len("re:"):] for t in targets if t.startswith("re:")]
         only = None if len(patterns) < len(targets) or not patterns else "|".join(f"(?:{p}).*" for p in patterns)
-        found.append(_compressed_scheme(key, group.get("format") or spec.get("format"), weights, only))
+        found.append(_compressed_scheme(key, group.get("format") or spec.get("format"), weights, only,
+                                        _stored_activations(group.get("input_activations"))))
     if not found:
         raise ArgumentError("quantization_config (compressed-tensors) has no config group with weights")
     return found[0] if len(found) == 1 else tuple(found)
@@ -88,14 +93,28 @@ def _compressed_tensors(spec: dict) -> Quantization | tuple[Quantization, ...]:
 _CT_FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized", "nvfp4-pack-quantized")
 
 
-def _compressed_scheme(key: str, fmt: str | None, weights: dict, only: str | None) -> Quantization:
+def _stored_activations(args: dict | None) -> tuple[str, ...]:
+    """The activation parameters compressed-tensors stores per module for ``input_activations``
+    (none where they are computed on the fly)."""
+    dynamic = (args or {}).get("dynamic", True)
+    if not args or dynamic is True:
+        return ()
+    if args.get("strategy") == "tensor_group":  # NVFP4's: local scales on the fly, a stored global one
+        return ("input_global_scale",)
+    if dynamic is not False:
+        return ()
+    return ("input_scale",) + (() if args.get("symmetric", True) else ("input_zero_point",))
+
+
+def _compressed_scheme(key: str, fmt: str | None, weights: dict, only: str | None,
+                       activations: tuple[str, ...]) -> Quantization:
     where = f"quantization_config (compressed-tensors) group {key!r}"
     if fmt not in _CT_FORMATS:
         raise ArgumentError(f"{where}: format {fmt!r} is not read; read: {', '.join(_CT_FORMATS)}")
     kind, bits, strategy = weights.get("type", "int"), int(weights.get("num_bits", 8)), weights.get("strategy")
     group = weights.get("group_size")
     if fmt == "nvfp4-pack-quantized":
-        return NVFP4("compressed-tensors", int(group or 16), only=only)
+        return NVFP4("compressed-tensors", int(group or 16), only=only, activations=activations)
     if strategy not in ("tensor", "channel", "group", "block", "tensor_group"):
         raise ArgumentError(f"{where}: weight strategy {strategy!r} is not read")
     if kind == "float":
@@ -103,20 +122,21 @@ def _compressed_scheme(key: str, fmt: str | None, weights: dict, only: str | Non
             raise ArgumentError(f"{where}: float weights of {bits} bits, strategy {strategy!r}: read are FP8 "
                                 "per tensor, per channel or per block")
         block = weights.get("block_structure") if strategy == "block" else None
-        return FP8(None if block is None else tuple(int(b) for b in block), scale_suffix="_scale", only=only)
+        return FP8(None if block is None else tuple(int(b) for b in block), scale_suffix="_scale", only=only,
+                   activations=activations)
     if strategy == "block":
         raise ArgumentError(f"{where}: block-scaled integer weights are not read")
     return IntQuantized(bits, int(group) if strategy in ("group", "tensor_group") else None,
                         symmetric=bool(weights.get("symmetric", True)), packed=fmt == "pack-quantized",
-                        only=only)
+                        only=only, activations=activations)
 
 
 def _modelopt(spec: dict) -> Quantization:
     algo = spec.get("quant_algo")
     if algo == "NVFP4":
-        return NVFP4("modelopt", int(spec.get("group_size") or 16))
+        return NVFP4("modelopt", int(spec.get("group_size") or 16), activations=("input_scale",))
     if algo == "FP8":
-        return FP8(None, scale_suffix="_scale")
+        return FP8(None, scale_suffix="_scale", activations=("input_scale",))
     raise ArgumentError(f"quantization_config (modelopt) quant_algo {algo!r} is not read; read: NVFP4, FP8")
 
 
@@ -125,20 +145,54 @@ def quantized_mapping(rules: Iterable[Rule], config: Any, *, dequantize: bool = 
     rules, scheme = list(rules), quantization(config)
     if scheme is None or dequantize:
         return Mapping(rules, quantization=scheme, **mapping)
-    if not isinstance(scheme, FP8) or scheme.only is not None:
-        raise ArgumentError(f"a {type(scheme).__name__ if not isinstance(scheme, tuple) else 'mixed'} "
-                            "checkpoint is read dequantized (dequantize=True); kept as stored are FP8 "
-                            "weights of one scheme")
-    return Mapping([kept for rule in rules for kept in _kept(rule, scheme)], **mapping)
+    schemes = scheme if isinstance(scheme, tuple) else (scheme,)
+    if any(isinstance(s, MXFP4) for s in schemes):
+        raise ArgumentError("an MXFP4 checkpoint (gpt-oss's *_blocks, *_scales) is read dequantized "
+                            "(dequantize=True)")
+    if config_value(config, "model_type") == "deepseek_v4":
+        raise ArgumentError("a DeepSeek-V4 release is read dequantized (dequantize=True): its config does not "
+                            "say which of its Linear modules are stored FP8 (its compressors are bfloat16)")
+    ignored = _ignored(config_value(config, "quantization_config"))
+    return Mapping([kept for rule in rules for kept in _kept(rule, schemes, ignored)], **mapping)
 
 
-def _kept(rule: Rule, scheme: FP8) -> list[Rule]:
-    """A ``Linear`` weight's rule as a kept FP8 weight and its scales: transposed and stacked
-    as the rule says, never split, merged, permuted or scaled (a scale block spans heads,
-    and FP8 values are not rescaled). Other rules as they are."""
+def _ignored(spec: Any) -> list[str]:
+    """The modules a release leaves unquantized: compressed-tensors' ``ignore`` (names and
+    ``re:`` patterns), ModelOpt's ``ignore`` / ``exclude_modules`` (names, ``*`` wildcards)."""
+    spec = spec if isinstance(spec, dict) else spec.to_dict()
+    return list(spec.get("ignore") or spec.get("exclude_modules") or ())
+
+
+def _kept(rule: Rule, schemes: tuple[Quantization, ...], ignored: list[str]) -> list[Rule]:
+    """A ``Linear`` weight's rule as the tensors its scheme stores (``kept_tensors``): the
+    codes transposed and stacked as the rule says, never split, merged, permuted or scaled
+    (a scale group spans heads, and codes are not rescaled); their parameters stacked beside
+    them. A module the release leaves unquantized, and every other rule, as it is."""
     linear = rule.transpose == (1, 0) and isinstance(rule.stored, str) and rule.stored.endswith(".weight")
-    if not linear:
+    if not linear or _is_ignored(rule, ignored):
         return [rule]
-    shared = {"transpose": (1, 0), "stack": rule.stack, "strided": rule.strided}
-    return [Rule(rule.stored, rule.tree, **shared),
-            Rule(scheme.scales_name(rule.stored), rule.tree + "_scale", **shared)]
+    example = re.sub(r"\{[^}]*\}", "0", rule.stored)  # a name the rule maps: the module's name's shape
+    readers = [s for s in schemes if reads_module(s, example)]
+    if not readers:
+        return [rule]
+    if len(readers) > 1:
+        raise ArgumentError(f"{rule.stored!r} is read by two quantization schemes: {readers[0]} and {readers[1]}")
+    return [Rule(name, rule.tree + suffix, transpose=(1, 0) if transposed else None, stack=rule.stack,
+                 strided=rule.strided, only=rule.only)
+            for name, suffix, transposed in readers[0].kept_tensors(rule.stored)]
+
+
+def _is_ignored(rule: Rule, ignored: list[str]) -> bool:
+    """Whether ``ignored`` names a module of ``rule``'s weights (a name the rule maps, or a
+    ``re:`` pattern or ``*`` wildcard matching its modules' names)."""
+    example = re.sub(r"\{[^}]*\}", "0", rule.stored)[:-len(".weight")]
+    for entry in ignored:
+        if entry.startswith("re:"):
+            if re.match(entry[len("re:"):], example):
+                return True
+        elif "*" in entry:
+            if fnmatch.fnmatchcase(example, entry):
+                return True
+        elif rule.maps_stored(entry + ".weight"):
+            return True
+    return False

@@ -53,6 +53,7 @@ from orbax_safetensors.planning.quantization import (
     E2M1_PAIRS,
     activation_parameters,
     check_pattern,
+    kept_activations,
     in_float32,
     nonfinite_problem,
     reads_module,
@@ -83,6 +84,20 @@ class _GroupScheme:
         module = name[:-len(self.codes_suffix)]
         return module + ".weight" if _module(self, module + ".weight") is not None else None
 
+    def kept_tensors(self, weight: str) -> tuple[tuple[str, str, bool], ...]:
+        """What a kept weight ``weight`` (``X.weight``) is stored as: ``(stored name, suffix of
+        its tree leaf, transposed as the kernel)`` each. The codes are transposed with the
+        kernel (their packing runs along the input axis, inside each stored element); the
+        scales, zero points and second-level scales stay as stored."""
+        module = weight[:-len(".weight")]
+        codes = self.codes_suffix
+        kept = [(module + codes, codes[len(".weight"):], True), (module + self.scales_suffix, "_scale", False)]
+        kept += [(module + suffix, "_" + suffix.split(".", 1)[1].removeprefix("weight_"), False)
+                 for suffix in self._kept_parameters]
+        return (*kept, *kept_activations(weight, self.activations))
+
+    _kept_parameters: tuple[str, ...] = ()
+
     def _stored_pair(self, name: str, shapes: Mapping[str, Sequence[int]]
                      ) -> tuple[str, StoredTensor, StoredTensor] | None:
         """The module of twin ``name``, its codes and its scales, where ``shapes`` has both."""
@@ -107,6 +122,7 @@ class IntQuantized(_GroupScheme):
     it. ``symmetric=False`` reads ``X.weight_zero_point``. ``only``: a regular
     expression the module name (``X``) must match, for a config whose groups
     quantize different modules differently (its ``re:`` targets); ``None``: any.
+    ``activations``: as ``FP8``'s (a static W8A8 release's ``input_scale``).
     """
 
     bits: int = 4
@@ -114,7 +130,13 @@ class IntQuantized(_GroupScheme):
     symmetric: bool = True
     packed: bool = True
     only: str | None = None
+    activations: tuple[str, ...] = ()
     scale_dtypes = ("F32", "BF16", "F16")
+
+    @property
+    def _kept_parameters(self) -> tuple[str, ...]:
+        return ((() if self.symmetric else (".weight_zero_point",))
+                + ((".weight_shape",) if self.packed else ()))
 
     def __post_init__(self):
         if self.bits not in ((1, 2, 4, 8) if self.packed else (8,)):
@@ -160,12 +182,14 @@ class NVFP4(_GroupScheme):
     ``X.weight``, ``X.weight_scale``, ``X.weight_scale_2``; a value is
     ``code * (scale * scale_2)``, and its code 0b1000 reads as +0.0 where
     compressed-tensors reads -0.0 (each library's own table). ``only``: as
-    ``IntQuantized``'s.
+    ``IntQuantized``'s. ``activations``: as ``FP8``'s (compressed-tensors' NVFP4 stores
+    ``input_global_scale``, ModelOpt's ``input_scale``).
     """
 
     layout: str = "compressed-tensors"
     group: int = 16
     only: str | None = None
+    activations: tuple[str, ...] = ()
     scale_dtypes = ("F8_E4M3",)
     value_dtypes = ("U8",)
     per_code = 2
@@ -178,6 +202,10 @@ class NVFP4(_GroupScheme):
     @property
     def second_suffix(self) -> str:
         return ".weight_global_scale" if self.layout == "compressed-tensors" else ".weight_scale_2"
+
+    @property
+    def _kept_parameters(self) -> tuple[str, ...]:
+        return (self.second_suffix,)
 
     def find(self, name: str, shapes: Mapping[str, Sequence[int]]) -> GroupQuantized | None:
         pair = self._stored_pair(name, shapes)
@@ -202,6 +230,7 @@ class MXFP4Packed(_GroupScheme):
     layout: str = "deepseek-v4"
     group: int = 32
     only: str | None = None
+    activations = ()
     scale_dtypes = ("F8_E8M0", "U8")
     value_dtypes = ("I8", "U8")
     per_code = 2

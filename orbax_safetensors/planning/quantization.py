@@ -67,6 +67,8 @@ class FP8:
     not the weight: DeepSeek-V4's ``X.scale`` for ``X.weight`` (``scale_suffix=".scale"``),
     E8M0 powers of two. ``only``: a regular expression the module name (``X`` of
     ``X.weight``) must match, for a release whose modules are quantized differently.
+    ``activations``: the activation parameters each module stores (``"input_scale"`` for
+    static FP8), which a load of the values leaves out and a kept release keeps.
 
     ``ost.Mapping(rules, quantization=ost.FP8((128, 128)))`` reads each such weight as
     ``float32(fp8) * scale``, rounded once more into the target's dtype: what MaxText's
@@ -78,7 +80,8 @@ class FP8:
 
     block: tuple[int, ...] | None = None
     scale_suffix: str = "_scale_inv"
-    only: str | None = None  # a regular expression of the weights read (the module names, with ".weight")
+    only: str | None = None
+    activations: tuple[str, ...] = ()
     # Scales as releases store them (float32; bfloat16 and float16 too; E8M0 powers of two, as
     # their own dtype or as bytes): an integer scale is no FP8 scale (an I32 one loaded values
     # up to 4e11).
@@ -106,6 +109,13 @@ class FP8:
     def twin(self, name: str) -> str | None:
         """The twin a stored ``name`` would be the values of (if its scales are there)."""
         return None if name.endswith(self.scale_suffix) else name
+
+    def kept_tensors(self, weight: str) -> tuple[tuple[str, str, bool], ...]:
+        """What a kept weight ``weight`` is stored as: ``(stored name, suffix of its tree
+        leaf, transposed as the kernel)`` each; block scales are transposed with it, per-channel
+        and per-tensor ones stay as stored."""
+        return ((weight, "", True), (self.scales_name(weight), "_scale", self.block is not None),
+                *kept_activations(weight, self.activations))
 
     def scales_name(self, name: str) -> str | None:
         """The name of weight ``name``'s scales (``None``: a name whose module has none)."""
@@ -410,6 +420,12 @@ def reads_module(scheme: object, twin: str) -> bool:
 # written beside its weight, no part of its values.
 ACTIVATION_PARAMETERS = ("input_scale", "input_global_scale", "input_zero_point", "output_scale",
                          "output_zero_point", "output_global_scale")
+
+
+def kept_activations(weight: str, activations: Sequence[str]) -> tuple[tuple[str, str, bool], ...]:
+    """A kept weight's activation parameters: ``X.input_scale`` → leaf suffix ``_input_scale``."""
+    module = weight[:-len(".weight")]
+    return tuple((f"{module}.{name}", f"_{name}", False) for name in activations)
 
 
 def activation_parameters(twin: str, shapes: MappingABC[str, Sequence[int]], also: Sequence[str] = ()) -> tuple[str, ...]:

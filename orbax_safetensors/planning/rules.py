@@ -252,6 +252,10 @@ class Rule:
     def stored_patterns(self) -> tuple[str, ...]:
         return (self.stored,) if isinstance(self.stored, str) else tuple(self.stored)
 
+    def maps_stored(self, name: str) -> bool:
+        """Whether the stored name ``name`` is one this rule maps (a pattern of it matches)."""
+        return any(_pattern(p, "stored")[0].fullmatch(name) for p in self.stored_patterns)
+
     @property
     def _stacked_placeholders(self) -> tuple[str, ...]:
         """The ``stack`` placeholders in the order of their leaf axes."""

@@ -20,7 +20,7 @@ from json.encoder import encode_basestring
 import numpy as np
 
 from orbax_safetensors.errors import ProtocolError
-from orbax_safetensors.format import DType, TensorInfo, serialize_header
+from orbax_safetensors.format import DType, TensorInfo, serialize_header, write_order
 from orbax_safetensors.format.checksums import BLOCK_BYTES, BLOCKS_KEY, BlockGrid, FileChecksums
 from orbax_safetensors.index import (
     dcp_metadata,
@@ -114,10 +114,12 @@ def plan_file(name: str, specs: Sequence[TensorSpec], metadata: Mapping[str, str
               *, checksums: bool = False) -> FilePlan:
     """One file with ``specs`` ordered as the Rust crate orders them.
 
-    Widest dtype first, then by name: every tensor starts at an offset aligned
-    to its own width, which lets readers view the data without copying.
+    By the crate's dtype order (``format.write_order``: widest first), then by
+    name: every tensor starts at an offset aligned to its own width, which lets
+    readers view the data without copying, and a file of ours is byte for byte
+    the crate's (F32 before I32, F8_E4M3 scales before U8 codes).
     """
-    ordered = sorted(specs, key=lambda s: (-s.dtype.bits, s.name))
+    ordered = sorted(specs, key=lambda s: (write_order(s.dtype), s.name))
     entries = [(s.name, s.dtype, s.shape) for s in ordered]
     planned = dict(metadata)
     if checksums:  # zeros where the block checksums go: as many as the tensors have blocks

@@ -23,6 +23,7 @@ between devices (NVFP4's 16 are not; the planning and multi-process tests cut th
 import json
 import os
 
+import jax
 import ml_dtypes
 import numpy as np
 import pytest
@@ -188,3 +189,78 @@ def test_a_global_scale_missing_from_an_nvfp4_release_is_refused(releases, tmp_p
     damaged = _damaged(release, tmp_path / "damaged", lambda t: t.pop(name))
     with pytest.raises(ost.MappingError, match=f"'{name}' is missing"):
         ost.load(damaged, mapping=ost.mappings.for_config(config))
+
+
+# --- kept as stored -----------------------------------------------------------------------------
+
+KEPT = [("llama", scheme) for scheme in (*cc.SCHEMES, "modelopt-nvfp4")] + [
+    ("deepseek_v3", "int4-group-asym"), ("deepseek_v3", "nvfp4"), ("deepseek_v3", "modelopt-nvfp4")]
+
+
+def _stored(release: str) -> dict:
+    return {name: cc._numpy(value) for name, value in cc.read_tensors(release).items()}
+
+
+def _like_its_kernel(name: str, shape: tuple, mesh) -> jax.sharding.NamedSharding:
+    """Codes split on their output axis (a kernel's last); a 2-D parameter beside them on its
+    first (``[out, groups]`` as stored: the same rows); the rest replicated."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    codes = name.endswith(("kernel", "kernel_packed"))
+    axis = len(shape) - 1 if codes else len(shape) - 2 if len(shape) >= 2 and not name.endswith("kernel_shape") else None
+    if axis is None or shape[axis] % 8:
+        return NamedSharding(mesh, PartitionSpec())
+    return NamedSharding(mesh, PartitionSpec(*[("x" if a == axis else None) for a in range(len(shape))]))
+
+
+@pytest.mark.parametrize("model,scheme", KEPT, ids=[f"{m}-{s}" for m, s in KEPT])
+def test_kept_as_stored_loads_sharded_and_saves_back_the_very_file(releases, model, scheme, tmp_path):
+    """``for_config(config, dequantize=False)``: every tensor a leaf (the codes transposed as the
+    kernel, their scales, zero points, second-level and activation scales as stored, each
+    expert's stacked), loaded sharded with each scale split like its codes, saved back byte for
+    byte."""
+    from tests.support.trees_by_hand import assert_saves_back_the_file
+
+    release, _, _, config = releases(model, scheme)
+    mapping = ost.mappings.for_config(config, dequantize=False)
+    assert mapping.quantization is None
+    stored = _stored(release)
+    whole = flat(ost.load(release, mapping=mapping, nest=True))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("x",))
+    target = {name: jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=_like_its_kernel(name, value.shape, mesh))
+              for name, value in whole.items()}
+    loaded = flat(ost.load(release, target, mapping=mapping, strict=True))
+    assert loaded.keys() == whole.keys()
+    kept = [name for name in loaded if name.endswith(("_packed", "_scale", "_zero_point", "_scale_2"))]
+    assert kept, "nothing kept"
+    for name, value in loaded.items():
+        np.testing.assert_array_equal(bits(value), bits(whole[name]), err_msg=name)
+        assert value.sharding == target[name].sharding, name
+    if model == "llama":  # one tensor a leaf: each is its stored tensor (codes transposed)
+        for name, value in whole.items():
+            stored_name, rule = mapping.stored_rule(name)
+            want = stored[stored_name].T if rule.transpose else stored[stored_name]
+            assert value.dtype == want.dtype, name
+            np.testing.assert_array_equal(bits(value), bits(want), err_msg=name)
+    assert_saves_back_the_file(release, ost.load(release, mapping=mapping, nest=True), mapping, str(tmp_path / "back"))
+
+
+@pytest.mark.slow  # Orbax writes and restores
+def test_a_kept_int4_release_converts_to_maxtext_and_back_as_it_was(releases, tmp_path):
+    """A Kimi-shaped INT4 release kept as stored, converted into MaxText's tree (the experts'
+    codes, scales and zero points stacked) and back: the very file again."""
+    import orbax.checkpoint as ocp
+
+    release, _, _, config = releases("deepseek_v3", "int4-group-asym")
+    mapping = ost.mappings.maxtext("deepseek3", config, dequantize=False)
+    stats = ost.convert(release, str(tmp_path / "mt"), mapping=mapping, memory_budget="1MB")
+    restored = flat(ocp.StandardCheckpointer().restore(stats.item_path))
+    loaded = flat(ost.load(release, mapping=mapping, nest=True))
+    codes = [n for n in loaded if n.endswith("wi_0_packed")]
+    assert codes and all(loaded[n].dtype == np.int32 for n in codes)
+    for name, value in loaded.items():
+        np.testing.assert_array_equal(bits(restored["params.params." + name]), bits(value), err_msg=name)
+    ost.convert(stats.item_path, str(tmp_path / "back"), mapping=mapping, checksums=False)
+    with open(os.path.join(release, "model.safetensors"), "rb") as a, \
+            open(tmp_path / "back" / "model.safetensors", "rb") as b:
+        assert a.read() == b.read()

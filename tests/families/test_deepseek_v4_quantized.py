@@ -157,3 +157,11 @@ def test_the_twin_is_maxtext_s_own_dequantization(releases):
                   else module.dequantize_fp8(_torch(codes), scales, block_size=BLOCK))
         ours = values[name].astype(ml_dtypes.bfloat16)
         np.testing.assert_array_equal(theirs.view(torch.int16).numpy(), ours.view(np.int16), err_msg=name)
+
+
+def test_keeping_a_v4_release_as_stored_is_refused_by_name(releases):
+    """Which of V4's Linear modules are FP8 its config does not say (its compressors and indexer
+    ship bfloat16 beside FP8 attention): a kept release could not be mapped rule by rule."""
+    _, _, release_config, _, _ = releases
+    with pytest.raises(ost.ArgumentError, match="DeepSeek-V4 release is read dequantized"):
+        ost.mappings.deepseek_v4(release_config, dequantize=False)

@@ -476,3 +476,17 @@ def test_load_converts_subbyte_to_float32(tmp_path):
     out = ost.load(path, {"q": jax.ShapeDtypeStruct((4,), jnp.float32)})
     assert out["q"].dtype == np.float32
     np.testing.assert_array_equal(out["q"], [0.5, -1.0, 6.0, 0.0])
+
+
+def test_a_file_of_every_dtype_is_the_crate_s_byte_for_byte(tmp_path):
+    """The crate orders a file's tensors by its dtype enum (widest first), then by name: the
+    names here run against that order (``a.i32`` sorts before ``b.f32``, ``a.u8`` before
+    ``b.f8_e4m3``, NVFP4's codes before their scales), and ours is its file byte for byte."""
+    codes = [c for c in ALL_CODES if c in TENSORSPEC_NAME and c not in F6_CODES]
+    arrays = {f"{'ab'[i % 2]}.{code.lower()}": (code, random_array(code, (2, 4), seed=i))
+              for i, code in enumerate(sorted(codes, key=lambda c: c.lower()))}
+    write_with_crate(tmp_path / "theirs.safetensors", {  # F4: its storage shape, two values a byte
+        name: (code, np.frombuffer(pack_f4(array.view(np.uint8)), np.uint8).reshape(2, 2) if code == "F4" else array)
+        for name, (code, array) in arrays.items()}, {"format": "pt"})
+    ost.save(tmp_path / "ours.safetensors", {name: array for name, (_, array) in arrays.items()}, checksums=False)
+    assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "theirs.safetensors").read_bytes()
