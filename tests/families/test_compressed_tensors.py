@@ -264,3 +264,27 @@ def test_a_kept_int4_release_converts_to_maxtext_and_back_as_it_was(releases, tm
     with open(os.path.join(release, "model.safetensors"), "rb") as a, \
             open(tmp_path / "back" / "model.safetensors", "rb") as b:
         assert a.read() == b.read()
+
+
+def test_a_release_sharded_over_files_reads_codes_and_scales_across_them(releases, tmp_path):
+    """An index whose files part each module: the codes in one file, their scales and zero points
+    in another. The load is the one-file release's, bit for bit."""
+    from safetensors.torch import save_file
+
+    release, _, _, config = releases("llama", "int4-group-asym")
+    sharded = tmp_path / "sharded"
+    os.makedirs(sharded)
+    tensors = cc.read_tensors(release)
+    files = {"model-00001-of-00002.safetensors": {n: t for n, t in tensors.items() if "_scale" not in n
+                                                  and "_zero_point" not in n},
+             "model-00002-of-00002.safetensors": {n: t for n, t in tensors.items() if "_scale" in n
+                                                  or "_zero_point" in n}}
+    for file, part in files.items():
+        save_file(part, str(sharded / file), metadata={"format": "pt"})
+    weight_map = {name: file for file, part in files.items() for name in part}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    mapping = ost.mappings.for_config(config)
+    target = sharded_target(mapping, release, ml_dtypes.bfloat16)
+    got, want = flat(ost.load(str(sharded), target, mapping=mapping)), flat(ost.load(release, target, mapping=mapping))
+    for name, value in want.items():
+        np.testing.assert_array_equal(bits(got[name]), bits(value), err_msg=name)
