@@ -11,8 +11,8 @@ are written for the bfloat16 release; ``dequantize=True`` reads each quantized
 tensor as that release's tensor (``Mapping.quantization``), ``dequantize=False``
 keeps each quantized weight as the tensors its scheme stores (``kept_tensors``:
 the codes as the kernel, ``<kernel>_scale`` and the other parameters beside it),
-so a save writes the release back as it was. gpt-oss's MXFP4 and DeepSeek-V4 are
-read dequantized only.
+so a save writes the release back as it was (gpt-oss's experts: their blocks and
+exponents as stored, in a tree that does not take them apart).
 """
 from __future__ import annotations
 
@@ -56,6 +56,12 @@ def quantization(config: Any) -> Quantization | tuple[Quantization, ...] | None:
 
 # DeepSeek-V4's routed experts, in the release's names and in save_pretrained's: not its shared experts.
 _V4_EXPERTS = r".*\.experts\.\d+\..+"
+# The Linear modules DeepSeek-V4 ships bfloat16, which its config does not list: the compressors
+# (the indexer's too) and the indexer's weights_proj (transformers 5.24's _keep_in_fp32_modules:
+# "these projections ship in BF16 with no companion scale"), the router and the head, in the
+# release's names and in save_pretrained's.
+_V4_BFLOAT16 = [r"re:.*\.compressor\.", r"re:.*\.indexer\.(scorer\.)?weights_proj$", r"re:.*\.(ffn|mlp)\.gate$",
+                r"re:(model\.)?(head|lm_head)$"]
 
 
 def _deepseek_v4(config: Any, spec: dict, block: tuple[int, ...] | None) -> Quantization | tuple[Quantization, ...]:
@@ -146,13 +152,8 @@ def quantized_mapping(rules: Iterable[Rule], config: Any, *, dequantize: bool = 
     if scheme is None or dequantize:
         return Mapping(rules, quantization=scheme, **mapping)
     schemes = scheme if isinstance(scheme, tuple) else (scheme,)
-    if any(isinstance(s, MXFP4) for s in schemes):
-        raise ArgumentError("an MXFP4 checkpoint (gpt-oss's *_blocks, *_scales) is read dequantized "
-                            "(dequantize=True)")
-    if config_value(config, "model_type") == "deepseek_v4":
-        raise ArgumentError("a DeepSeek-V4 release is read dequantized (dequantize=True): its config does not "
-                            "say which of its Linear modules are stored FP8 (its compressors are bfloat16)")
-    ignored = _ignored(config_value(config, "quantization_config"))
+    ignored = (_V4_BFLOAT16 if config_value(config, "model_type") == "deepseek_v4"
+               else _ignored(config_value(config, "quantization_config")))
     return Mapping([kept for rule in rules for kept in _kept(rule, schemes, ignored)], **mapping)
 
 
@@ -168,7 +169,10 @@ def _kept(rule: Rule, schemes: tuple[Quantization, ...], ignored: list[str]) -> 
     codes transposed and stacked as the rule says, never split, merged, permuted or scaled
     (a scale group spans heads, and codes are not rescaled); their parameters stacked beside
     them. A module the release leaves unquantized, and every other rule, as it is."""
-    linear = rule.transpose == (1, 0) and isinstance(rule.stored, str) and rule.stored.endswith(".weight")
+    if any(isinstance(s, MXFP4) for s in schemes):
+        return _kept_experts(rule, schemes[0])
+    linear = (isinstance(rule.stored, str) and rule.stored.endswith(".weight")
+              and bool(rule.transpose or rule.split or rule.transpose_after))  # not a norm's or an embedding's
     if not linear or _is_ignored(rule, ignored):
         return [rule]
     example = re.sub(r"\{[^}]*\}", "0", rule.stored)  # a name the rule maps: the module's name's shape
@@ -180,6 +184,20 @@ def _kept(rule: Rule, schemes: tuple[Quantization, ...], ignored: list[str]) -> 
     return [Rule(name, rule.tree + suffix, transpose=(1, 0) if transposed else None, stack=rule.stack,
                  strided=rule.strided, only=rule.only)
             for name, suffix, transposed in readers[0].kept_tensors(rule.stored)]
+
+
+def _kept_experts(rule: Rule, scheme: MXFP4) -> list[Rule]:
+    """gpt-oss's MXFP4 experts (``mlp.experts.gate_up_proj``, ``down_proj``) as their blocks
+    and exponents, as stored (``[experts, out, groups, 16]``), stacked over the layers; a rule
+    that takes apart their twin (MaxText's ``wi_0``/``wi_1`` of the interleaved ``gate_up_proj``)
+    cannot take apart the blocks and is refused. Other rules as they are."""
+    if not isinstance(rule.stored, str) or not re.search(r"\.experts\.[^.]+_proj$", rule.stored):
+        return [rule]
+    if rule.take or rule.transpose or rule.split or rule.merge:
+        raise ArgumentError(f"{rule.stored!r} → {rule.tree!r} rearranges gpt-oss's experts; their MXFP4 blocks "
+                            "are kept only as stored (the Flax-style mapping): read them dequantized here")
+    return [Rule(name, rule.tree + suffix, stack=rule.stack, strided=rule.strided, only=rule.only)
+            for name, suffix, _ in scheme.kept_tensors(rule.stored)]
 
 
 def _is_ignored(rule: Rule, ignored: list[str]) -> bool:

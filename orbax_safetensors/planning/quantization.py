@@ -153,6 +153,10 @@ class MXFP4:
     def twin(self, name: str) -> str | None:
         return name[:-len("_blocks")] if name.endswith("_blocks") else None
 
+    def kept_tensors(self, twin: str) -> tuple[tuple[str, str, bool], ...]:
+        """What a kept twin ``twin`` is stored as: its blocks and exponents, as stored."""
+        return (twin + "_blocks", "_blocks", False), (twin + "_scales", "_scales", False)
+
 
 @dataclasses.dataclass(frozen=True)
 class Quantized:

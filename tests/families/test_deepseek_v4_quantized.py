@@ -33,8 +33,10 @@ from tests.families.test_maxtext_mapping import write_checkpoint  # noqa: E402
 BLOCK = 16
 QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "activation_scheme": "dynamic",
                 "weight_block_size": [BLOCK, BLOCK]}
-FP8_MODULES = ("attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_a", "attn.wo_b", "ffn.shared_experts.w1",
-               "ffn.shared_experts.w2", "ffn.shared_experts.w3")
+# The release's FP8 modules: every Linear but the routed experts (MXFP4) and what V4 ships
+# bfloat16 (the compressors, the indexer's weights_proj, the router, the head).
+FP8_MODULES = ("attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_a", "attn.wo_b", "attn.indexer.wq_b",
+               "ffn.shared_experts.w1", "ffn.shared_experts.w2", "ffn.shared_experts.w3")
 _E2M1_VALUES = e2m1(np.arange(16))
 
 
@@ -159,9 +161,18 @@ def test_the_twin_is_maxtext_s_own_dequantization(releases):
         np.testing.assert_array_equal(theirs.view(torch.int16).numpy(), ours.view(np.int16), err_msg=name)
 
 
-def test_keeping_a_v4_release_as_stored_is_refused_by_name(releases):
-    """Which of V4's Linear modules are FP8 its config does not say (its compressors and indexer
-    ship bfloat16 beside FP8 attention): a kept release could not be mapped rule by rule."""
-    _, _, release_config, _, _ = releases
-    with pytest.raises(ost.ArgumentError, match="DeepSeek-V4 release is read dequantized"):
-        ost.mappings.deepseek_v4(release_config, dequantize=False)
+@pytest.mark.parametrize("which", sorted(MAPPINGS))
+def test_kept_as_stored_saves_back_the_very_file(releases, which, tmp_path):
+    """``dequantize=False``: the FP8 codes and the experts' MXFP4 bytes as leaves (transposed as
+    their kernels, never split by heads or groups), their E8M0 exponents beside them as stored,
+    the bfloat16 modules as their mapping has them; saved back, the very file."""
+    from tests.support.trees_by_hand import assert_saves_back_the_file
+
+    release, _, release_config, _, _ = releases
+    mapping = (ost.mappings.deepseek_v4(release_config, dequantize=False) if which == "flax" else
+               ost.mappings.maxtext("deepseek4", release_config, scan_layers=which == "maxtext-scanned",
+                                    dequantize=False))
+    tree = ost.load(release, mapping=mapping, nest=True, strict=True)
+    dtypes = {str(v.dtype) for v in flat(tree).values()}
+    assert {"int8", "float8_e4m3fn", "float8_e8m0fnu"} <= dtypes, dtypes
+    assert_saves_back_the_file(release, tree, mapping, str(tmp_path / "back"))

@@ -298,3 +298,24 @@ def test_a_taking_rule_is_checked():
         rule.resolve(stored_shape=(3, 4, 10), tree_shape=(3, 4, 10))
     with pytest.raises(MappingError, match="ints >= 0"):
         Rule("gu", "wi", take={-1: 0})
+
+
+def test_mxfp4_experts_kept_as_stored_save_back_the_very_file(mxfp4_release, tmp_path):
+    """``dequantize=False`` (Flax-style): each layer's experts as their blocks and exponents,
+    as stored, stacked over the layers when scanned; saved back, the very file. MaxText's tree
+    takes gate and up apart, which the blocks cannot be: refused by name."""
+    release, _, mxfp4_config = mxfp4_release
+    stored = ost.metadata(release).tensors
+    for scan_layers in (False, True):
+        mapping = ost.mappings.gpt_oss(mxfp4_config, scan_layers=scan_layers, dequantize=False)
+        tree = flat(ost.load(release, mapping=mapping, nest=True, strict=True))
+        blocks = [name for name in tree if name.endswith("_blocks")]
+        assert blocks and all(tree[name].dtype == np.uint8 for name in blocks)
+        if not scan_layers:
+            name = "model.layers_0.mlp.experts.gate_up_proj.kernel_blocks"
+            assert tree[name].shape == stored["model.layers.0.mlp.experts.gate_up_proj_blocks"].shape
+        back = tmp_path / f"back{scan_layers}"
+        ost.save(str(back), nest(tree), mapping=mapping)  # as the release was written (ost.save's checksums)
+        assert (back / "model.safetensors").read_bytes() == open(f"{release}/model.safetensors", "rb").read()
+    with pytest.raises(ost.ArgumentError, match="kept only as stored"):
+        ost.mappings.maxtext("gpt-oss", mxfp4_config, dequantize=False)
