@@ -13,7 +13,10 @@
   devices), and ``j`` [40, 64] with its rows over them (5 rows a device: the packed zero points'
   word 2, rows 16..23, is cut between the processes).
 * NVFP4, both layouts (``n``: compressed-tensors, ``o``: ModelOpt) [16, 96], input axis over the
-  devices: 12 values each, groups of 16 cut.
+  devices: 12 values each, groups of 16 cut; DeepSeek-V4's MXFP4 experts (``v``, I8 bytes and
+  E8M0 exponents per 32) the same way, groups of 32 cut.
+* INT8 per channel, asymmetric (``k`` [40, 64], compressed-tensors ``int-quantized``), rows over
+  the devices: each reads its rows' scales and zero points.
 
 Each process checks its addressable shards bit for bit against the numpy reference
 (``tests/support/quantized_reference.py``) and returns its ``ost.LoadStats``: each read only the
@@ -37,6 +40,7 @@ import orbax_safetensors as ost
 from tests.support.quantized_reference import (
     BF16,
     bits,
+    e2m1,
     fp8_reference,
     int_reference,
     mxfp4_reference,
@@ -82,14 +86,24 @@ def _group_quantized():
                 "o.weight": (pack_nibbles(nibbles), nvfp4_reference(nibbles, scales.astype(np.float32), 0.5,
                                                                      "modelopt")),
                 "o.weight_scale": (scales, None), "o.weight_scale_2": (np.array(0.5, np.float32), None)})
+    exponents = rng.integers(100, 140, (16, 3)).astype(np.uint8)
+    out.update({"v.weight": (pack_nibbles(nibbles).view(np.int8), (e2m1(nibbles) * np.repeat(
+                    np.exp2(exponents - 127.0), 32, -1)).astype(np.float32)),
+                "v.scale": (exponents, None)})
+    codes, scales, zeros = rng.integers(-128, 128, (40, 64)), rng.uniform(0.01, 0.1, (40, 1)).astype(np.float32), \
+        rng.integers(-20, 20, (40, 1))
+    out.update({"k.weight": (codes.astype(np.int8), int_reference(codes, scales, zeros, (1, 64))),
+                "k.weight_scale": (scales, None), "k.weight_zero_point": (zeros.astype(np.int8), None)})
     return out
 
 
 # One file, every scheme, as a mixed release (compressed-tensors' config groups) stores them:
 # ``only`` parts the schemes that would read one another's tensors.
-_SCHEMES = (ost.FP8((BLOCK, BLOCK)), ost.MXFP4(), ost.IntQuantized(4, 32, symmetric=False, only="[ij]"),
-            ost.NVFP4(only="n"), ost.NVFP4("modelopt", only="o"))
-_AXIS = {"a.weight": 0, "e.w": 1, "i.weight": 1, "j.weight": 0, "n.weight": 1, "o.weight": 1}
+_SCHEMES = (ost.FP8((BLOCK, BLOCK), only="a"), ost.MXFP4(), ost.IntQuantized(4, 32, symmetric=False, only="[ij]"),
+            ost.NVFP4(only="n"), ost.NVFP4("modelopt", only="o"), ost.MXFP4Packed(only="v"),
+            ost.IntQuantized(8, symmetric=False, packed=False, only="k"))
+_AXIS = {"a.weight": 0, "e.w": 1, "i.weight": 1, "j.weight": 0, "n.weight": 1, "o.weight": 1, "v.weight": 1,
+         "k.weight": 0}
 
 
 def _twins():
@@ -167,7 +181,7 @@ def test_mxfp4_group_cut_between_processes(multiprocess, checkpoint):
         assert once <= stats["bytes_read"] <= needed, (ranges, stats)
 
 
-@pytest.mark.parametrize("tensor", ["i.weight", "j.weight", "n.weight", "o.weight"])
+@pytest.mark.parametrize("tensor", ["i.weight", "j.weight", "n.weight", "o.weight", "v.weight", "k.weight"])
 def test_int4_and_nvfp4_groups_cut_between_processes(multiprocess, checkpoint, tensor):
     """Each process's shards are the reference bit for bit (in the child); each reads its own
     codes and only the scale and zero-point groups they touch: under its share of the whole."""
