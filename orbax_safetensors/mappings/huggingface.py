@@ -277,6 +277,7 @@ FAMILIES = {"llama": llama, "mistral": mistral, "qwen2": qwen2, "qwen3": qwen3, 
 FAMILIES.update({"qwen3_vl": qwen3_vl, "qwen3_vl_moe": qwen3_vl, "qwen3_omni_moe": qwen3_omni_moe})
 FAMILIES["gemma4_text"] = gemma4  # its layers differ in shape: mappings.gemma4
 FAMILIES["deepseek_v4"] = deepseek_v4
+FAMILIES["kimi_k2"] = deepseek_v3  # Kimi-K2's own model_type: DeepSeek-V3's architecture and config keys
 
 
 def for_config(config: Any, *, scan_layers: bool = False, dtype: Any = None,

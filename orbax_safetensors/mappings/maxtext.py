@@ -277,7 +277,7 @@ MODEL_NAMES: dict[str, tuple[str, ...]] = {
     "gemma3": ("gemma3-4b", "gemma3-12b", "gemma3-27b"),
     "gemma2": ("gemma2-2b", "gemma2-9b", "gemma2-27b"),
     "gemma4": ("gemma4-26b", "gemma4-31b", "gemma4-e2b", "gemma4-e4b"),
-    "deepseek3": ("deepseek3-671b", "deepseek3-tiny", "deepseek3-test"),
+    "deepseek3": ("deepseek3-671b", "deepseek3-tiny", "deepseek3-test", "kimi-k2-1t"),
     "deepseek2": ("deepseek2-16b", "deepseek2-236b"),
     "deepseek3.2": ("deepseek3.2-671b",),
     "deepseek4": ("deepseek4-284b", "deepseek4-tiny"),

@@ -134,12 +134,14 @@ def test_converting_a_kimi_shaped_int4_release_to_maxtext_equals_converting_its_
 
     release = tmp_path / "kimi"
     config = cc.write_compressed(release, "int4-group", model="deepseek_v3", ignore=cc.KIMI_K2_IGNORE)["config"]
+    config = {**config, "model_type": "kimi_k2"}  # as Kimi-K2's config.json says
+    assert ost.mappings.for_config(config).rules == ost.mappings.deepseek_v3(config).rules
     quantized = {n for n in ost.metadata(str(release)).tensors if n.endswith(".weight_packed")}
     assert quantized and all(".mlp.experts." in n for n in quantized)
     twin = _write_twin(tmp_path / "twin", config, cc.reference(release, "float32"))
     plain = {k: v for k, v in config.items() if k != "quantization_config"}
     for source, cfg, out in ((str(release), config, "from_int4"), (twin, plain, "from_twin")):
-        ost.convert(source, str(tmp_path / out), mapping=ost.mappings.maxtext("deepseek3", cfg),
+        ost.convert(source, str(tmp_path / out), mapping=ost.mappings.maxtext("kimi-k2-1t", cfg),
                     dtype="bfloat16", memory_budget="1MB")
     restored = [flat(ocp.StandardCheckpointer().restore(str(tmp_path / out / "0" / "items")))
                 for out in ("from_int4", "from_twin")]
@@ -288,3 +290,40 @@ def test_a_release_sharded_over_files_reads_codes_and_scales_across_them(release
     got, want = flat(ost.load(str(sharded), target, mapping=mapping)), flat(ost.load(release, target, mapping=mapping))
     for name, value in want.items():
         np.testing.assert_array_equal(bits(got[name]), bits(value), err_msg=name)
+
+
+def test_int4_experts_are_maxtext_s_own_dequantization(releases):
+    """MaxText 0.2.5's Kimi-K2 converter dequantizes the INT4 experts with its own
+    ``dequantize_pack_quantized_int4`` (``convert_deepseek_family_ckpt.py``, torch; the script
+    imports MaxText, so the function alone is taken from its source): our bfloat16 load of every
+    quantized tensor is its result, bit for bit."""
+    import ast
+
+    import torch
+
+    from tests.families.test_quantized_references import _SCRIPTS, MAXTEXT_VENV
+
+    script = next((os.path.join(root, _SCRIPTS, "convert_deepseek_family_ckpt.py")
+                   for root, dirs, _ in os.walk(os.path.join(MAXTEXT_VENV, "lib")) if "maxtext" in dirs), None)
+    if script is None or not os.path.exists(script):
+        pytest.skip("MaxText 0.2.5's venv is not here")
+    source = ast.parse(open(script).read())
+    wanted = [node for node in source.body if isinstance(node, ast.FunctionDef) and
+              node.name == "dequantize_pack_quantized_int4" or isinstance(node, ast.Assign) and
+              any(getattr(t, "id", "") == "INT4_GROUP_SIZE" for t in node.targets)]
+    namespace = {"torch": torch}
+    exec(compile(ast.Module(wanted, []), script, "exec"), namespace)
+    theirs = namespace["dequantize_pack_quantized_int4"]
+
+    release, _, _, config = releases("deepseek_v3", "int4-group")
+    stored = cc.read_tensors(release)
+    modules = [n.removesuffix(".weight_packed") for n in stored if n.endswith(".weight_packed")]
+    mapping = ost.Mapping([ost.Rule(f"{m}.weight", f"{m}.weight") for m in modules],
+                          quantization=ost.mappings.for_config(config).quantization)
+    ours = ost.load(release, {f"{m}.weight": jax.ShapeDtypeStruct(tuple(stored[f"{m}.weight_shape"].tolist()),
+                                                                   ml_dtypes.bfloat16) for m in modules},
+                    mapping=mapping, strict="target")
+    for m in modules:
+        want = theirs(stored[f"{m}.weight_packed"], stored[f"{m}.weight_scale"], stored[f"{m}.weight_shape"].tolist())
+        np.testing.assert_array_equal(bits(np.asarray(ours[f"{m}.weight"])), want.view(torch.int16).numpy().view(np.uint16),
+                                      err_msg=m)
