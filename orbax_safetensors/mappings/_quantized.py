@@ -96,7 +96,8 @@ def _compressed_tensors(spec: dict) -> Quantization | tuple[Quantization, ...]:
     return found[0] if len(found) == 1 else tuple(found)
 
 
-_CT_FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized", "nvfp4-pack-quantized")
+_CT_FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized", "nvfp4-pack-quantized",
+               "mxfp4-pack-quantized")
 
 
 def _stored_activations(args: dict | None) -> tuple[str, ...]:
@@ -121,6 +122,8 @@ def _compressed_scheme(key: str, fmt: str | None, weights: dict, only: str | Non
     group = weights.get("group_size")
     if fmt == "nvfp4-pack-quantized":
         return NVFP4("compressed-tensors", int(group or 16), only=only, activations=activations)
+    if fmt == "mxfp4-pack-quantized":
+        return MXFP4Packed("compressed-tensors", int(group or 32), only=only, activations=activations)
     if strategy not in ("tensor", "channel", "group", "block", "tensor_group"):
         raise ArgumentError(f"{where}: weight strategy {strategy!r} is not read")
     if kind == "float":

@@ -224,13 +224,13 @@ class MXFP4Packed(_GroupScheme):
     ``X.weight`` stored I8, ``X.scale``) and compressed-tensors' ``mxfp4-pack-quantized``
     (``layout="compressed-tensors"``: ``X.weight_packed`` U8, ``X.weight_scale``). Exact in
     float32 (a code times a power of two). gpt-oss's own layout (``*_blocks``,
-    ``*_scales``) is ``MXFP4``. ``only``: as ``IntQuantized``'s.
+    ``*_scales``) is ``MXFP4``. ``only``, ``activations``: as ``NVFP4``'s.
     """
 
     layout: str = "deepseek-v4"
     group: int = 32
     only: str | None = None
-    activations = ()
+    activations: tuple[str, ...] = ()
     scale_dtypes = ("F8_E8M0", "U8")
     value_dtypes = ("I8", "U8")
     per_code = 2

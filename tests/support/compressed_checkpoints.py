@@ -133,7 +133,7 @@ HIDDEN = 64
 VOCAB = 256
 GROUP_OFFSET = 32  # columns sharing a random offset
 SCHEMES = ("int4-group", "int4-group-asym", "int4-channel", "int8-channel", "fp8-channel", "fp8-tensor",
-           "nvfp4")
+           "nvfp4", "mxfp4")
 ROUTER_IGNORE = "re:.*mlp.gate$"
 # Kimi-K2-Thinking's ignore list: only the routed experts are int4.
 KIMI_K2_IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"]
@@ -306,6 +306,7 @@ def ct_scheme(scheme: str, targets=("Linear",)):
         "fp8-channel": ("FP8_DYNAMIC", {}),
         "fp8-tensor": ("FP8", {}),
         "nvfp4": ("NVFP4", {}),
+        "mxfp4": ("MXFP4", {}),
     }[scheme]
     base = preset_name_to_scheme(preset, list(targets))
     if not weights:
@@ -464,8 +465,10 @@ def reference(directory, dtype: str = "float32") -> dict[str, np.ndarray]:
             weight = dequantize(x_q=values, scale=state["weight_scale"].to(torch.float32), args=scheme.weights,
                                 global_scale=state["weight_global_scale"], dtype=torch.float32)
         else:
-            if dtype == "float32":
+            if dtype == "float32" and fmt != CompressionFormat.mxfp4_pack_quantized:
                 state["weight_scale"] = state["weight_scale"].to(torch.float32)
+            # MXFP4's scales are E8M0 bytes its decompress decodes, in bfloat16: a code times a
+            # power of two, exact there, so its float32 values are those.
             weight = compressor.decompress(state, scheme)["weight"]
         out[f"{module}.weight"] = _numpy(weight.to(getattr(torch, dtype)))
     for name, t in tensors.items():
