@@ -39,9 +39,9 @@ rest replicated. (Splits that cut MXFP4's 32-value groups are tested, not benchm
 Contenders:
 
 * ``ours``: ``ost.load(path, target, mapping=ost.Mapping(rules, quantization=ost.FP8((128, 128)),
-  ost.MXFP4(), ost.IntQuantized(4, 32) or ost.NVFP4()))``, identity-name rules (``{i}``, ``{e}`` placeholders), ``target`` the
-  twins' ``jax.ShapeDtypeStruct``s with their ``NamedSharding``s: each device's shard is
-  dequantized from the bytes and scales that cover it;
+  ost.MXFP4(), ost.IntQuantized(4, 32) or ost.NVFP4()))``, identity-name rules (``{i}``, ``{e}``
+  placeholders), ``target`` the twins' ``jax.ShapeDtypeStruct``s with their ``NamedSharding``s:
+  each device's shard is dequantized from the bytes and scales that cover it;
 * ``load_dequantize``: what a user writes without us: ``safetensors.safe_open(f,
   framework="numpy").get_tensor`` of each weight and its scales, whole, numpy dequantization
   in float32 (``tests/support/quantized_checkpoints.py``'s ``dequantize_fp8`` / ``dequantize_mxfp4``),
@@ -82,9 +82,9 @@ numpy reference (``tests/support/quantized_reference.py``; ``int4`` / ``nvfp4``:
 ``int_reference`` / ``nvfp4_reference`` of the unpacked codes); compressed-tensors'
 decompression as values (−0 equal to +0; on these checkpoints it is also bit for bit equal:
 its bf16 product of a bf16 scale, and its float32 NVFP4 group scale ``scale / global``
-times the code, round once to bf16, as ours); the maxtext rows check their written bf16 tensors as values (its e2m1 decoder
-writes −0 as +0, 5.6 % of the tiny gpt-oss experts' elements; the float32
-``e_score_correction_bias``, which it casts to bf16, is left out).
+times the code, round once to bf16, as ours); the maxtext rows check their written bf16 tensors
+as values (its e2m1 decoder writes −0 as +0, 5.6 % of the tiny gpt-oss experts' elements; the
+float32 ``e_score_correction_bias``, which it casts to bf16, is left out).
 
 Targets: ours ≥ 3× faster than load-then-dequantize (*ours ÷ row* time ≤ 1/3),
 RSS growth ≤ 1.2× the bytes of the result.

@@ -40,6 +40,7 @@ Pure: no devices, no files.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 
@@ -47,6 +48,7 @@ import numpy as np
 
 from orbax_safetensors.errors import MappingError
 from orbax_safetensors.format import DTYPES, DType
+from orbax_safetensors.format.dtypes import float_range
 from orbax_safetensors.planning.boxes import Box, box_shape, box_size
 from orbax_safetensors.planning.quantization import (
     E2M1,
@@ -307,7 +309,7 @@ class GroupQuantized:
         width = self._scale_axes[-1] * group if group is not None else codes[-1] * self.scheme.per_code
         return codes[:-1] + (width,)
 
-    @property
+    @functools.cached_property
     def _scale_axes(self) -> tuple[int, ...]:
         """The scale shape with one axis per value axis (per tensor: all ones; per channel
         ``(rows,)``: ``(rows, 1)``)."""
@@ -316,7 +318,7 @@ class GroupQuantized:
             return (1,) * ndim
         return tuple(scale) + (1,) * (ndim - len(scale))
 
-    @property
+    @functools.cached_property
     def _blocks(self) -> tuple[int, ...]:
         """Values per scale element on each axis: 1, the whole axis, or the group (last axis)."""
         group = self.scheme.group
@@ -438,7 +440,9 @@ class GroupQuantized:
         """Twin box ``box`` from the stored boxes ``boxes(box)`` names: the float32 values,
         a cache-sized run of rows at a time (a box's float32 is never whole), written into
         ``out`` (rounded once more to its dtype) when given, else a new float32 array.
-        ``check`` sees the float32 values before they are rounded into ``out``."""
+        ``check`` sees the float32 values before they are rounded into ``out``, unless the
+        box's largest scale times its largest code fits ``out``'s dtype (then no value can
+        fail it: a bfloat16 load of finite scales is never checked chunk by chunk)."""
         out = np.empty(box_shape(box), np.float32) if out is None else out
         if box_size(box) == 0:
             return out
@@ -456,6 +460,8 @@ class GroupQuantized:
         scales = self._per_row(scales, box, grid, rows)
         zeros = None if zeros is None else self._per_row(zeros, box, grid, rows)
         codes = np.asarray(codes).reshape(rows, -1)
+        if check is not None and _fits(out.dtype, float(np.abs(scales).max()) * self._largest_code):
+            check = None
         target = out if out.flags.c_contiguous else np.empty(out.shape, out.dtype)
         flat = target.reshape(rows, last)
         skip = box[-1][0] - (box[-1][0] // self.scheme.per_code) * self.scheme.per_code
@@ -473,6 +479,14 @@ class GroupQuantized:
         if target is not out:
             copy_into(out, target)
         return out
+
+    @property
+    def _largest_code(self) -> float:
+        """The largest ``|code - zero|`` the scheme stores."""
+        if not isinstance(self.scheme, IntQuantized):
+            return 6.0  # E2M1's largest
+        bits = self.scheme.bits
+        return float((1 << bits) - 1 if self.zero is not None else 1 << (bits - 1))
 
     def _group_scales(self, params: dict[str, np.ndarray], box: Box, grid: Box) -> np.ndarray:
         """The scales of the groups ``grid`` names, in float32, with the second-level scale
@@ -528,6 +542,16 @@ class GroupQuantized:
         if not self.scheme.packed:
             return codes.astype(np.float32)
         return _int_codes(np.ascontiguousarray(codes), self.scheme.bits)
+
+
+def _fits(dtype: np.dtype, bound: float) -> bool:
+    """Whether every float32 value of magnitude up to ``bound`` keeps its meaning in ``dtype``
+    (a float type holding everything from 0 to past ``bound``)."""
+    try:
+        limits = float_range(dtype)
+    except ValueError:  # not a float type
+        return False
+    return np.isfinite(bound) and bound < limits.max and limits.positive_from is None
 
 
 def _apply(op: np.ufunc, x: np.ndarray, values: np.ndarray, columns: np.ndarray | int) -> None:

@@ -393,9 +393,24 @@ def scale_values(scales: np.ndarray) -> np.ndarray:
 
 def nonfinite_problem(scales: str, weight: str, values: np.ndarray) -> str | None:
     """What is wrong with scales read (``None``: nothing): a NaN or infinite scale makes
-    every value of its block NaN or inf, which is damage to say, not a result to load."""
-    bad = np.flatnonzero(~np.isfinite(scale_values(values).reshape(-1)))
+    every value of its block NaN or inf, which is damage to say, not a result to load. One
+    pass over the stored bytes where a byte pattern says it (E8M0 0xFF, E4M3 ±0x7F: the only
+    NaNs of those types, which have no inf): a load checks every box's scales."""
+    values = np.asarray(values)
+    if values.dtype in _NAN_BYTES:
+        mask, nan = _NAN_BYTES[values.dtype]
+        codes = values.view(np.uint8).reshape(-1)
+        bad = np.flatnonzero(codes & mask == nan)
+    elif np.isfinite(values).all():
+        return None
+    else:
+        bad = np.flatnonzero(~np.isfinite(values.reshape(-1)))
     return None if not bad.size else _bad_scales(scales, weight, bad, "NaN or infinite scales")
+
+
+# The one-byte scale types whose NaNs are byte patterns (they have no inf): (mask, NaN bits).
+_NAN_BYTES = {np.dtype(np.uint8): (0xFF, 0xFF), np.dtype(ml_dtypes.float8_e8m0fnu): (0xFF, 0xFF),
+              np.dtype(ml_dtypes.float8_e4m3fn): (0x7F, 0x7F)}
 
 
 def _bad_scales(scales: str, weight: str, bad: np.ndarray, what: str) -> str:

@@ -137,7 +137,8 @@ def test_the_compressed_tensors_checkpoints_are_shaped_as_the_releases(checkpoin
     assert header_of(nvfp4, "model.layers.1.mlp.shared_experts.up_proj.weight_packed")["dtype"] == "U8"
     assert header_of(nvfp4, "model.layers.1.mlp.gate.weight")["dtype"] == "BF16"
     for checkpoint, fmt in ((int4, "pack-quantized"), (nvfp4, "nvfp4-pack-quantized")):
-        parsed = QuantizationConfig.model_validate(json.loads((checkpoint / "config.json").read_text())["quantization_config"])
+        config = json.loads((checkpoint / "config.json").read_text())["quantization_config"]
+        parsed = QuantizationConfig.model_validate(config)
         assert parsed.format == fmt and list(parsed.config_groups) == ["group_0"]
     assert parsed.config_groups["group_0"].weights.group_size == 16
 

@@ -233,13 +233,6 @@ def test_a_quantization_config_we_do_not_read_is_an_argument_error(spec, error):
         ost.mappings.for_config(json.loads(json.dumps(config)))
 
 
-def test_an_mxfp4_release_cannot_be_kept_quantized():
-    config = {"model_type": "qwen3", "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
-              "hidden_size": 8, "head_dim": 4, "quantization_config": {"quant_method": "mxfp4"}}
-    with pytest.raises(ost.ArgumentError, match="read dequantized"):
-        ost.mappings.for_config(config, dequantize=False)
-
-
 @pytest.mark.parametrize("make", [lambda: FP8((0, 128)), lambda: FP8(()), lambda: FP8((128,), scale_suffix=""),
                                   lambda: MXFP4(group=31), lambda: MXFP4(group=0)])
 def test_a_scheme_with_impossible_parameters_is_refused(make):

@@ -338,7 +338,8 @@ def torch_to_numpy(t) -> np.ndarray:
     """A torch tensor as numpy, its memory shared (bfloat16 and float8 through a same-size view)."""
     import torch
 
-    views = {torch.bfloat16: (torch.int16, ml_dtypes.bfloat16), torch.float8_e4m3fn: (torch.uint8, ml_dtypes.float8_e4m3fn)}
+    views = {torch.bfloat16: (torch.int16, ml_dtypes.bfloat16),
+             torch.float8_e4m3fn: (torch.uint8, ml_dtypes.float8_e4m3fn)}
     if t.dtype in views:
         raw, dtype = views[t.dtype]
         return t.contiguous().view(raw).numpy().view(dtype)
