@@ -240,10 +240,12 @@ class MXFP4Packed(_GroupScheme):
 
     @property
     def codes_suffix(self) -> str:
+        """What the module's name takes to name its codes."""
         return ".weight" if self.layout == "deepseek-v4" else ".weight_packed"
 
     @property
     def scales_suffix(self) -> str:
+        """What the module's name takes to name its scales (V4's beside the weight)."""
         return ".scale" if self.layout == "deepseek-v4" else ".weight_scale"
 
     def find(self, name: str, shapes: Mapping[str, Sequence[int]]) -> GroupQuantized | None:

@@ -118,7 +118,7 @@ def header_of(checkpoint: Path, name: str) -> dict:
 def test_the_compressed_tensors_checkpoints_are_shaped_as_the_releases(checkpoints):
     """Kimi-K2-Thinking: routed experts INT4 (words, BF16 group scales, weight_shape), the rest
     bf16; the NVFP4 release: every Linear NVFP4, router bf16. compressed-tensors parses both configs."""
-    from compressed_tensors.quantization import QuantizationConfig
+    QuantizationConfig = pytest.importorskip("compressed_tensors.quantization").QuantizationConfig
 
     int4, nvfp4 = checkpoints["int4"], checkpoints["nvfp4"]
     expert = "model.layers.1.mlp.experts.7.down_proj"  # [320, 192]
@@ -149,6 +149,9 @@ def test_compressed_tensors_decompression_equals_the_reference_bit_for_bit(check
     torch tensors, the scale in its stored dtype) and the numpy reference agree on every tensor:
     its bf16 product (INT4) and its float32 ``scale / global`` times the code (NVFP4) round once."""
     from safetensors import safe_open
+
+    pytest.importorskip("torch")  # the interop extra: compressed-tensors and torch
+    pytest.importorskip("compressed_tensors")
 
     twins = FAMILIES[family][1](FAMILIES[family][2])
     peer = dict(qc.reference_twins(checkpoints[family], twins, open_file=partial(safe_open, framework="pt"),
