@@ -176,9 +176,11 @@ def _kept(rule: Rule, schemes: tuple[Quantization, ...], ignored: list[str]) -> 
         return _kept_experts(rule, schemes[0])
     linear = (isinstance(rule.stored, str) and rule.stored.endswith(".weight")
               and bool(rule.transpose or rule.split or rule.transpose_after))  # not a norm's or an embedding's
-    if not linear or _is_ignored(rule, ignored):
+    if not linear:
         return [rule]
     example = re.sub(r"\{[^}]*\}", "0", rule.stored)  # a name the rule maps: the module's name's shape
+    if _is_ignored(rule, example, ignored):
+        return [rule]
     readers = [s for s in schemes if reads_module(s, example)]
     if not readers:
         return [rule]
@@ -203,10 +205,10 @@ def _kept_experts(rule: Rule, scheme: MXFP4) -> list[Rule]:
             for name, suffix, _ in scheme.kept_tensors(rule.stored)]
 
 
-def _is_ignored(rule: Rule, ignored: list[str]) -> bool:
+def _is_ignored(rule: Rule, example: str, ignored: list[str]) -> bool:
     """Whether ``ignored`` names a module of ``rule``'s weights (a name the rule maps, or a
-    ``re:`` pattern or ``*`` wildcard matching its modules' names)."""
-    example = re.sub(r"\{[^}]*\}", "0", rule.stored)[:-len(".weight")]
+    ``re:`` pattern or ``*`` wildcard matching the module name of ``example``, a weight it maps)."""
+    example = example[:-len(".weight")]
     for entry in ignored:
         if entry.startswith("re:"):
             if re.match(entry[len("re:"):], example):

@@ -326,14 +326,7 @@ class GroupQuantized:
         group = self.scheme.group
         return tuple((group if group is not None and axis == len(self.codes.shape) - 1 else
                       1 if s != 1 else size)
-                     for axis, (s, size) in enumerate(zip(self._scale_axes, self._twin_extent())))
-
-    def _twin_extent(self) -> tuple[int, ...]:
-        """The twin's shape, before ``_check`` has vouched for the scales (no group: the words')."""
-        codes = self.codes.shape
-        if self.scheme.group is None or not codes:
-            return codes[:-1] + ((codes[-1] * self.scheme.per_code,) if codes else ())
-        return self.shape
+                     for axis, (s, size) in enumerate(zip(self._scale_axes, self.shape)))
 
     def _check(self) -> None:
         name = type(self.scheme).__name__
@@ -351,7 +344,7 @@ class GroupQuantized:
             if -(-self.shape[-1] // self.scheme.per_code) != codes[-1]:
                 raise MappingError(f"{where}: {scale[-1]} groups of {group} are {self.shape[-1]} values, "
                                    f"which {codes[-1]} stored elements of {self.scheme.per_code} codes do not hold")
-        extent = self._twin_extent()
+        extent = self.shape
         lead = zip(scale[:-1], extent[:-1]) if group is not None else zip(scale, extent)
         if any(s not in (1, w) for s, w in lead):
             raise MappingError(f"{where}: each scale axis must be 1 or the weight's "

@@ -281,8 +281,7 @@ class Quantized:
                    out: np.ndarray | None = None,
                    check: Callable[[np.ndarray], None] | None = None, file: str | None = None) -> np.ndarray:
         """Twin box ``box`` from the values and scales (``parameters``: one) ``boxes(box)``
-        names: each value the
-        float32 product, written into ``out`` (rounded once more to its dtype) when given,
+        names: each value the float32 product, written into ``out`` (rounded once more to its dtype) when given,
         else a new float32 array. ``check`` sees the float32 products before they are rounded
         into ``out`` (the load's cast policy: a product past a float16 target's range is
         refused, as a stored float32 value would be, not made inf). A product past float32

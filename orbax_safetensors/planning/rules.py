@@ -657,8 +657,8 @@ class Mapping:
     tensors) holds it, for ``ost.convert``: ``None``, the tree is the
     checkpoint; ``"maxtext"``, MaxText's train state (``0/items``, the tree
     under ``params.params``).
-    ``quantization`` (``FP8``, ``MXFP4``, ``IntQuantized``, ``NVFP4``, or a sequence of
-    them): the checkpoint may store tensors quantized so; each is read as its
+    ``quantization`` (``FP8``, ``MXFP4``, ``IntQuantized``, ``NVFP4``, ``MXFP4Packed``, or a
+    sequence of them): the checkpoint may store tensors quantized so; each is read as its
     dequantized twin, the tensor the rules name (``planning.quantization``,
     ``planning.group_quantization``), dequantized box by box as it is read.
     ``ignore``: prefixes of stored names the tree does not hold (DeepSeek-V3's
@@ -712,8 +712,7 @@ class Mapping:
         view = dequantized(self._schemes, stored_shapes)
         fp8 = [s for s in self._schemes if isinstance(s, FP8)]
         unscaled = [name for name, code in (dtypes or {}).items() if fp8 and code.startswith("F8_")
-                    and name in view and name not in view.quantized
-                    and not name.endswith("_scale")]  # NVFP4's group scales are FP8 of their own
+                    and name in view and name not in view.quantized]
         if unscaled:
             raise MappingError(f"{len(unscaled)} FP8 tensors have no scales ({fp8[0]}): "
                                + ", ".join(sorted(unscaled)[:5]) + (" ..." if len(unscaled) > 5 else ""))
@@ -791,8 +790,7 @@ class Mapping:
         """The rules no stored name matches: a checkpoint of another family, or one missing
         tensors the tree needs (a conversion would write a tree without those leaves)."""
         names = list(stored_names)
-        return [rule for rule in self.rules
-                if not any(_pattern(p, "stored")[0].fullmatch(n) for p in rule.stored_patterns for n in names)]
+        return [rule for rule in self.rules if not any(rule.maps_stored(n) for n in names)]
 
     def assembly(self, tree_name: str, *, tree_shape: Sequence[int] | None = None,
                  stored_shapes: MappingABC[str, Sequence[int]] | None = None) -> Assembly:
