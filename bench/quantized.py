@@ -4,7 +4,7 @@ against load-then-dequantize and MaxText 0.2.5's dequantize scripts.
     .venv/bin/python bench/quantized.py                # ~1 GB stored per family, 3 repeats, cold and warm
     .venv/bin/python bench/quantized.py --quick        # a few MB, 1 repeat, every tensor checked: a smoke test
     .venv/bin/python bench/quantized.py --families fp8 --contenders ours,load_dequantize --repeats 5
-    .venv/bin/python bench/quantized.py --families int4,nvfp4 --repeats 1   # to quantized-int4-nvfp4.md
+    .venv/bin/python bench/quantized.py --families int4,nvfp4 --results quantized-int4-nvfp4
 
 What it measures: loading a quantized Hugging Face checkpoint as bf16 ``jax.Array``s on 8 host
 CPU devices, from four synthetic checkpoints (``tests/support/quantized_checkpoints.py``, written once

@@ -11,6 +11,9 @@ from orbax_safetensors.planning.boxes import (
     intersect,
     normalize_index,
     relative_slices,
+    row_runs,
+    row_slabs,
+    tiles,
 )
 from orbax_safetensors.planning.chunking import chunk_boxes, chunk_shape
 from orbax_safetensors.planning.read_plan import (
@@ -61,7 +64,7 @@ from orbax_safetensors.planning.write_plan import (
 __all__ = [
     "Assembly", "Constant", "Piece", "Tiling",
     "Box", "bounding_box", "box_shape", "box_size", "byte_runs", "full_box", "intersect",
-    "normalize_index", "relative_slices",
+    "normalize_index", "relative_slices", "row_runs", "row_slabs", "tiles",
     "chunk_boxes", "chunk_shape",
     "Batch", "BlockPart", "BounceRead", "ReadPlan", "ReadProfile", "Region", "RegionRead", "SliceRead",
     "StoredSlice", "TensorReads", "TensorSource", "box_runs", "plan_block", "plan_byte_reads", "plan_reads",

@@ -71,6 +71,48 @@ def relative_slices(inner: Box, outer: Box) -> tuple[slice, ...]:
     return tuple(slice(i0 - o0, i1 - o0) for (i0, i1), (o0, _) in zip(inner, outer))
 
 
+def row_runs(boxes: Sequence[Box], itemsize: int, least: int, align: int) -> dict[Box, tuple[Box, ...]]:
+    """``boxes`` (distinct) merged into *runs*: boxes that follow each other along the first
+    axis, with the same bounds on every other, joined in order until a run holds ``least``
+    bytes. A run is one C-order array whose boxes are consecutive row slices of it, so a
+    caller fills a run's boxes in one pass rather than one per box (a load of small shards
+    spent more on the calls per box than on their values). A box joins a run only where it
+    starts ``align`` bytes apart from the run's start (a multiple of it), so each is as
+    aligned as the run is. Each run (its bounding box) → its boxes; a box alone is its own."""
+    runs: dict[Box, tuple[Box, ...]] = {}
+    members: list[Box] = []
+
+    def close() -> None:
+        if members:
+            runs[bounding_box(members) if len(members) > 1 else members[0]] = tuple(members)
+            members.clear()
+
+    for box in sorted(boxes):
+        if members:
+            last, first = members[-1], members[0]
+            offset = (box[0][0] - first[0][0]) * math.prod(box_shape(box[1:])) * itemsize
+            if (box[1:] != last[1:] or box[0][0] != last[0][1] or offset % align
+                    or sum(map(box_size, members)) * itemsize >= least):
+                close()
+        members.append(box)
+    close()
+    return runs
+
+
+def row_slabs(box: Box, itemsize: int, least: int, most: int) -> list[Box]:
+    """``box`` cut along its first axis into at most ``most`` slabs of at least ``least``
+    bytes each (itself where it has no axis or is too small for two): the pieces one box's
+    work is shared out in."""
+    if not box:
+        return [box]
+    start, rows = box[0][0], box[0][1] - box[0][0]
+    count = min(most, rows, box_size(box) * itemsize // max(least, 1))
+    if count < 2:
+        return [box]
+    bounds = [start + rows * k // count for k in range(count + 1)]
+    return [((a, b),) + box[1:] for a, b in zip(bounds, bounds[1:])]
+
+
 def intersect(a: Box, b: Box) -> Box | None:
     bounds = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b))
     return bounds if all(start < stop for start, stop in bounds) else None

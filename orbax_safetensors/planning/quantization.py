@@ -387,6 +387,11 @@ def scale_values(scales: np.ndarray) -> np.ndarray:
         with np.errstate(over="ignore"):
             powers = np.ldexp(np.float32(1), scales.astype(np.int32) - 127)
         return np.where(scales == 0xFF, np.float32(np.nan), powers).astype(np.float32)
+    table = _BYTE_SCALES.get(scales.dtype)
+    if table is not None:  # a byte's float32, looked up: a fifth of the cost of the cast
+        return table[scales.view(np.uint8)]
+    if scales.dtype == ml_dtypes.bfloat16:  # bfloat16 is float32's upper half: a shift, not a cast
+        return (scales.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
     return scales.astype(np.float32, copy=False)
 
 
@@ -408,6 +413,8 @@ def nonfinite_problem(scales: str, weight: str, values: np.ndarray) -> str | Non
 
 
 # The one-byte scale types whose NaNs are byte patterns (they have no inf): (mask, NaN bits).
+_BYTE_SCALES = {np.dtype(t): np.arange(256, dtype=np.uint8).view(t).astype(np.float32)
+                for t in (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e8m0fnu)}
 _NAN_BYTES = {np.dtype(np.uint8): (0xFF, 0xFF), np.dtype(ml_dtypes.float8_e8m0fnu): (0xFF, 0xFF),
               np.dtype(ml_dtypes.float8_e4m3fn): (0x7F, 0x7F)}
 

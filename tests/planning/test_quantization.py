@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import orbax_safetensors as ost
-from orbax_safetensors.planning.quantization import FP8, MXFP4, Quantized
+from orbax_safetensors.planning.quantization import FP8, MXFP4, Quantized, scale_values
 from tests.support.quantized_reference import BF16, bits, fp8_reference, mxfp4_reference, random_fp8, random_mxfp4
 from tests.planning.test_mapping import box_in  # a non-empty box (empty ones: test_empty_boxes_are_empty)
 
@@ -359,3 +359,17 @@ def test_a_value_times_its_scale_past_float32_is_refused_whatever_the_target(tmp
         if dtype is None:  # a conversion too
             with pytest.raises(ost.SafetensorsError, match="past float32"):
                 ost.convert(tmp_path / "model.safetensors", tmp_path / "out", mapping=mapping)
+
+
+@pytest.mark.parametrize("dtype", [ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e8m0fnu, ml_dtypes.bfloat16,
+                                   np.float16])
+def test_scale_values_are_the_cast_of_every_bit_pattern(dtype):
+    """Scales read as float32 by table (FP8) or shift (bfloat16) are the cast's own bits, NaNs
+    included, for every pattern of the type, through strided views as a box reads them."""
+    patterns = np.arange(1 << (8 * np.dtype(dtype).itemsize), dtype=np.uint32)
+    values = patterns.astype(np.uint8 if np.dtype(dtype).itemsize == 1 else np.uint16).view(dtype)
+    strided = values.reshape(-1, 16)[:, 1::3]
+    for scales in (values, strided):
+        got = scale_values(scales)
+        assert got.dtype == np.float32 and got.shape == scales.shape
+        assert got.tobytes() == scales.astype(np.float32).tobytes()

@@ -23,6 +23,8 @@ from orbax_safetensors.planning import (
     replication_factor,
     reshard_parts,
     box_runs,
+    row_runs,
+    row_slabs,
 )
 
 _SETTINGS = settings(max_examples=150, deadline=None, derandomize=True, database=None)
@@ -417,3 +419,61 @@ def test_sliced_tensor_reads_fill_every_shard_exactly_once(tiling, slicing, item
             if inside is not None:
                 covered[shard][relative_slices(inside, shard)] += 1
     assert all((c == 1).all() for c in covered.values())
+
+
+@_SETTINGS
+@given(tilings(), st.sampled_from([1, 2, 4]), st.integers(0, 64), st.sampled_from([1, 8, 64]))
+def test_row_runs_join_consecutive_rows_into_one_array_each(tiling, itemsize, least, align):
+    """Every local box is in one run; a run's boxes are consecutive row slices of it (the
+    same bounds on every other axis), each starting a multiple of ``align`` bytes into it;
+    a run closes once it holds ``least`` bytes, and boxes that could join are joined."""
+    shape, _, local = tiling
+    local = list(dict.fromkeys(local))
+    runs = row_runs(local, itemsize, least, align)
+    assert sorted(b for boxes in runs.values() for b in boxes) == sorted(local)
+    values = np.arange(math.prod(shape)).reshape(shape)
+    for run, boxes in runs.items():
+        held = values[tuple(slice(a, b) for a, b in run)]
+        flat, start = held.reshape(-1), 0
+        for box in boxes:  # consecutive slices of the run's C-order array
+            assert box[1:] == run[1:]
+            part = values[tuple(slice(a, b) for a, b in box)].reshape(-1)
+            assert start * itemsize % align == 0
+            np.testing.assert_array_equal(flat[start:start + part.size], part)
+            start += part.size
+        assert start == held.size
+        assert sum(box_size(b) for b in boxes[:-1]) * itemsize < max(least, 1) or len(boxes) == 1
+    ordered = sorted(local)
+    for a, b in zip(ordered, ordered[1:]):  # two that could join, and the first's run had room, are one run
+        run_of = {box: run for run, boxes in runs.items() for box in boxes}
+        room = sum(box_size(x) for x in runs[run_of[a]] if x <= a) * itemsize < least
+        offset = (b[0][0] - run_of[a][0][0]) * math.prod(box_shape(b[1:])) * itemsize
+        if b[1:] == a[1:] and b[0][0] == a[0][1] and room and offset % align == 0:
+            assert run_of[a] == run_of[b]
+
+
+def test_row_runs_of_a_sharding_s_row_blocks_and_column_blocks():
+    rows = [((r, r + 64), (0, 1024)) for r in range(0, 512, 64)]
+    assert row_runs(rows, 2, 4 << 20, 64) == {((0, 512), (0, 1024)): tuple(rows)}
+    assert list(row_runs(rows, 2, 256 << 10, 64)) == [((0, 128), (0, 1024)), ((128, 256), (0, 1024)),
+                                                       ((256, 384), (0, 1024)), ((384, 512), (0, 1024))]
+    columns = [((0, 512), (c, c + 128)) for c in range(0, 1024, 128)]
+    assert row_runs(columns, 2, 4 << 20, 64) == {c: (c,) for c in columns}
+    odd = [((r, r + 1), (0, 3)) for r in range(4)]  # rows of 6 bytes: only every 32nd starts aligned
+    assert all(len(boxes) == 1 for boxes in row_runs(odd, 2, 1 << 20, 64).values())
+    assert row_runs([()], 4, 1, 64) == {(): ((),)}
+
+
+@_SETTINGS
+@given(shapes_and_boxes(), st.sampled_from([1, 2, 4]), st.integers(1, 256), st.integers(1, 8))
+def test_row_slabs_tile_the_box_along_its_rows(shape_box, itemsize, least, most):
+    _, box = shape_box
+    slabs = row_slabs(box, itemsize, least, most)
+    assert 1 <= len(slabs) <= max(most, 1)
+    if len(slabs) > 1:
+        assert all(s[1:] == box[1:] and box_size(s) * itemsize >= least // 2 for s in slabs)
+        assert [s[0] for s in slabs] == sorted(s[0] for s in slabs)
+        assert slabs[0][0][0] == box[0][0] and slabs[-1][0][1] == box[0][1]
+        assert all(a[0][1] == b[0][0] for a, b in zip(slabs, slabs[1:]))
+    else:
+        assert slabs == [box]

@@ -11,14 +11,29 @@ import jax
 import numpy as np
 
 from orbax_safetensors.engine.loading.casting import Cast, cast_rule, device_dtype
+from orbax_safetensors.engine.loading.host_buffers import XLA_ALIGNMENT
 from orbax_safetensors.engine.loading.device_assembly import device_array
-from orbax_safetensors.engine.loading.host_work import host_array, host_map
+from orbax_safetensors.engine.loading.host_work import HOST_THREADS, host_arrays, host_map
 from orbax_safetensors.engine.loading.jobs import Job, Staging, local_boxes, planned_reads
 from orbax_safetensors.engine.loading.options import ReadPolicy
 from orbax_safetensors.errors import SafetensorsError
-from orbax_safetensors.planning import Box, TensorSource, box_shape, box_size, full_box, relative_slices
+from orbax_safetensors.planning import (
+    Box,
+    TensorSource,
+    box_shape,
+    box_size,
+    full_box,
+    relative_slices,
+    row_runs,
+    row_slabs,
+    tiles,
+)
+from orbax_safetensors.planning.boxes import is_contiguous
 from orbax_safetensors.planning.assembly import Assembly, Piece
 from orbax_safetensors.planning.transforms import Transform, copy_into
+
+RUN_BYTES = 4 << 20  # device boxes joined into one buffer up to this
+SLAB_BYTES = 512 << 10  # a run's work is shared among the host threads in slabs of at least this
 
 
 class AssembledLeaf:
@@ -27,9 +42,18 @@ class AssembledLeaf:
     Each job reads only the stored boxes behind the parts of this process's
     device boxes its tensor holds (a device holding layers 0-7 never reads
     layer 8), transforms them and copies them into the leaf's host buffers,
-    one per device box. The job that completes the leaf puts it on the
-    devices, so a leaf's host buffers live from its first piece to its last
-    (on CPU they become the array itself: 64-byte aligned, adopted by XLA).
+    one per *run* of device boxes (``row_runs``: boxes that follow each other
+    along the first axis, joined up to ``RUN_BYTES``, each box a slice of its
+    run's buffer), filled in row slabs shared among the host threads. A leaf
+    of small shards so costs a call per slab, not per shard (a load of 2 016
+    INT4 experts of 8 shards each spent most of its time on the calls:
+    docs/benchmarks.md). Where this process
+    holds all of a leaf in shards contiguous in it, the buffers are one
+    array of the leaf's shape, put on the devices by one ``device_put`` that
+    cuts it (a third of the cost of a shard each). The job that completes
+    the leaf puts it on the devices, so a leaf's host buffers live from its
+    first piece to its last (on CPU they become the array itself: 64-byte
+    aligned, adopted by XLA).
 
     A quantized piece (``Piece.quantized``) is a job per parameter (scales,
     zero points...), each read ``first`` (every such job finishes before any
@@ -49,15 +73,22 @@ class AssembledLeaf:
         self.refused = tuple(cast.refused for cast in casts if cast.refused is not None)
         shape = assembly.shape
         self.local = {full_box(shape): []} if sharding is None else local_boxes(name, shape, sharding)
-        self.buffers: dict[Box, np.ndarray] = {}
+        self.runs = row_runs(list(self.local), self.dtype.itemsize, RUN_BYTES, XLA_ALIGNMENT)
+        self.slabs = {slab: run for run in self.runs
+                      for slab in row_slabs(run, self.dtype.itemsize, SLAB_BYTES, HOST_THREADS)}
+        self.buffers: dict[Box, np.ndarray] = {}  # by run, all made by the first job's ``prepare``
+        self.whole: np.ndarray | None = None  # the leaf, where the runs are views of it
         self.value: Any = None
         self.jobs: list[Job] = []
+        covered: set[Box] = set()
         for piece, source, cast in zip(assembly.pieces, sources, casts):
-            parts = {box: part for box in self.local for part in [piece.part(box)] if part is not None}
+            parts = {slab: part for slab in self.slabs for part in [piece.part(slab)] if part is not None}
+            covered.update(self.slabs[slab] for slab in parts)
             if parts and piece.quantized is not None:
                 self.jobs += self._quantized_jobs(piece, parts, tensors, policy, cast)
             elif parts:
                 self.jobs.append(self._job(piece, parts, source, policy, cast))
+        self._uncovered = [run for run in self.runs if run not in covered]  # a constant's, or a gap's
         self._remaining = sum(not job.reads.first for job in self.jobs)
         if not self.jobs:  # this process holds none of it (or it is empty)
             self.value = self._result()
@@ -79,7 +110,7 @@ class AssembledLeaf:
             return lambda stored, own, into: transform.to_tree(views(stored), stored, own, out=into)
 
         return Job(planned_reads(source, staged.boxes, needed, policy), self._fill(transform, parts, values),
-                   scratch=True, prepare=self._prepare(parts))
+                   scratch=True, prepare=self._prepare)
 
     def _quantized_jobs(self, piece: Piece, parts: dict[Box, tuple[Box, Box]], tensors: Mapping[str, TensorSource],
                         policy: ReadPolicy, cast: Cast) -> list[Job]:
@@ -139,7 +170,7 @@ class AssembledLeaf:
 
         return [*(Job(dataclasses.replace(reads(k), first=True), keep(k), scratch=True)
                   for k in range(1, len(sources))),
-                Job(reads(0), self._fill(transform, parts, values), scratch=True, prepare=self._prepare(parts))]
+                Job(reads(0), self._fill(transform, parts, values), scratch=True, prepare=self._prepare)]
 
     def _fill(self, transform: Transform, parts: dict[Box, tuple[Box, Box]],
               values: Callable[[list[np.ndarray]], Callable[[Box, Box, np.ndarray], Any]],
@@ -152,8 +183,9 @@ class AssembledLeaf:
             write = values(buffers)
 
             def fill(part: tuple[Box, tuple[Box, Box]]) -> None:
-                box, (inside, own) = part
-                into = self.buffers[box][relative_slices(inside, box)].reshape(
+                slab, (inside, own) = part
+                run = self.slabs[slab]
+                into = self.buffers[run][relative_slices(inside, run)].reshape(
                     box_shape(own), copy=False)  # drops the stacked axes; never a copy (raises instead)
                 write(transform.stored_box(own), own, into)
 
@@ -166,27 +198,48 @@ class AssembledLeaf:
 
         return finish
 
-    def _prepare(self, parts: dict[Box, tuple[Box, Box]]) -> Callable[[], None]:
-        """A job's ``prepare``: the leaf's buffers of the boxes it fills that no earlier job
-        made, faulted in before its reads are done, by the one thread that starts batches
-        (while the previous batch finishes on another)."""
-
-        def prepare() -> None:
-            for box in parts:
-                if box not in self.buffers:
-                    self.buffers[box] = host_array(box_shape(box), self.dtype)
-
-        return prepare
+    def _prepare(self) -> None:
+        """A job's ``prepare``: the leaf's buffers, made by the first (one allocation, faulted
+        in before its reads are done, by the one thread that starts batches while the
+        previous batch finishes on another); runs no piece fills hold the fill value."""
+        if self.buffers:
+            return
+        shape = self.assembly.shape
+        whole = full_box(shape)
+        if (self.sharding is not None and self.sharding.is_fully_addressable and len(self.runs) > 1
+                and all(is_contiguous(run, shape) for run in self.runs) and tiles(list(self.runs), whole)):
+            self.whole = host_arrays([shape], self.dtype)[0]
+            self.buffers = {run: self.whole[relative_slices(run, whole)] for run in self.runs}
+        else:
+            self.buffers = dict(zip(self.runs, host_arrays([box_shape(run) for run in self.runs], self.dtype)))
+        for run in self._uncovered:
+            self.buffers[run][...] = self._fill_value
 
     def _result(self) -> Any:
         buffers, self.buffers = self.buffers, {}
-        constant = self.assembly.constant
-        fill = 0 if constant is None else constant.value  # an empty leaf's, or a constant's
+        whole, self.whole = self.whole, None
+        shape = self.assembly.shape
         if self.sharding is None:
-            box = full_box(self.assembly.shape)
-            return buffers[box] if box in buffers else np.full(self.assembly.shape, fill, self.dtype)
-        return device_array(self.assembly.shape, self.sharding, Cast(self.dtype), self.local,
-                            lambda box: buffers[box] if box in buffers else np.full(box_shape(box), fill, self.dtype))
+            return buffers[full_box(shape)] if buffers else np.full(shape, self._fill_value, self.dtype)
+        if whole is None and buffers and self.sharding.is_fully_addressable and full_box(shape) in buffers:
+            whole = buffers[full_box(shape)]
+        if whole is not None:
+            return jax.device_put(whole, self.sharding)
+        run_of = {box: run for run, boxes in self.runs.items() for box in boxes}
+
+        def shard(box: Box) -> np.ndarray:
+            if not buffers:  # no job: this process holds none of it
+                return np.full(box_shape(box), self._fill_value, self.dtype)
+            run = run_of[box]
+            return buffers[run][relative_slices(box, run)]
+
+        return device_array(shape, self.sharding, Cast(self.dtype), self.local, shard)
+
+    @property
+    def _fill_value(self) -> Any:
+        """What no piece fills holds: a constant's value, else 0 (an empty leaf's)."""
+        constant = self.assembly.constant
+        return 0 if constant is None else constant.value
 
 
 def _read_as(piece: Piece, tensors: Mapping[str, TensorSource]) -> TensorSource:

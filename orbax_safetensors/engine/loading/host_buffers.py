@@ -33,6 +33,7 @@ import numpy as np
 # on CPU a shard read into an aligned buffer costs no second copy and no memory.
 XLA_ALIGNMENT = 64
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+HUGE_PAGE = 2 << 20  # a transparent huge page (x86-64, and arm64 with 4 KiB pages)
 _MADV_NOHUGEPAGE = 15
 _MADV_POPULATE_WRITE = 23  # Linux 5.14; older kernels answer EINVAL and pages fault as usual
 
@@ -77,15 +78,21 @@ def carve(arena: np.ndarray, sizes: Sequence[int]) -> list[np.ndarray]:
     return [arena[start:start + n] for start, n in zip(_starts(sizes), sizes)]
 
 
-def host_buffers(sizes: Sequence[int]) -> list[np.ndarray]:
+def host_buffers(sizes: Sequence[int], populated: bool = False) -> list[np.ndarray]:
     """Uninitialised byte buffers, each 64-byte aligned, carved from one allocation of small
-    pages (one allocation per tensor rather than per shard)."""
+    pages (one allocation per tensor rather than per shard: an allocation per shard, and the
+    kernel's work on each, cost a load of 16 000 small shards more than its reads).
+    ``populated``: their pages faulted in, in one call (see ``populate``)."""
     total = footprint(sizes)
     raw = np.empty(total + PAGE, np.uint8)
-    base = -raw.ctypes.data % PAGE  # page-aligned, hence 64-byte aligned
-    if _advise is not None and total >= PAGE:
-        _advise(raw.ctypes.data + base, total - total % PAGE, _MADV_NOHUGEPAGE)
-    return carve(raw[base:base + total], sizes)
+    address = raw.__array_interface__["data"][0]  # a tenth of the cost of ``raw.ctypes.data``
+    base = -address % PAGE  # page-aligned, hence 64-byte aligned
+    if _advise is not None and total >= HUGE_PAGE:  # a smaller one holds none
+        _advise(address + base, total - total % PAGE, _MADV_NOHUGEPAGE)
+    arena = raw[base:base + total]
+    if populated:
+        populate(arena)
+    return carve(arena, sizes)
 
 
 # A tensor whose buffers take less than this shares an allocation with its neighbours: alone,

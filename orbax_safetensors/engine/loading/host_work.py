@@ -13,18 +13,18 @@ import atexit
 import math
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from orbax_safetensors.engine.loading.host_buffers import host_buffers, populate
+from orbax_safetensors.engine.loading.host_buffers import host_buffers
 from orbax_safetensors.errors import SafetensorsError
 from orbax_safetensors.format import from_bytes
 from orbax_safetensors.planning import StoredSlice
 from orbax_safetensors.storage.executor import Executor
 
-_HOST_THREADS = os.cpu_count() or 1
+HOST_THREADS = os.cpu_count() or 1
 _pool: Executor | None = None
 _pool_lock = threading.Lock()
 
@@ -32,11 +32,11 @@ _pool_lock = threading.Lock()
 def host_map(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
     """``[fn(x) for x in items]`` on every core, in order; the first error is raised."""
     global _pool
-    if len(items) < 2 or _HOST_THREADS < 2:
+    if len(items) < 2 or HOST_THREADS < 2:
         return [fn(x) for x in items]
     with _pool_lock:
         if _pool is None:
-            _pool = Executor(_HOST_THREADS, name="orbax_safetensors-host")
+            _pool = Executor(HOST_THREADS, name="orbax_safetensors-host")
         pool = _pool
     return pool.map(fn, items)
 
@@ -53,12 +53,13 @@ def _close_pool() -> None:
 atexit.register(_close_pool)
 
 
-def host_array(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """An array about to be filled by copies, in a host buffer XLA's CPU client adopts
-    without a copy; its pages faulted in at once (by copies, page by page, costs twice)."""
-    array = host_buffers([math.prod(shape) * np.dtype(dtype).itemsize])[0].view(dtype).reshape(shape)
-    populate(array)
-    return array
+def host_arrays(shapes: Sequence[tuple[int, ...]], dtype: np.dtype) -> list[np.ndarray]:
+    """Arrays about to be filled by copies (a tensor's shards), in host buffers XLA's CPU
+    client adopts without a copy, carved from one allocation; their pages faulted in at once
+    (by copies, page by page, costs twice)."""
+    itemsize = np.dtype(dtype).itemsize
+    buffers = host_buffers([math.prod(shape) * itemsize for shape in shapes], populated=True)
+    return [buffer.view(dtype).reshape(shape) for buffer, shape in zip(buffers, shapes)]
 
 
 def view(buffer: np.ndarray, stored: StoredSlice, name: str, shape: tuple[int, ...]) -> np.ndarray:

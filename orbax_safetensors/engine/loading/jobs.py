@@ -29,7 +29,7 @@ import numpy as np
 
 from orbax_safetensors.engine.loading.casting import Cast, apply_cast, cast_rule, device_dtype
 from orbax_safetensors.engine.loading.device_assembly import bitcastable, bytes_to_array, device_array, off_staging
-from orbax_safetensors.engine.loading.host_work import host_array, host_map, view
+from orbax_safetensors.engine.loading.host_work import host_arrays, host_map, view
 from orbax_safetensors.engine.loading.options import ReadPolicy
 from orbax_safetensors.engine.core.resharding import (
     device_boxes,
@@ -334,7 +334,7 @@ def _mapped_job(tensor: _Shards, policy: ReadPolicy) -> Job:
         boxes = list(tensor.local)
         shards = dict(zip(boxes, host_map(lambda box: transform.to_tree(
             views(transform.stored_box(box)), transform.stored_box(box), box,
-            out=host_array(box_shape(box), cast.to)), boxes)))
+            out=host_arrays([box_shape(box)], cast.to)[0]), boxes)))
         return device_array(tensor.shape, tensor.sharding, cast, tensor.local, shards.__getitem__)
 
     return Job(planned_reads(tensor.source, staged.boxes, tensor.needed, policy), finish, scratch=True)

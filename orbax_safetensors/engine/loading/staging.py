@@ -56,7 +56,7 @@ class StagingPool:
         self.pinned = 0  # bytes of arenas registered for DMA, all told
         self._clients = list(clients)
         self._registering = bool(self._clients)  # off once a client refuses
-        self._free: list[np.ndarray] = []
+        self._free: dict[int, list[np.ndarray]] = {}  # by size: a load's shards come in a few sizes
         self._lent: dict[int, np.ndarray] = {}  # id of the views handed out → their arena
         self._registered: set[int] = set()  # addresses of registered arenas
         self._held = 0
@@ -72,12 +72,10 @@ class StagingPool:
         past ``capacity`` by the difference."""
         total = arena_size(footprint(sizes))
         with self._lock:
-            self._free.sort(key=lambda a: a.size)  # numpy arrays: found by place, never by ==
-            at = next((k for k, a in enumerate(self._free) if a.size == total), None)
-            arena = None if at is None else self._free.pop(at)
+            arena = self._pop(total) if total in self._free else None
             dropped = []
             while arena is None and self._free and self._held + total > self.capacity:
-                dropped.append(self._free.pop())  # the largest
+                dropped.append(self._pop(max(self._free)))  # the largest
                 self._held -= dropped[-1].size
             if arena is None:
                 self._held += total
@@ -97,7 +95,7 @@ class StagingPool:
             arena = self._lent.pop(id(views))
             keep = self._held <= self.capacity
             if keep:
-                self._free.append(arena)
+                self._free.setdefault(arena.size, []).append(arena)
             else:
                 self._held -= arena.size
         if not keep:
@@ -108,9 +106,18 @@ class StagingPool:
         arena still lent (after a failure that waited for the transfer in flight); an arena
         an unfinished transfer may still read stays registered rather than be unmapped under it."""
         with self._lock:
-            arenas = self._free + (list(self._lent.values()) if lent_done else [])
-            self._free, self._held = [], 0
+            arenas = [a for free in self._free.values() for a in free] + (
+                list(self._lent.values()) if lent_done else [])
+            self._free, self._held = {}, 0
         self._let_go(arenas)
+
+    def _pop(self, size: int) -> np.ndarray:
+        """A free arena of ``size`` bytes (one there is), under the lock."""
+        free = self._free[size]
+        arena = free.pop()
+        if not free:
+            del self._free[size]
+        return arena
 
     def _new(self, nbytes: int) -> np.ndarray:
         arena = host_buffers([nbytes])[0]
