@@ -140,7 +140,9 @@ DEFAULT_VENV = os.path.join(os.path.expanduser("~"), ".cache", "orbax_safetensor
                             f"maxtext-{MAXTEXT_VERSION}-venv")
 VARIANTS = ("scan", "unscan")  # scan_layers=True / False
 DEVICES, MESH = 4, "fsdp=2,tensor=2"
-CHILD_TIMEOUT = 600
+# One maxtext_child.py runs every case: on a loaded 2-core machine with a fresh venv, MaxText's import took
+# 81 s and each case and variant 18 s (a forward pass compiled), so the 60 of them about 1 200 s.
+CHILD_TIMEOUT = 2100
 PIP_TIMEOUT = 1800
 TOKENS = np.random.default_rng(7).integers(0, 256, (2, 16), dtype=np.int32)
 _COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
