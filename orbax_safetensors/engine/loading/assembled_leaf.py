@@ -206,7 +206,7 @@ class AssembledLeaf:
             return
         shape = self.assembly.shape
         whole = full_box(shape)
-        if (self.sharding is not None and self.sharding.is_fully_addressable and len(self.runs) > 1
+        if (self.sharding is not None and self.sharding.is_fully_addressable
                 and all(is_contiguous(run, shape) for run in self.runs) and tiles(list(self.runs), whole)):
             self.whole = host_arrays([shape], self.dtype)[0]
             self.buffers = {run: self.whole[relative_slices(run, whole)] for run in self.runs}
@@ -221,8 +221,6 @@ class AssembledLeaf:
         shape = self.assembly.shape
         if self.sharding is None:
             return buffers[full_box(shape)] if buffers else np.full(shape, self._fill_value, self.dtype)
-        if whole is None and buffers and self.sharding.is_fully_addressable and full_box(shape) in buffers:
-            whole = buffers[full_box(shape)]
         if whole is not None:
             return jax.device_put(whole, self.sharding)
         run_of = {box: run for run, boxes in self.runs.items() for box in boxes}
