@@ -31,7 +31,11 @@ import operator
 import re
 import struct
 from collections.abc import Iterable, Mapping, Sequence
+from itertools import chain
+from typing import NamedTuple
 from json.encoder import encode_basestring
+
+import numpy as np
 
 from orbax_safetensors.errors import SafetensorsError
 from orbax_safetensors.format.dtypes import DTYPES, DType
@@ -44,12 +48,14 @@ _MAX_NBITS = 2**64  # the crate computes sizes in usize and rejects overflow
 _MAX_DEPTH = 127  # serde_json refuses a 128th nested array/object
 _ENTRY_FIELDS = frozenset({"dtype", "shape", "data_offsets"})
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_NEGATIVE_ZERO = re.compile(r"-0(?![.eE])")  # serde reads it as a float
 _DATA_ORDER = operator.attrgetter("begin", "end")
+_INT = {int}
 
 
-@dataclasses.dataclass(frozen=True)
-class TensorInfo:
-    """Where one tensor lives: offsets are relative to the start of the data buffer."""
+class TensorInfo(NamedTuple):
+    """Where one tensor lives: offsets are relative to the start of the data buffer. A named
+    tuple (made in a third of a frozen dataclass's time): a header can hold 100 000."""
 
     name: str
     dtype: DType
@@ -104,11 +110,39 @@ def truncated(file_size: int, needed: int, file: str) -> SafetensorsError:
 
 
 def parse_header(raw: bytes, file_size: int, *, file: str) -> Header:
-    """Parses and validates the N header bytes of a file of ``file_size`` bytes."""
+    """Parses and validates the N header bytes of a file of ``file_size`` bytes.
+
+    Nearly every header holds no backslash and no ``-0``. There JSON's own decoder, with no
+    hook called per object and per integer, reads the document the serde-exact one does,
+    provided no key was given twice, and its entries are checked column by column: 2-3x
+    faster on 100 000 tensors (``_parse_plain``). Any doubt, or any error, and the header is
+    read again the exact way (``_parse_exact``), which raises the precise error.
+    """
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise SafetensorsError(f"header is not valid UTF-8 ({e})", file=file) from None
+    header = _parse_plain(text, len(raw), file_size, file)  # its document freed before the next
+    return header if header is not None else _parse_exact(text, len(raw), file_size, file)
+
+
+def _parse_plain(text: str, header_size: int, file_size: int, file: str) -> Header | None:
+    """``_parse_exact``'s header, where ``text`` is plain and valid; else None. A duplicate key
+    is found by counting strings: the text's quotes against the keys and string values the
+    document kept (without a backslash, every quote starts or ends a string)."""
+    if "\\" in text or _NEGATIVE_ZERO.search(text) is not None:
+        return None
+    try:
+        document = json.loads(text, parse_constant=_reject_constant, parse_float=_serde_float)
+        header, strings = _validated(document, header_size, file_size, file, plain=True)
+    except (ValueError, RecursionError, SafetensorsError, _NotPlain):
+        return None
+    return header if 2 * strings == text.count('"') else None
+
+
+def _parse_exact(text: str, header_size: int, file_size: int, file: str) -> Header:
+    """``parse_header`` by serde_json's rules throughout: a hook per object (duplicate keys)
+    and per integer (``-0`` and those past 64 bits are floats)."""
     try:
         document = json.loads(
             text, object_pairs_hook=reject_duplicate_keys, parse_constant=_reject_constant,
@@ -116,22 +150,36 @@ def parse_header(raw: bytes, file_size: int, *, file: str) -> Header:
         )
     except (ValueError, RecursionError) as e:
         raise SafetensorsError(f"header is not valid JSON ({e})", file=file) from None
-    if not isinstance(document, dict):
-        raise SafetensorsError("header is not a JSON object", file=file)
-
     # A lone surrogate (no UTF-8 holds one) can only come from a \ud800-\udfff escape: in a
     # header without one, which is nearly every header, no string needs checking for it.
     escapes = _SURROGATE_ESCAPE.search(text) is not None
+    return _validated(document, header_size, file_size, file, plain=False, escapes=escapes)[0]
+
+
+class _NotPlain(Exception):
+    """The plain decoder's document may differ from serde's: an integer serde reads as a float."""
+
+
+def _validated(document: object, header_size: int, file_size: int, file: str, *, plain: bool,
+               escapes: bool = False) -> tuple[Header, int]:
+    """The header ``document`` describes, checked, and the number of strings (keys and string
+    values) it holds. ``plain``: the entries are checked column by column (``_plain_entries``)
+    where they can be; otherwise one by one, as the exact decoder always does."""
+    if not isinstance(document, dict):
+        raise SafetensorsError("header is not a JSON object", file=file)
+    strings = len(document)
     metadata = _parse_metadata(document.pop(METADATA_KEY, None), file, escapes)
+    columns = _plain_entries(document) if plain else None
     tensors = sorted(
+        columns if columns is not None else
         (_parse_entry(name, entry, file, escapes) for name, entry in document.items()),
         key=_DATA_ORDER,
     )
     # What serde refuses anywhere, checked after the checks with more specific messages, in
     # the fields no entry check read (those checked every string and nesting level they hold).
-    _check_serde_rules([({k: v for k, v in entry.items() if k not in _ENTRY_FIELDS}, 2)
-                        for entry in document.values() if len(entry) > len(_ENTRY_FIELDS)],
-                       file, escapes)
+    strings += 2 * len(metadata or ()) + 4 * len(tensors) + _check_serde_rules(
+        [({k: v for k, v in entry.items() if k not in _ENTRY_FIELDS}, 2)
+         for entry in document.values() if len(entry) > len(_ENTRY_FIELDS)], file, escapes)
     expected_begin = 0
     for info in tensors:
         if info.begin != expected_begin or info.end < info.begin:
@@ -143,15 +191,15 @@ def parse_header(raw: bytes, file_size: int, *, file: str) -> Header:
                 file=file, tensor=info.name,
             )
         expected_begin = info.end
-    data_size = file_size - PREFIX_SIZE - len(raw)
+    data_size = file_size - PREFIX_SIZE - header_size
     if expected_begin > data_size:  # the tensors are back to back: the last one ends past the file
-        raise truncated(file_size, PREFIX_SIZE + len(raw) + expected_begin, file)
+        raise truncated(file_size, PREFIX_SIZE + header_size + expected_begin, file)
     if expected_begin != data_size:
         raise SafetensorsError(
             f"tensors cover {expected_begin} data bytes but the file holds {data_size}",
             file=file,
         )
-    return Header({t.name: t for t in tensors}, metadata, len(raw))
+    return Header({t.name: t for t in tensors}, metadata, header_size), strings
 
 
 def parse_file_bytes(data: bytes, *, file: str = "<bytes>") -> Header:
@@ -266,24 +314,31 @@ def _serde_float(text: str) -> float:
     return value
 
 
-def _check_serde_rules(roots: list[tuple[object, int]], file: str, escapes: bool = True) -> None:
+def _check_serde_rules(roots: list[tuple[object, int]], file: str, escapes: bool = True) -> int:
     """What serde_json refuses anywhere, even in fields nobody reads: nesting deeper than
     ``_MAX_DEPTH`` and (where the text has ``escapes`` that could make one) lone surrogates,
-    below each ``(value, depth)`` of ``roots``."""
-    stack = list(roots)
+    below each ``(value, depth)`` of ``roots``. Returns how many strings (keys and values)
+    they hold; raises ``_NotPlain`` at an integer serde would have read as a float."""
+    stack, strings = list(roots), 0
     while stack:
         value, depth = stack.pop()
         if depth > _MAX_DEPTH:
             raise SafetensorsError(f"header nests deeper than {_MAX_DEPTH} levels", file=file)
         items = value.items() if isinstance(value, dict) else enumerate(value)
         for key, item in items:
-            if escapes and isinstance(key, str):
-                _check_text(key, "a header key", file)
+            if isinstance(key, str):
+                strings += 1
+                if escapes:
+                    _check_text(key, "a header key", file)
             if isinstance(item, str):
+                strings += 1
                 if escapes:
                     _check_text(item, "a header string", file)
             elif isinstance(item, (dict, list)):
                 stack.append((item, depth + 1))
+            elif type(item) is int and not -(2**63) <= item < 2**64:
+                raise _NotPlain
+    return strings
 
 
 def _reject_constant(name: str) -> None:
@@ -312,8 +367,47 @@ def _parse_metadata(value: object, file: str, escapes: bool = True) -> dict[str,
     return value
 
 
-def _is_count(value: object) -> bool:
-    return type(value) is int and value >= 0  # JSON gives ints, floats and bools (an int subclass)
+def _are_counts(values: object) -> bool:
+    """Whether ``values`` is a JSON list of sizes: ints in [0, 2**64), serde's usize (JSON also
+    gives floats and bools, an int subclass). Per type, not per element: a header can hold
+    100 000 of these lists."""
+    return type(values) is list and {*map(type, values)} <= _INT and (
+        not values or (min(values) >= 0 and max(values) < _MAX_NBITS))
+
+
+_FIELDS = operator.itemgetter("dtype", "shape", "data_offsets")
+_CODES = frozenset(DTYPES)
+_BITS = operator.attrgetter("bits")
+
+
+def _plain_entries(entries: dict[str, object]) -> list[TensorInfo] | None:
+    """``_parse_entry`` of every entry at once, column by column (a header can hold 100 000,
+    and a call per entry was most of its parse), where each is plain: the three fields, no
+    empty tensor, sizes that agree. None where any is not: ``_parse_entry`` then finds which
+    and says why."""
+    values = list(entries.values())
+    if {*map(type, values)} != {dict} or {*map(len, values)} != {3}:
+        return None
+    try:
+        codes, shapes, offsets = zip(*map(_FIELDS, values))
+        if not {*codes} <= _CODES:
+            return None
+    except (KeyError, TypeError):  # a field missing, an unhashable dtype
+        return None
+    if not ({*map(type, shapes)} == {*map(type, offsets)} == {list} and {*map(len, offsets)} == {2}):
+        return None
+    bounds = list(chain.from_iterable(offsets))
+    if not (_are_counts(bounds) and _are_counts(list(chain.from_iterable(shapes)))):
+        return None
+    counts = list(map(math.prod, shapes))
+    if min(counts) == 0 or max(counts) >= _MAX_NBITS // 64:  # else the partial products need checking
+        return None  # (and below 2**58 values, the bits fit in uint64)
+    dtypes = list(map(DTYPES.__getitem__, codes))
+    nbits = np.array(counts, np.uint64) * np.array(list(map(_BITS, dtypes)), np.uint64)
+    spans = np.diff(np.array(bounds, np.uint64))[::2]  # end - begin (wrapped where end < begin)
+    if (nbits % 8).any() or (spans != nbits // 8).any():
+        return None
+    return list(map(TensorInfo, entries, dtypes, map(tuple, shapes), bounds[::2], bounds[1::2]))
 
 
 def _parse_entry(name: str, entry: object, file: str, escapes: bool = True) -> TensorInfo:
@@ -326,17 +420,19 @@ def _parse_entry(name: str, entry: object, file: str, escapes: bool = True) -> T
     if dtype is None:
         raise SafetensorsError(f"unknown dtype {code!r}", file=file, tensor=name)
     shape = entry.get("shape")
-    if type(shape) is not list or not all(map(_is_count, shape)):
+    if not _are_counts(shape):
         raise SafetensorsError(f"shape {shape!r} is not a list of sizes", file=file, tensor=name)
     offsets = entry.get("data_offsets")
-    if not (type(offsets) is list and len(offsets) == 2 and all(map(_is_count, offsets))):
+    if not (_are_counts(offsets) and len(offsets) == 2):
         raise SafetensorsError(
             f"data_offsets {offsets!r} is not a [begin, end] pair", file=file, tensor=name)
-    count = 1
-    for d in shape:  # the crate's try_fold(checked_mul): every partial product must fit
-        count *= d
-        if count >= _MAX_NBITS:
-            raise SafetensorsError(f"shape {shape} overflows", file=file, tensor=name)
+    count = math.prod(shape)
+    if count == 0 or count >= _MAX_NBITS:  # sizes of 1 and more: every partial product is below the whole
+        count = 1
+        for d in shape:  # the crate's try_fold(checked_mul): every partial product must fit
+            count *= d
+            if count >= _MAX_NBITS:
+                raise SafetensorsError(f"shape {shape} overflows", file=file, tensor=name)
     nbits = count * dtype.bits
     if nbits >= _MAX_NBITS:
         raise SafetensorsError(f"shape {shape} overflows", file=file, tensor=name)

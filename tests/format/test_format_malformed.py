@@ -244,6 +244,19 @@ CASES = [
            "duplicate key 'x'", rust="accept"),
     single("duplicate-keys-in-metadata",
            build(b'{"__metadata__":{"a":"1","a":"2"}}'), "duplicate key 'a'", rust="accept"),
+    # Headers without escapes are decoded without a hook per object: their duplicates are found
+    # by counting strings, wherever they are, whatever the rest of the header holds.
+    single("duplicate-tensor-keys-apart",
+           build(b'{"x":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},'
+                 b'"y:z":{"dtype":"U8","shape":[1],"data_offsets":[1,2]},'
+                 b'"x":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}', b"\x00\x00"),
+           "duplicate key 'x'", rust="accept"),
+    single("duplicate-entry-field",  # serde's derive refuses a struct field given twice
+           raw_entry(b'{"dtype":"U8","dtype":"U8","shape":[1],"data_offsets":[0,1]}', b"\x00"),
+           "duplicate key 'dtype'"),
+    single("duplicate-keys-in-unknown-field",
+           raw_entry(UNKNOWN_FIELD % b'[{"a":"1"},{"b":{"a":1,"a":1}}]', b"\x00"),
+           "duplicate key 'a'", rust="accept"),
     # --- rust parity: serde_json rejects these anywhere in the header
     single("rust-parity/shape-minus-zero",
            raw_entry(b'{"dtype":"U8","shape":[-0],"data_offsets":[0,0]}', b""), "tensor 'x'"),

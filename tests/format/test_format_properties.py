@@ -20,11 +20,12 @@ import math
 import struct
 
 import safetensors
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from orbax_safetensors import SafetensorsError
-from orbax_safetensors.format import DTYPES, METADATA_KEY, parse_file_bytes, serialize_header
+from orbax_safetensors.format import DTYPES, METADATA_KEY, parse_file_bytes, parse_header, serialize_header
+from orbax_safetensors.format import header as header_module
 from orbax_safetensors.index import pack_shards, parse_size
 from tests.support.hf_reference import reference_split
 
@@ -217,6 +218,31 @@ HEADER_FILES = st.builds(
 @given(HEADER_FILES)
 def test_fuzz_json_headers(content):
     parses_or_rejects(content)
+
+
+def outcome(parse):
+    """What ``parse()`` gives: ("ok", its Header) or ("error", its message)."""
+    try:
+        return "ok", parse()
+    except SafetensorsError as e:
+        return "error", str(e)
+
+
+@SETTINGS
+@given(plausible_headers(), st.integers(0, 7), st.booleans())
+@example(({"x": {"dtype": "U8", "shape": [2], "data_offsets": [0, 3]}}, 3), 0, True)  # span != size
+@example(({"x": {"dtype": "U8", "shape": [2**40, 2**40, 0], "data_offsets": [0, 0]}}, 0), 0, True)
+def test_the_plain_decoder_decides_as_the_exact_one(header_and_size, pad, ascii_only):
+    """A header without escapes is decoded without serde's per-value hooks, its entries checked
+    column by column: what it returns, or the error it raises, is the exact decoder's."""
+    header, data_size = header_and_size
+    try:
+        text = json.dumps(header, ensure_ascii=ascii_only).encode("utf-8") + b" " * pad
+    except UnicodeEncodeError:  # a lone surrogate: only an escape writes it
+        text = json.dumps(header).encode("utf-8") + b" " * pad
+    file_size = 8 + len(text) + data_size
+    exact = outcome(lambda: header_module._parse_exact(text.decode(), len(text), file_size, "f"))
+    assert outcome(lambda: parse_header(text, file_size, file="f")) == exact
 
 
 @SETTINGS

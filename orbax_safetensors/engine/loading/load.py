@@ -36,7 +36,6 @@ from orbax_safetensors.engine.loading.options import LoadKeywords, LoadOptions, 
 from orbax_safetensors.engine.loading.target_match import LoadTarget, concrete_sharding
 from orbax_safetensors.engine.core.tree_names import flatten_with_names
 from orbax_safetensors.errors import CheckpointChangedError, SkippedLeavesWarning
-from orbax_safetensors.planning import TensorSource
 from orbax_safetensors.storage import Location
 from orbax_safetensors.storage.retry import SNAPSHOT_REREADS
 
@@ -70,28 +69,26 @@ def metadata_of(checkpoint: Checkpoint) -> CheckpointMetadata:
     """What ``metadata`` returns, of a checkpoint already open.
 
     Tensors of one shape and dtype share one ``ShapeDtypeStruct`` (it is immutable, and
-    building 100 000 took most of the call), and a file's name is split off its path once.
+    building 100 000 took most of the call), and tensors stored in the same files one tuple
+    of their names (a file's name split off its path once).
     """
     structs: dict[tuple[tuple[int, ...], str], jax.ShapeDtypeStruct] = {}
-    file_names: dict[str, str] = {}
-
-    def struct(t: TensorSource) -> jax.ShapeDtypeStruct:
+    file_names: dict[tuple[str, ...], tuple[str, ...]] = {}
+    tensors: dict[str, jax.ShapeDtypeStruct] = {}
+    files: dict[str, tuple[str, ...]] = {}
+    split = checkpoint.storage.split
+    for name, t in sorted(checkpoint.tensors.items()):  # one loop, no call per tensor: 100 000 of them
         key = (t.shape, t.dtype.code)
-        if key not in structs:
-            structs[key] = jax.ShapeDtypeStruct(t.shape, t.dtype.numpy)
-        return structs[key]
-
-    def file_name(path: str) -> str:
-        if path not in file_names:
-            file_names[path] = checkpoint.storage.split(path)[1]
-        return file_names[path]
-
-    ordered = sorted(checkpoint.tensors.items())
-    return CheckpointMetadata(
-        tensors={name: struct(t) for name, t in ordered},
-        metadata=checkpoint.metadata,
-        files={name: tuple(file_name(s.file) for s in t.slices) for name, t in ordered},
-    )
+        struct = structs.get(key)
+        if struct is None:
+            struct = structs[key] = jax.ShapeDtypeStruct(t.shape, t.dtype.numpy)
+        tensors[name] = struct
+        paths = tuple([s.file for s in t.slices])
+        names = file_names.get(paths)
+        if names is None:
+            names = file_names[paths] = tuple(split(path)[1] for path in paths)
+        files[name] = names
+    return CheckpointMetadata(tensors=tensors, metadata=checkpoint.metadata, files=files)
 
 
 def load(

@@ -114,26 +114,27 @@ def _jobs(checkpoint: Checkpoint, chosen: Selection, policy: ReadPolicy) -> tupl
     """Every job of the wanted leaves, and where each leaf's value will come from."""
     jobs: list[Job] = []
     outputs: list[Output] = []
-    grouped: list[tuple[int, str, Any]] = []  # small tensors read in groups: (output, stored, sharding)
+    grouped: list[tuple[int, str, TensorSource, Any]] = []  # small tensors read in groups: (output, stored, ...)
+    tensors, requests, assemblies = checkpoint.tensors, chosen.requests, chosen.assemblies  # once: 100 000 leaves
     for i in chosen.wanted:
-        request = chosen.requests[i]
-        assembly = None if chosen.assemblies is None else chosen.assemblies[i]
+        request = requests[i]
+        assembly = None if assemblies is None else assemblies[i]
         if assembly is not None and assembly.transform is None:  # several stored tensors, or quantized
-            dtype = request.dtype or leaf_dtype(assembly, checkpoint.tensors)
-            leaf = AssembledLeaf(chosen.names[i], checkpoint.tensors, assembly, dtype, request.sharding, policy)
+            dtype = request.dtype or leaf_dtype(assembly, tensors)
+            leaf = AssembledLeaf(chosen.names[i], tensors, assembly, dtype, request.sharding, policy)
             outputs.append(leaf)
             jobs.extend(leaf.jobs)
             continue
         stored = chosen.names[i] if assembly is None else assembly.pieces[0].stored
+        source = tensors[stored]
         transform = None if assembly is None or assembly.transform.is_identity else assembly.transform
-        if transform is None and groupable(checkpoint.tensors[stored], request.dtype, request.sharding):
-            grouped.append((len(outputs), stored, request.sharding))
+        if transform is None and groupable(source, request.dtype, request.sharding):
+            grouped.append((len(outputs), stored, source, request.sharding))
             outputs.append(-1)  # its group's job, once the groups are made
             continue
         outputs.append(len(jobs))
-        jobs.append(_job(stored, checkpoint.tensors[stored], request, policy, transform))
-    for job, members in group_jobs([(stored, checkpoint.tensors[stored], sharding)
-                                    for _, stored, sharding in grouped], policy.pooled):
+        jobs.append(_job(stored, source, request, policy, transform))
+    for job, members in group_jobs([member[1:] for member in grouped], policy.pooled):
         for k, member in enumerate(members):
             outputs[grouped[member][0]] = (len(jobs), k)
         jobs.append(job)
