@@ -59,6 +59,10 @@ def test_none_leaves_are_empty_subtrees_on_save_and_load(tmp_path):
     ({"a\ud800b": np.zeros(2)}, {}, r"tensor 'a\\ud800b': the name holds an unpaired surrogate"),
     ({"": np.zeros(2)}, {}, r"the leaf at \[''\] has an empty name"),
     (np.zeros(2), {}, "a bare array has no name"),
+    ({"a": {"b": np.zeros(2)}, "a.b": np.zeros(2)}, {},
+     r"two leaves are both named 'a.b': \['a'\]\['b'\] and \['a.b'\]"),
+    ({"x": np.zeros(2), "a": {"b": np.zeros(2)}, "a.b": np.zeros(2), "": np.zeros(1)}, {},
+     r"the leaf at \[''\] has an empty name"),  # the first leaf refused, in the tree's order
     ({f"{i:05d}" + "x" * 10_000: np.zeros(1, np.int8) for i in range(10_001)}, {"checksums": False},
      "header of 10001 tensors would be 100,.* bytes, over the 100,000,000-byte limit"),
 ])

@@ -78,8 +78,15 @@ def flatten_with_names(
     named = _named_paths(tree, [path for path, _ in pairs], is_leaf)
     pairs = [(path, leaf) for path, (_, leaf) in zip(named, pairs)]
     names = [path_name(path) for path, _ in pairs]
+    if len(set(names)) < len(names) or "" in names or not all(named):  # at C speed: 100 000 leaves
+        _refuse_names(names, named)
+    return names, [leaf for _, leaf in pairs], treedef
+
+
+def _refuse_names(names: list[str], paths: list[tuple[Any, ...]]) -> None:
+    """Raises at the first leaf whose name no file can hold: none, empty, or another's."""
     first_path: dict[str, Any] = {}
-    for name, (path, _) in zip(names, pairs):
+    for name, path in zip(names, paths):
         if not path:
             raise ArgumentError(
                 "a bare array has no name: put it in a dict, e.g. {'weight': array}")
@@ -91,7 +98,6 @@ def flatten_with_names(
                 f"two leaves are both named {name!r}: {jax.tree_util.keystr(first_path[name])} "
                 f"and {jax.tree_util.keystr(path)}; rename one of them")
         first_path[name] = path
-    return names, [leaf for _, leaf in pairs], treedef
 
 
 def nest(flat: Mapping[str, Any]) -> dict[str, Any]:

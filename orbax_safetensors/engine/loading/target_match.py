@@ -94,27 +94,31 @@ def select(checkpoint: Checkpoint, target: LoadTarget) -> Selection:
 def leaf_request(name: str, leaf: Any, seen: dict[tuple[Any, ...], LeafRequest]) -> LeafRequest:
     """What target leaf ``name`` asks for; ``seen`` holds the requests of leaves alike."""
     if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
-        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            raise ArgumentTypeError(
-                f"target leaf {name!r} is a typed PRNG key ({leaf.dtype}), which no checkpoint holds: "
-                + ("load the params alone, nnx.split(abstract_model, nnx.Param, ...), or "
-                   if ".rngs." in f".{name}." else "")
-                + "leave it out of the target")
         sharding = getattr(leaf, "sharding", None)
         key = (leaf.dtype, leaf.shape, sharding)
         try:
-            return seen[key]
+            return seen[key]  # a leaf alike was checked
         except KeyError:
-            request = seen[key] = LeafRequest(np.dtype(leaf.dtype), tuple(leaf.shape),
-                                              concrete_sharding(name, sharding))
+            request = seen[key] = _device_request(name, leaf, sharding)
             return request
         except TypeError:  # a sharding that cannot be hashed
-            return LeafRequest(np.dtype(leaf.dtype), tuple(leaf.shape), concrete_sharding(name, sharding))
+            return _device_request(name, leaf, sharding)
     if isinstance(leaf, (np.ndarray, np.generic)):
         return LeafRequest(leaf.dtype, tuple(leaf.shape), None)
     raise ArgumentTypeError(
         f"target leaf {name!r} is a {type(leaf).__name__}; use a jax.Array, a "
         "jax.ShapeDtypeStruct (without a sharding: a numpy array) or a numpy array")
+
+
+def _device_request(name: str, leaf: jax.Array | jax.ShapeDtypeStruct,
+                    sharding: jax.sharding.Sharding | None) -> LeafRequest:
+    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        raise ArgumentTypeError(
+            f"target leaf {name!r} is a typed PRNG key ({leaf.dtype}), which no checkpoint holds: "
+            + ("load the params alone, nnx.split(abstract_model, nnx.Param, ...), or "
+               if ".rngs." in f".{name}." else "")
+            + "leave it out of the target")
+    return LeafRequest(np.dtype(leaf.dtype), tuple(leaf.shape), concrete_sharding(name, sharding))
 
 
 def concrete_sharding(name: str, sharding: jax.sharding.Sharding | None) -> jax.sharding.Sharding | None:
