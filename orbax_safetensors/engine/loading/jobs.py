@@ -159,7 +159,7 @@ def group_job(members: Sequence[tuple[str, TensorSource, jax.sharding.Sharding |
     tensors spent most of a load planning and finishing jobs, and a ``device_put`` per
     tensor costs more than one for many. ``staged``: device arrays stage in the recycled
     pool (``ReadPolicy.pooled``), copied out of it."""
-    slices = [source.whole for _, source, _ in members]
+    slices = [source.slices[0] for _, source, _ in members]  # each whole (groupable)
     shardings = [sharding for _, _, sharding in members]
 
     def finish(buffers: list[np.ndarray]) -> list[Any]:
@@ -180,13 +180,13 @@ def group_jobs(members: Sequence[tuple[str, TensorSource, jax.sharding.Sharding 
     """``groupable`` tensors, as few ``group_job``s as they make (per file, host arrays and
     device arrays apart, in file order, up to ``GROUP_BYTES`` each), each with the indices
     into ``members`` of its members."""
-    where = [(source.slices[0].file, sharding is None, source.slices[0].offset)
-             for _, source, sharding in members]
+    stored = [source.slices[0] for _, source, _ in members]  # each whole (groupable)
+    where = [(s.file, sharding is None, s.offset) for s, (_, _, sharding) in zip(stored, members)]
     order = sorted(range(len(members)), key=where.__getitem__)
     groups: list[list[int]] = []
     size = 0
     for k in order:
-        nbytes = members[k][1].nbytes
+        nbytes = stored[k].info.nbytes
         if not groups or size + nbytes > GROUP_BYTES or where[k][:2] != where[groups[-1][0]][:2]:
             groups.append([])
             size = 0
