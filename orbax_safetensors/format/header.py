@@ -50,7 +50,7 @@ _ENTRY_FIELDS = frozenset({"dtype", "shape", "data_offsets"})
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 _NEGATIVE_ZERO = re.compile(r"-0(?![.eE])")  # serde reads it as a float
 _DATA_ORDER = operator.attrgetter("begin", "end")
-_INT = {int}
+_INT = frozenset({int})
 
 
 class TensorInfo(NamedTuple):
@@ -426,13 +426,11 @@ def _parse_entry(name: str, entry: object, file: str, escapes: bool = True) -> T
     if not (_are_counts(offsets) and len(offsets) == 2):
         raise SafetensorsError(
             f"data_offsets {offsets!r} is not a [begin, end] pair", file=file, tensor=name)
-    count = math.prod(shape)
-    if count == 0 or count >= _MAX_NBITS:  # sizes of 1 and more: every partial product is below the whole
-        count = 1
-        for d in shape:  # the crate's try_fold(checked_mul): every partial product must fit
-            count *= d
-            if count >= _MAX_NBITS:
-                raise SafetensorsError(f"shape {shape} overflows", file=file, tensor=name)
+    count = 1
+    for d in shape:  # the crate's try_fold(checked_mul): every partial product must fit
+        count *= d
+        if count >= _MAX_NBITS:
+            raise SafetensorsError(f"shape {shape} overflows", file=file, tensor=name)
     nbits = count * dtype.bits
     if nbits >= _MAX_NBITS:
         raise SafetensorsError(f"shape {shape} overflows", file=file, tensor=name)
