@@ -110,7 +110,7 @@ from overlap import forward
 
 PARTS = ("load", "save", "overlap")
 OURS_OPTIONS = {"ours": {}, "ours_pooled": {"staging": "pooled"}, "ours_fresh": {"staging": "fresh"},
-                "ours_noverify": {"verify_checksums": False}}
+                "ours_noverify": {"verify_checksums": False}, "ours_uncached": {"page_cache": "bypass"}}
 LOAD_CONTENDERS = (*OURS_OPTIONS, "orbax_layout", "safe_open", "instanttensor", "fastsafetensors",
                    "fastsafetensors_gpu", "runai")
 SAVE_CONTENDERS = {"ours": "ours_hf", "ours_nocrc": "ours_nocrc", "orbax_standard": "orbax_standard",
@@ -126,6 +126,8 @@ LOAD_NOTES = {
     "ours_pooled": "`ost.load(path, target, options=ost.LoadOptions(staging=\"pooled\"))`: host staging "
                    "recycled from a pool, registered for DMA where the platform allows",
     "ours_fresh": "`ost.load(path, target, options=ost.LoadOptions(staging=\"fresh\"))`: fresh host pages",
+    "ours_uncached": "`ost.load(path, target, options=ost.LoadOptions(page_cache=\"bypass\"))`: O_DIRECT into "
+                     "aligned bounce buffers, copied out (checksums on)",
     **{c: peers.CONTENDER_NOTES[c] for c in ("instanttensor", "fastsafetensors", "fastsafetensors_gpu", "runai")},
 }
 SAVE_NOTES = {"ours": save_bench.CONTENDER_NOTES["ours_hf"],
@@ -318,7 +320,10 @@ def run_all(args) -> dict:
     save_root = Path(args.save_dir)
     save_root.mkdir(parents=True, exist_ok=True)
     page_caches = [p for p in args.page_caches if p != "cold" or not args.page_cache_na]
-    disk = [common.disk_read_gbps(files)] if "cold" in page_caches else []
+    disk = {"buffered": [], "direct": []}
+    if "cold" in page_caches:
+        for way in disk:
+            disk[way].append(common.disk_read_gbps(files, direct=way == "direct"))
     na = {"load": {c: why for c in args.load_contenders if (why := unavailable(c))}, "save": {}, "overlap": {}}
     results = {"load": {p: {c: {k: [] for k in CONDITIONS} for c in args.load_contenders} for p in page_caches},
                "save": {"": {c: {k: [] for k in CONDITIONS} for c in args.save_contenders}},
@@ -363,8 +368,9 @@ def run_all(args) -> dict:
     for runs in results["save"][""].values():  # bench/save.py's workers read two tensors back, or fail
         for r in (r for rs in runs.values() for r in rs if r["ok"] and "dd_seconds" not in r):
             r["checked"] = True
-    if disk:
-        disk.append(common.disk_read_gbps(files))
+    for way, runs in disk.items():
+        if runs:
+            runs.append(common.disk_read_gbps(files, direct=way == "direct"))
     return {"spec": spec, "save_spec": save_spec, "files": files, "disk": disk, "results": results, "na": na}
 
 
@@ -446,8 +452,9 @@ def header(args, measured: dict, wall: float) -> list[str]:
         f"- versions: {common.versions_line()}, {peer_versions()}",
         f"- code: {args.code}",
         f"- disk: {save_bench.disk_line(Path(args.dir))}; its own sequential read, page cache dropped: "
-        + (" and ".join(f"{g:.2f}" for g in disk) + " GB/s (start and end of the run)" if disk
-           else f"n/a ({args.page_cache_na or 'the page cache was not dropped in this run'})"),
+        + ("; ".join(f"{way} " + " and ".join(f"{g:.2f}" for g in runs) for way, runs in disk.items())
+           + " GB/s (start and end of the run; buffered: `dd bs=64M`, direct: with `iflag=direct`)"
+           if disk_gbps(disk) else f"n/a ({args.page_cache_na or 'the page cache was not dropped in this run'})"),
         f"- checkpoint: {len(load_bench.weight_map(home_of(files)))} tensors, {spec['bytes'] / 1e9:.3f} GB of bf16 "
         f"in {len(files)} file(s), llama-like (layers {spec['layers']}, hidden {spec['hidden']}, ffn {spec['ffn']}, "
         f"vocab {spec['vocab']}), HF sharded dir, `max_shard_size=\"{spec['max_shard_size']}\"`; the save's model "
@@ -463,6 +470,11 @@ def header(args, measured: dict, wall: float) -> list[str]:
         "tensors read back) over runs kept; *discarded*: runs during which other processes used the "
         "CPU, run again.",
     ]
+
+
+def disk_gbps(disk: dict) -> float | None:
+    """The disk's own read in this run: the faster of its buffered and direct medians."""
+    return max((statistics.median(runs) for runs in disk.values() if runs), default=None)
 
 
 def home_of(files: list[Path]) -> Path:
@@ -492,9 +504,9 @@ def load_table(args, measured: dict) -> list[str]:
                 lines.append(row([label, contender], {}, None, args.page_cache_na, 11))
                 continue
             lines.append(row([label, contender], by_contender[contender], by_contender.get("ours"),
-                             na.get(contender), 11, statistics.median(disk) if page_cache == "cold" and disk else None))
+                             na.get(contender), 11, disk_gbps(disk) if page_cache == "cold" else None))
     lines += ["", "Page cache dropped: GB/s and its share of the disk's own sequential read (measured in this "
-              "run, the header's median). Contenders: "
+              "run: the faster of the header's buffered and direct medians). Contenders: "
               + "; ".join(f"**{c}**: {LOAD_NOTES[c]}" for c in args.load_contenders) + "."]
     accounts = []
     for contender in (c for c in OURS_OPTIONS if c in args.load_contenders and c not in na):
@@ -506,7 +518,8 @@ def load_table(args, measured: dict) -> list[str]:
                             f"needed in {s['requests']} requests over {s['files']} file(s)"
                             + (f", staging peak {fmt_gb(s['staging_peak'])} GB of which "
                                f"{fmt_gb(s.get('staging_pinned', 0))} GB registered for DMA"
-                               if "staging_peak" in s else ""))
+                               if "staging_peak" in s else "")
+                            + (f", {fmt_gb(s['bytes_uncached'])} GB past the page cache" if s.get("bytes_uncached") else ""))
     if accounts:
         lines += ["", "`ost.LoadStats` (a run each): " + "; ".join(accounts) + "."]
     return lines
