@@ -111,13 +111,6 @@ class Storage(abc.ABC):
         allows. Raises EOFError if the file ends first.
         """
 
-    def read_scatter_uncached(self, path: str, offset: int, buffers: Sequence[memoryview]) -> bool:
-        """``read_scatter`` past the kernel's page cache where this storage has one to bypass,
-        returning whether it did (``LoadOptions.page_cache="bypass"``). This default reads as
-        ``read_scatter`` does: an object store's bytes never pass through this host's cache."""
-        self.read_scatter(path, offset, buffers)
-        return False
-
     @abc.abstractmethod
     def write(self, path: str, chunks: Iterable[memoryview | bytes]) -> None:
         """Writes a whole new file from ``chunks``, streaming, durable on return."""

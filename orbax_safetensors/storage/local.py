@@ -8,16 +8,6 @@ data, not a promise. Every ``OSError`` leaving this module names its file
 are ever opened for reading: a FIFO named like a shard would block an
 ``open`` forever, a device would read without end.
 
-A snapshot can also read past the page cache (``read_scatter_uncached``,
-``O_DIRECT``): the kernel then moves the disk's blocks straight into an
-aligned bounce buffer, without allocating, filling and later evicting a
-cached copy, and the bytes are copied from there into the caller's buffers.
-``O_DIRECT`` wants the file offset, the length and the memory address aligned
-to the device's block, and a tensor's bytes are aligned to nothing, so the
-bounce buffer costs one copy; a buffered read costs the same copy, made by
-the kernel out of its cache. What it saves is the cache's own work, and the
-cache's memory for bytes a load reads once.
-
 Symlinks are followed (a Hugging Face Hub cache snapshot is a directory of
 symlinks into ``../../blobs/``): what is checked, pinned and identified is the
 file a link points to, so a link to a FIFO or a directory gets the same error
@@ -34,26 +24,15 @@ import os
 import shutil
 import stat
 import sys
-import mmap
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import BinaryIO
-
-import numpy as np
 
 from orbax_safetensors.errors import CheckpointBusyError, SafetensorsError
 from orbax_safetensors.storage.base import Capabilities, Storage
 
 
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
-# O_DIRECT's alignment: offsets, lengths and addresses in multiples of the device's logical
-# block, 512 bytes or 4 KiB on the disks in use; a page-aligned bounce buffer and 4 KiB steps
-# serve both. A read of a device that wants more fails with EINVAL and reads buffered instead.
-_DIRECT_ALIGN = 4096
-# One bounce buffer per read thread, the most one direct read asks for: a few MiB keeps the
-# disk's queue deep with several threads while each copies out what it read.
-_DIRECT_BOUNCE = 4 << 20
-_bounce = threading.local()
 _KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
           stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a directory"}
 
@@ -292,7 +271,6 @@ class LocalSnapshot(LocalStorage):
 
     def __init__(self):
         self._open: dict[str, tuple[int, tuple[int, int, int, int]]] = {}
-        self._direct: dict[str, int | None] = {}  # path -> its O_DIRECT descriptor, None: refused
         self._guard = threading.Lock()
 
     def _fd(self, path: str) -> int:
@@ -320,37 +298,6 @@ class LocalSnapshot(LocalStorage):
     def read_scatter(self, path: str, offset: int, buffers: Sequence[memoryview]) -> None:
         _vectored(os.preadv, self._fd(path), buffers, offset, path)
 
-    def read_scatter_uncached(self, path: str, offset: int, buffers: Sequence[memoryview]) -> bool:
-        """``read_scatter`` through ``O_DIRECT``, of the very file the snapshot pinned. A file
-        whose filesystem refuses direct reads (EINVAL: a FUSE mount, a device with larger
-        blocks) is read buffered from then on; its bytes are the same either way."""
-        fd = self._direct_fd(path)
-        if fd is not None:
-            try:
-                _read_direct(fd, buffers, offset, path)
-                return True
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
-                with self._guard:
-                    self._direct[path] = None
-                os.close(fd)
-        self.read_scatter(path, offset, buffers)
-        return False
-
-    def _direct_fd(self, path: str) -> int | None:
-        """A second descriptor of the pinned file, opened with ``O_DIRECT`` through ``/proc``
-        (the name may point at another file by now); ``None`` where it cannot be opened."""
-        pinned = self._fd(path)
-        with self._guard:
-            if path not in self._direct:
-                try:
-                    self._direct[path] = os.open(f"/proc/self/fd/{pinned}",
-                                                 os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
-                except (OSError, AttributeError):  # no /proc, no O_DIRECT, or refused
-                    self._direct[path] = None
-            return self._direct[path]
-
     def open_read(self, path: str) -> BinaryIO:
         return os.fdopen(os.dup(self._fd(path)), "rb")
 
@@ -370,8 +317,7 @@ class LocalSnapshot(LocalStorage):
     def close(self) -> None:
         with self._guard:
             pinned, self._open = self._open, {}
-            direct, self._direct = self._direct, {}
-        for fd in [fd for fd, _ in pinned.values()] + [fd for fd in direct.values() if fd is not None]:
+        for fd, _ in pinned.values():
             os.close(fd)
 
     def __del__(self):
@@ -408,36 +354,6 @@ def _vectored(call, fd: int, buffers: Sequence[memoryview], offset: int, path: s
         if done:
             views[start] = memoryview(views[start]).cast("B")[done:]
             sizes[start] -= done
-
-
-def _read_direct(fd: int, buffers: Sequence[memoryview], offset: int, path: str) -> None:
-    """``buffers`` filled back to back from ``offset`` by aligned ``O_DIRECT`` reads of ``fd``
-    into this thread's bounce buffer, each copied out as it lands (numpy's copy lets the other
-    read threads run meanwhile)."""
-    targets = [b.reshape(-1).view(np.uint8) if isinstance(b, np.ndarray) else np.frombuffer(b, np.uint8)
-               for b in buffers]
-    end = offset + sum(target.size for target in targets)
-    if end == offset:
-        return
-    bounce = getattr(_bounce, "buffer", None)
-    if bounce is None or bounce.size != _DIRECT_BOUNCE:  # page-aligned, as O_DIRECT wants
-        bounce = _bounce.buffer = np.frombuffer(mmap.mmap(-1, _DIRECT_BOUNCE), np.uint8)
-    position = offset - offset % _DIRECT_ALIGN
-    which, within = 0, 0  # the cursor in ``targets``
-    while position < end:
-        want = min(_DIRECT_BOUNCE, -(-(end - position) // _DIRECT_ALIGN) * _DIRECT_ALIGN)
-        with _naming(path):
-            got = os.preadv(fd, [bounce[:want]], position)
-        data, used = bounce[max(offset - position, 0):min(got, end - position)], 0
-        while used < data.size:
-            while targets[which].size == within:
-                which, within = which + 1, 0
-            n = min(data.size - used, targets[which].size - within)
-            targets[which][within:within + n] = data[used:used + n]
-            used, within = used + n, within + n
-        position += got
-        if position < end and (got == 0 or got % _DIRECT_ALIGN):  # short only where the file ends
-            raise EOFError(f"{path}: file ended at byte {position}")
 
 
 def _fsync(path: str) -> None:

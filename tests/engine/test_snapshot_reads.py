@@ -51,14 +51,14 @@ print(json.dumps({"saves": saves}), flush=True)
 """
 
 _READER = _COMMON + r"""
-path, seconds, page_cache = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+path, seconds = sys.argv[1], float(sys.argv[2])
 expected = {v: tree(v) for v in (1, 2)}
 counts = {"1": 0, "2": 0, "mixed": 0, "errors": 0}
 examples = []
 deadline = time.monotonic() + seconds
 while time.monotonic() < deadline:
     try:
-        loaded = ost.load(path, page_cache=page_cache)
+        loaded = ost.load(path)
     except Exception as e:
         counts["errors"] += 1
         examples.append(f"{type(e).__name__}: {e}")
@@ -74,8 +74,7 @@ print(json.dumps({"counts": counts, "examples": examples[:5]}), flush=True)
 """
 
 CASES = {"sharded directory": 20.0, "model.safetensors": 6.0, "x.safetensors": 6.0,
-         "distributed": 6.0, "sharded <-> single file": 6.0,
-         "sharded directory, page cache bypassed": 6.0}  # O_DIRECT reads of the pinned files
+         "distributed": 6.0, "sharded <-> single file": 6.0}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -89,8 +88,7 @@ def test_loads_never_mix_two_saves_and_never_fail_while_another_process_overwrit
                               text=True)
     try:
         assert writer.stdout.readline().strip() == "ready", writer.stderr.read()
-        page_cache = "bypass" if "bypassed" in case else "use"
-        reader = subprocess.run([sys.executable, "-c", _READER, str(path), str(seconds), page_cache],
+        reader = subprocess.run([sys.executable, "-c", _READER, str(path), str(seconds)],
                                 cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                                 timeout=seconds + 120)
         out, err = writer.communicate(timeout=seconds + 120)

@@ -59,8 +59,6 @@ class LoadStats:
     (absent from the checkpoint, or of another shape). ``staging_peak``: the
     most bytes of recycled staging held at once (``LoadOptions.staging``), of
     which ``staging_pinned`` were registered for DMA with an accelerator.
-    ``bytes_uncached``: the bytes among ``bytes_read`` read past the page cache
-    (``LoadOptions.page_cache="bypass"``, where the storage allowed it).
     """
 
     bytes_needed: int = 0
@@ -72,7 +70,6 @@ class LoadStats:
     tensors_resharded: int = 0
     bytes_verified: int = 0
     checksum_overread: int = 0
-    bytes_uncached: int = 0
     seconds: float = 0.0
     staging_peak: int = 0
     staging_pinned: int = 0
@@ -80,10 +77,9 @@ class LoadStats:
 
 
 def transfer(storage: Storage, file: str, request: Transfer, buffers: Sequence[np.ndarray],
-             verifier: Verifier | None = None, *, uncached: bool = False) -> bool:
+             verifier: Verifier | None = None) -> None:
     """One ranged read, scattered into ``buffers``, its bytes checked by ``verifier`` when it
-    holds the file's checksums (raising ``ChecksumError`` for a damaged block); past the page
-    cache where ``uncached`` and the storage can (whether it did, returned).
+    holds the file's checksums (raising ``ChecksumError`` for a damaged block).
 
     Gap bytes land in scratch memory: all gaps in one buffer, overwriting each other,
     unless they are checked (then each keeps its own bytes until hashed).
@@ -102,16 +98,11 @@ def transfer(storage: Storage, file: str, request: Transfer, buffers: Sequence[n
             views.append(buffers[target])
         else:
             views.append(memoryview(buffers[target])[offset:offset + length])
-    if uncached:
-        bypassed = storage.read_scatter_uncached(file, request.offset, views)
-    else:
-        storage.read_scatter(file, request.offset, views)
-        bypassed = False
+    storage.read_scatter(file, request.offset, views)
     if checked:
         damage = verifier.check(file, request.offset, views)
         if damage:
             raise damage[0].error()
-    return bypassed
 
 
 def execute(storage: Storage, plan: ReadPlan, jobs: Sequence[Job], policy: ReadPolicy, stats: LoadStats,
@@ -167,7 +158,6 @@ class _Run:
         self.pool = StagingPool(policy.profile.memory_budget,
                                 accelerator_clients(jax.local_devices()) if policy.pooled else ())
         self.verifier = Verifier(policy.checksums)
-        self.uncached = policy.uncached
         self.results: list[Any] = [None] * len(jobs)
         self.stopped = threading.Event()  # set: no further job finishes
         self._lock = threading.Lock()
@@ -190,10 +180,9 @@ class _Run:
     def read(self, file: str, request: Transfer, buffers: Sequence[np.ndarray]) -> None:
         self.reading.check_cancelled()  # queued reads of a cancelled load end here, unread
         self.check_peers()
-        uncached = transfer(self.storage, file, request, buffers, self.verifier, uncached=self.uncached)
+        transfer(self.storage, file, request, buffers, self.verifier)
         with self._lock:
             self.stats.bytes_read += request.length
-            self.stats.bytes_uncached += request.length if uncached else 0
             self.stats.requests += 1
         if self.progress is not None:
             self.progress.advance(request.length)

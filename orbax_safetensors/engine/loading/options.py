@@ -30,7 +30,6 @@ BOUNCE_BYTES = 4 << 20
 # keeps the staging, and the fresh pages it costs, small.
 SCRATCH_BUDGET = 128 << 20
 STAGINGS = ("auto", "pooled", "fresh")
-PAGE_CACHES = ("use", "bypass")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,15 +103,6 @@ class LoadOptions:
         at all); a pooled load onto CPU devices copies out of the pool instead.
         ``"auto"``: pooled when a target leaf is on a device that is not a CPU,
         fresh otherwise.
-      page_cache: ``"use"``: read through the kernel's page cache, as every
-        reader does. ``"bypass"``: read local files with ``O_DIRECT`` into
-        aligned bounce buffers and copy out of them. A checkpoint read once
-        from a disk then neither fills the cache with bytes nobody reads again
-        (evicting what other processes cached) nor pays for the kernel's
-        caching, and a second load reads the disk again. Storage without a page
-        cache on this host (object stores) reads as usual, as does a file whose
-        filesystem refuses ``O_DIRECT``; ``LoadStats.bytes_uncached`` counts the
-        bytes read past the cache. Checksums are checked either way.
       strict: ``True``: raise if the target and the checkpoint differ in names
         or shapes (the error lists every offending tensor; an
         ``ost.MissingTensorError``, also a ``KeyError``, when the target names
@@ -147,7 +137,6 @@ class LoadOptions:
     verify_checksums: bool = True
     casting: str = "same_kind"
     staging: str = "auto"
-    page_cache: str = "use"
     strict: bool | str = True
     mapping: mapping_rules.Mapping | None = None
     progress: bool = False
@@ -182,9 +171,6 @@ class LoadOptions:
         if self.staging not in STAGINGS:
             raise ArgumentError(f'LoadOptions.staging must be "auto" (pooled for accelerators), '
                                 f'"pooled" or "fresh", not {self.staging!r}')
-        if self.page_cache not in PAGE_CACHES:
-            raise ArgumentError(f'LoadOptions.page_cache must be "use" or "bypass" (O_DIRECT for local '
-                                f'files), not {self.page_cache!r}')
         if self.strict not in (True, False, "target"):
             raise ArgumentError(f'LoadOptions.strict must be True, False or "target", not {self.strict!r}')
         if self.mapping is not None and not isinstance(self.mapping, mapping_rules.Mapping):
@@ -206,7 +192,6 @@ class LoadKeywords(TypedDict, total=False):
     verify_checksums: bool
     casting: str
     staging: str
-    page_cache: str
     strict: bool | str
     mapping: mapping_rules.Mapping | None
     progress: bool
@@ -229,7 +214,6 @@ class ReadPolicy:
       checksums: the files whose reads are checked, with their block checksums.
       pooled: jobs whose results go to devices stage their reads in the recycled pool
         (``LoadOptions.staging``, resolved for the target's devices).
-      uncached: read past the page cache where the storage can (``LoadOptions.page_cache``).
     """
 
     profile: ReadProfile
@@ -240,7 +224,6 @@ class ReadPolicy:
     casting: str
     checksums: Mapping[str, FileChecksums]
     pooled: bool = False
-    uncached: bool = False
 
     @property
     def slices_by_region(self) -> bool:
@@ -286,5 +269,4 @@ def resolve_policy(options: LoadOptions, checkpoint: Checkpoint, *, collectives:
         reshard_below=thin if reshard else 0,
         casting=options.casting,
         checksums=checksums,
-        pooled=options.staging == "pooled" or (options.staging == "auto" and accelerated),
-        uncached=options.page_cache == "bypass")
+        pooled=options.staging == "pooled" or (options.staging == "auto" and accelerated))
