@@ -303,12 +303,21 @@ class BlockGrid:
         starts, stops, span = starts[inside], stops[inside], span[inside]
         view = np.searchsorted(view_starts, starts, side="right") - 1
         within = starts - view_starts[view]
-        # Only parts that are not a whole view are sliced (a slice costs more than 64 bytes' hash).
+        # Only parts that are not a whole view are sliced (a slice costs more than 64 bytes' hash),
+        # out of one byte view of each view cut (a read of many tensors into one buffer: one
+        # view, a part per block).
         cut = (within > 0) | (stops - starts < lengths[view])
         crcs = [0] * len(blocks)
+        flat: dict[int, memoryview] = {}
         for k, v, part, a, b in zip(span.tolist(), view.tolist(), cut.tolist(), within.tolist(),
                                     (stops - starts + within).tolist()):
-            crcs[k] = crc32c(_bytes_of(data[v])[a:b] if part else data[v], crcs[k])
+            if part:
+                whole = flat.get(v)
+                if whole is None:
+                    whole = flat[v] = _bytes_of(data[v])
+                crcs[k] = crc32c(whole[a:b], crcs[k])
+            else:
+                crcs[k] = crc32c(data[v], crcs[k])
         return Pieces(blocks, low, high - low, np.array(crcs, np.int64))
 
     def _spans(self, offset: int, end: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

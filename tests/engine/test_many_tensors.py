@@ -99,6 +99,47 @@ def test_small_tensors_load_exactly_in_every_form(mixed):
         _same(loaded[name], tensors[name])
 
 
+def test_small_tensors_two_leaves_ask_for_load_into_both(mixed):
+    """Mapped onto two leaves, one stored tensor is one slice inside another of its group: both
+    leaves get its bytes, as do their neighbours in the file."""
+    path, tensors = mixed
+    names = [f"small.{i}" for i in range(12)]
+    rules = [ost.Rule(name, f"copy.{name}") for name in names] + [ost.Rule(name, name) for name in names]
+    target = {leaf: jax.ShapeDtypeStruct(tensors[leaf.removeprefix("copy.")].shape,
+                                         tensors[leaf.removeprefix("copy.")].dtype)
+              for leaf in names + [f"copy.{name}" for name in names]}
+    loaded = ost.load(path, target, mapping=ost.Mapping(rules), strict="target")
+    for leaf in target:
+        _same(loaded[leaf], tensors[leaf.removeprefix("copy.")])
+
+
+def test_small_tensors_off_their_alignment_load_exactly(tmp_path):
+    """Another writer may pack tensors with no regard for alignment: a float32 three bytes into a
+    group's buffer is viewed at its bytes all the same, as host arrays and on devices."""
+    import json
+    import struct
+
+    values = {"a": np.array([1, 2, 3], np.uint8), "b": np.array([1.5, -2.25], np.float32),
+              "c": np.array([1, -1, 3], ml_dtypes.bfloat16), "d": np.array([-(2**30)], np.int32),
+              "e": np.array([True, False]), "f": np.array([[7, 8]], np.uint16)}
+    codes = {"a": "U8", "b": "F32", "c": "BF16", "d": "I32", "e": "BOOL", "f": "U16"}
+    header, data = {}, b""
+    for name, value in values.items():
+        header[name] = {"dtype": codes[name], "shape": list(value.shape),
+                        "data_offsets": [len(data), len(data) + value.nbytes]}
+        data += value.tobytes()
+    text = json.dumps(header).encode()
+    path = tmp_path / "packed.safetensors"
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+    for name, value in ost.load(path).items():
+        _same(value, values[name])
+    replicated = NamedSharding(Mesh(np.array(jax.devices()), ("x",)), P())
+    target = {name: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=replicated) for name, v in values.items()}
+    for name, value in ost.load(path, target).items():
+        assert value.sharding == replicated
+        _same(value, values[name])
+
+
 def test_a_damaged_small_tensor_fails_its_load_naming_it(mixed, tmp_path):
     """Small tensors are read and checked many to a request: a flipped byte in one of them
     names that tensor, not a neighbour."""
@@ -215,3 +256,39 @@ def test_a_distributed_checkpoint_of_many_slices_opens_in_linear_time(tmp_path):
             _same(loaded[name], tree[name])
     print(f"calls per slice: {per_slice}")
     assert per_slice[1] <= 1.2 * per_slice[0] + 5, per_slice
+
+
+def test_small_tensors_are_grouped_per_file_and_kind_in_file_order():
+    """``group_jobs`` on tensors of three files, some for host arrays and some for devices, in
+    no order: each member in one group; a group holds one file's tensors of one kind in file
+    order, under ``GROUP_BYTES`` plus one member; a file's kind is cut only where that bound
+    needs it."""
+    from orbax_safetensors.engine.loading.jobs import GROUP_BYTES, GROUPED_BELOW, group_jobs
+    from orbax_safetensors.format import DTYPES, TensorInfo
+    from orbax_safetensors.planning import StoredSlice, TensorSource
+
+    rng = np.random.default_rng(5)
+    replicated = NamedSharding(Mesh(np.array(jax.devices()), ("x",)), P())
+    members, offsets = [], {"f0": 0, "f1": 0, "f2": 0}
+    for i in range(3000):
+        file, size = f"f{rng.integers(3)}", int(rng.integers(0, GROUPED_BELOW))
+        info = TensorInfo(f"t{i}", DTYPES["U8"], (size,), 0, size)
+        stored = StoredSlice(info, file, offsets[file], (0,))
+        offsets[file] += size
+        members.append((f"t{i}", TensorSource(info.dtype, info.shape, (stored,)), replicated if i % 3 else None))
+    order = rng.permutation(len(members))
+    members = [members[k] for k in order]
+    groups = [group for _, group in group_jobs(members)]
+    assert sorted(k for group in groups for k in group) == list(range(len(members)))
+    kinds = []
+    for group in groups:
+        where = [(members[k][1].slices[0].file, members[k][2] is None) for k in group]
+        assert len(set(where)) == 1
+        starts = [members[k][1].slices[0].offset for k in group]
+        assert starts == sorted(starts)
+        sizes = [members[k][1].nbytes for k in group]
+        assert sum(sizes) - sizes[-1] < GROUP_BYTES
+        kinds.append(where[0])
+    for kind in set(kinds):  # as few as the bound allows: each but the last holds at least GROUP_BYTES less a member
+        held = [sum(members[k][1].nbytes for k in g) for g, w in zip(groups, kinds) if w == kind]
+        assert all(size > GROUP_BYTES - GROUPED_BELOW for size in held[:-1]), held

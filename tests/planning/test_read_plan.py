@@ -477,3 +477,38 @@ def test_row_slabs_tile_the_box_along_its_rows(shape_box, itemsize, least, most)
         assert all(a[0][1] == b[0][0] for a, b in zip(slabs, slabs[1:]))
     else:
         assert slabs == [box]
+
+
+@_SETTINGS
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 40)), min_size=1, max_size=30), st.randoms())
+def test_whole_reads_land_each_slice_in_one_buffer_and_read_each_byte_once(layout, rng):
+    """Small tensors of one file (``plan_whole_reads``), in any order: gapless neighbours share a
+    buffer, a gap opens another, a slice inside another (two leaves of one stored tensor, a
+    zero-byte tensor) lands in its buffer; every slice's bytes are where its place says, and
+    no byte is read twice or without a slice asking for it."""
+    from orbax_safetensors.format import DTYPES, TensorInfo
+    from orbax_safetensors.planning import StoredSlice, plan_whole_reads
+
+    slices, offset = [], 1000
+    for gap, size in layout:  # gap 0: right after the last; 3: a copy of the last one
+        if gap == 3 and slices:
+            slices.append(slices[-1])
+            continue
+        offset += gap
+        slices.append(StoredSlice(TensorInfo(f"t{len(slices)}", DTYPES["U8"], (size,), 0, size), "f", offset, (0,)))
+        offset += size
+    rng.shuffle(slices)
+    planned = plan_whole_reads(slices)
+    reads = planned.reads
+    (stretch,) = reads.slices
+    ranges = [(stretch.offset + a, stretch.offset + b) for ((a, b),) in reads.shards]
+    assert [r.box for r in reads.reads] == [r.direct for r in reads.reads] == list(reads.shards)
+    assert all(a1 > b0 for (_, b0), (a1, _) in zip(ranges, ranges[1:]))  # in order, a gap between
+    wanted = set()
+    for s, k, start in zip(slices, planned.buffers, planned.starts):
+        begin, end = ranges[k]
+        assert begin + start == s.offset and s.offset + s.info.nbytes <= end
+        wanted |= set(range(s.offset, s.offset + s.info.nbytes))
+    covered = [byte for begin, end in ranges for byte in range(begin, end)]
+    assert len(covered) == len(set(covered)) == reads.needed == reads.nbytes
+    assert set(covered) == wanted

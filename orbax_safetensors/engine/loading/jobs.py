@@ -43,6 +43,7 @@ from orbax_safetensors.planning import (
     StoredSlice,
     TensorReads,
     TensorSource,
+    WholeReads,
     bounding_box,
     box_shape,
     box_size,
@@ -126,8 +127,8 @@ def host_job(name: str, source: TensorSource, dtype: np.dtype | None, policy: Re
                scratch=transform is not None, refused=cast.refused)
 
 
-# Whole tensors under this size, loaded as stored, are read in groups of up to ``GROUP_BYTES``
-# of one file (``group_job``); a group's host arrays share one allocation.
+# Whole tensors under this size, loaded as stored, are read in groups of about ``GROUP_BYTES``
+# of one file (``group_jobs``: under it plus one member); a group's arrays view a few buffers.
 GROUPED_BELOW = 64 << 10
 GROUP_BYTES = 1 << 20
 
@@ -137,7 +138,10 @@ def groupable(source: TensorSource, dtype: np.dtype | None,
     """Whether this tensor (without a transform) can be one of a ``group_job``'s: small,
     stored whole and loaded as stored (no cast), into a host array or onto devices of this
     process that each hold all of it (replicated: ``device_put`` of the host array does it)."""
-    if source.whole is None or source.dtype.is_packed or source.nbytes >= GROUPED_BELOW:
+    if len(source.slices) != 1:  # ``source.whole``, its size and width, at a few attribute reads
+        return False
+    info = source.slices[0].info
+    if info.shape != source.shape or info.dtype.bits < 8 or info.end - info.begin >= GROUPED_BELOW:
         return False
     if sharding is None:
         return dtype is None or dtype == source.dtype.numpy
@@ -161,10 +165,10 @@ def group_job(members: Sequence[tuple[str, TensorSource, jax.sharding.Sharding |
     pool (``ReadPolicy.pooled``), copied out of it."""
     slices = [source.slices[0] for _, source, _ in members]  # each whole (groupable)
     shardings = [sharding for _, _, sharding in members]
+    planned = plan_whole_reads(slices)
 
     def finish(buffers: list[np.ndarray]) -> list[Any]:
-        arrays = [view(buffer, stored, name, source.shape)
-                  for buffer, stored, (name, source, _) in zip(buffers, slices, members)]
+        arrays = _member_arrays(buffers, planned, slices, members)
         if shardings[0] is None:
             return arrays
         if staged:
@@ -172,26 +176,57 @@ def group_job(members: Sequence[tuple[str, TensorSource, jax.sharding.Sharding |
         return jax.block_until_ready(jax.device_put(arrays, shardings))  # host buffers go once copied
 
     on_devices = staged and shardings[0] is not None
-    return Job(plan_whole_reads(slices), finish, tensors=len(members), scratch=on_devices)
+    return Job(planned.reads, finish, tensors=len(members), scratch=on_devices)
+
+
+def _member_arrays(buffers: list[np.ndarray], planned: WholeReads, slices: Sequence[StoredSlice],
+                   members: Sequence[tuple[str, TensorSource, Any]]) -> list[np.ndarray]:
+    """A group's arrays, in its buffers: each buffer viewed once per dtype and sliced, since a
+    ``view`` of each tiny tensor costs more than reading it. A member off a multiple of its item
+    size in its buffer (a file whose offsets are not), or stored in another byte order than
+    this machine's, goes through ``view``."""
+    typed: dict[tuple[int, str], np.ndarray | None] = {}  # (buffer, dtype code): its values
+    arrays = []
+    for k, start, stored, (name, source, _) in zip(planned.buffers, planned.starts, slices, members):
+        dtype, nbytes = source.dtype, stored.info.nbytes
+        size = dtype.bits >> 3
+        key = (k, dtype.code)
+        if key not in typed:
+            raw = buffers[k]
+            typed[key] = raw[:raw.size - raw.size % size].view(dtype.numpy) if dtype.little == dtype.numpy else None
+        values = typed[key]
+        if values is not None and start % size == 0:
+            try:
+                arrays.append(values[start // size:(start + nbytes) // size].reshape(source.shape))
+                continue
+            except ValueError:  # a shape numpy cannot hold: ``view`` names the tensor
+                pass
+        arrays.append(view(buffers[k][start:start + nbytes], stored, name, source.shape))
+    return arrays
 
 
 def group_jobs(members: Sequence[tuple[str, TensorSource, jax.sharding.Sharding | None]],
                staged: bool = False) -> list[tuple[Job, list[int]]]:
     """``groupable`` tensors, as few ``group_job``s as they make (per file, host arrays and
-    device arrays apart, in file order, up to ``GROUP_BYTES`` each), each with the indices
-    into ``members`` of its members."""
+    device arrays apart, in file order, cut where their bytes so far pass a multiple of
+    ``GROUP_BYTES``), each with the indices into ``members`` of its members. Sorted and cut
+    by numpy: a Python step per member is most of what grouping 100 000 of them costs."""
+    count = len(members)
+    if not count:
+        return []
     stored = [source.slices[0] for _, source, _ in members]  # each whole (groupable)
-    where = [(s.file, sharding is None, s.offset) for s, (_, _, sharding) in zip(stored, members)]
-    order = sorted(range(len(members)), key=where.__getitem__)
-    groups: list[list[int]] = []
-    size = 0
-    for k in order:
-        nbytes = stored[k].info.nbytes
-        if not groups or size + nbytes > GROUP_BYTES or where[k][:2] != where[groups[-1][0]][:2]:
-            groups.append([])
-            size = 0
-        groups[-1].append(k)
-        size += nbytes
+    file_of = {name: i for i, name in enumerate(sorted({s.file for s in stored}))}
+    kinds = (2 * np.fromiter([file_of[s.file] for s in stored], np.int64, count)
+             + np.fromiter([sharding is None for _, _, sharding in members], np.int64, count))
+    order = np.lexsort((np.fromiter([s.offset for s in stored], np.int64, count), kinds))
+    kinds, sizes = kinds[order], np.fromiter([s.info.nbytes for s in stored], np.int64, count)[order]
+    opens = np.ones(count, bool)  # where a group starts: a new file or kind of array...
+    opens[1:] = kinds[1:] != kinds[:-1]
+    before = np.cumsum(sizes) - sizes  # ...or where its bytes pass the next GROUP_BYTES
+    parts = (before - np.maximum.accumulate(np.where(opens, before, 0))) // GROUP_BYTES
+    opens[1:] |= parts[1:] != parts[:-1]
+    bounds, order = [*np.flatnonzero(opens).tolist(), count], order.tolist()
+    groups = [order[a:b] for a, b in zip(bounds, bounds[1:])]
     return [(group_job([members[k] for k in group], staged), group) for group in groups]
 
 

@@ -114,7 +114,8 @@ def _jobs(checkpoint: Checkpoint, chosen: Selection, policy: ReadPolicy) -> tupl
     """Every job of the wanted leaves, and where each leaf's value will come from."""
     jobs: list[Job] = []
     outputs: list[Output] = []
-    grouped: list[tuple[int, str, TensorSource, Any]] = []  # small tensors read in groups: (output, stored, ...)
+    grouped: list[tuple[str, TensorSource, Any]] = []  # small tensors read in groups: (stored, source, sharding)
+    grouped_outputs: list[int] = []  # where each goes in ``outputs``
     tensors, requests, assemblies = checkpoint.tensors, chosen.requests, chosen.assemblies  # once: 100 000 leaves
     for i in chosen.wanted:
         request = requests[i]
@@ -129,14 +130,15 @@ def _jobs(checkpoint: Checkpoint, chosen: Selection, policy: ReadPolicy) -> tupl
         source = tensors[stored]
         transform = None if assembly is None or assembly.transform.is_identity else assembly.transform
         if transform is None and groupable(source, request.dtype, request.sharding):
-            grouped.append((len(outputs), stored, source, request.sharding))
+            grouped.append((stored, source, request.sharding))
+            grouped_outputs.append(len(outputs))
             outputs.append(-1)  # its group's job, once the groups are made
             continue
         outputs.append(len(jobs))
         jobs.append(_job(stored, source, request, policy, transform))
-    for job, members in group_jobs([member[1:] for member in grouped], policy.pooled):
+    for job, members in group_jobs(grouped, policy.pooled):
         for k, member in enumerate(members):
-            outputs[grouped[member][0]] = (len(jobs), k)
+            outputs[grouped_outputs[member]] = (len(jobs), k)
         jobs.append(job)
     return jobs, outputs
 
