@@ -127,7 +127,7 @@ def drop_page_cache() -> None:
 def disk_read_gbps(files: list[Path], direct: bool = False) -> float:
     """The disk's own sequential read bandwidth over ``files`` (GB/s), page cache dropped first:
     what any loader is bounded by on a cold cache (dd with a 64 MB block, in Python; ``direct``:
-    ``iflag=direct``, O_DIRECT into a page-aligned buffer, the kernel's readahead out of it)."""
+    ``iflag=direct``, O_DIRECT into a page-aligned buffer, with neither page cache nor readahead)."""
     drop_page_cache()
     buffer = memoryview(mmap.mmap(-1, 64 << 20))
     total, started = 0, time.perf_counter()
