@@ -9,7 +9,7 @@ from orbax_safetensors.format.header import (
     Header,
     TensorInfo,
     check_metadata,
-    check_name,
+    check_names,
     header_size,
     is_encodable,
     parse_file_bytes,
@@ -21,6 +21,6 @@ from orbax_safetensors.format.header import (
 __all__ = [
     "checksums",
     "DTYPES", "DType", "dtype_for_numpy", "from_bytes", "to_bytes", "write_order",
-    "MAX_HEADER_SIZE", "METADATA_KEY", "PREFIX_SIZE", "Header", "TensorInfo", "check_metadata", "check_name",
+    "MAX_HEADER_SIZE", "METADATA_KEY", "PREFIX_SIZE", "Header", "TensorInfo", "check_metadata", "check_names",
     "header_size", "is_encodable", "parse_file_bytes", "parse_header", "reject_duplicate_keys", "serialize_header",
 ]

@@ -218,27 +218,38 @@ def serialize_header(
     JSON) and each tensor's resulting ``TensorInfo``.
     """
     # The JSON is written entry by entry, exactly as json.dumps(separators=(",", ":"),
-    # ensure_ascii=False) writes the document (a dict per tensor cost 0.3 s at 100 000).
+    # ensure_ascii=False) writes the document (a dict per tensor cost 0.3 s at 100 000);
+    # what an entry says besides its name and offsets is made once per dtype and shape.
     items = []
     if metadata is not None:
         items.append(f'"{METADATA_KEY}":' + json.dumps(
             check_metadata(metadata), separators=(",", ":"), ensure_ascii=False))
     infos: dict[str, TensorInfo] = {}
+    kinds: dict[tuple[str, tuple[int, ...]], tuple[tuple[int, ...], int, str]] = {}  # by code and shape
     offset = 0
     for name, dtype, shape in tensors:
         if name in infos or name == METADATA_KEY:
             raise SafetensorsError("name used twice or reserved", tensor=name)
-        check_name(name)
-        shape = tuple(map(int, shape))
-        try:
-            size = dtype.nbytes(shape)
-        except ValueError as e:
-            raise SafetensorsError(str(e), tensor=name) from None
-        infos[name] = TensorInfo(name, dtype, shape, offset, offset + size)
-        items.append(f'{encode_basestring(name)}:{{"dtype":"{dtype.code}","shape":['
-                     f'{",".join(map(str, shape))}],"data_offsets":[{offset},{offset + size}]}}')
+        kind = kinds.get((dtype.code, shape)) if type(shape) is tuple else None
+        if kind is None:
+            ints = tuple(map(int, shape))
+            try:
+                size = dtype.nbytes(ints)
+            except ValueError as e:
+                raise SafetensorsError(str(e), tensor=name) from None
+            kind = (ints, size, f':{{"dtype":"{dtype.code}","shape":[{",".join(map(str, ints))}],"data_offsets":[')
+            if type(shape) is tuple:
+                kinds[dtype.code, shape] = kind
+        ints, size, entry = kind
+        infos[name] = TensorInfo(name, dtype, ints, offset, offset + size)
+        items.append(f'{encode_basestring(name)}{entry}{offset},{offset + size}]}}')
         offset += size
-    body = ("{" + ",".join(items) + "}").encode("utf-8")
+    text = "{" + ",".join(items) + "}"
+    try:
+        body = text.encode("utf-8")
+    except UnicodeEncodeError:  # metadata was checked: a name, which the crate's writer refuses too
+        check_names(list(infos))
+        raise
     body += b" " * (-len(body) % _HEADER_ALIGNMENT)
     if len(body) > MAX_HEADER_SIZE:
         raise SafetensorsError(
@@ -273,6 +284,14 @@ def check_name(name: str) -> None:
     """A tensor name every reader can read back: valid UTF-8."""
     if not is_encodable(name):
         raise SafetensorsError("the name holds an unpaired surrogate (not valid UTF-8)", tensor=name)
+
+
+def check_names(names: Sequence[str]) -> None:
+    """``check_name`` of each name, in one encode of them all where every one is valid (no
+    two names can pair their surrogates: Python's UTF-8 refuses every surrogate code point)."""
+    if not is_encodable("".join(names)):
+        for name in names:
+            check_name(name)
 
 
 def is_encodable(text: str) -> bool:

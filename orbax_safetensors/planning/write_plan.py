@@ -149,14 +149,18 @@ def _stored_sizes(specs: Sequence[TensorSpec], max_shard_size: int, checksums: b
     share of the base64 checksum text (4 bytes a block: 16/3 characters); ``extra``: more
     header bytes per tensor (the distributed layout's slice offsets)."""
     offsets = 2 * len(str(max_shard_size))
+    kinds: dict[tuple[str, tuple[int, ...]], int] = {}  # the bytes besides the name's, by code and shape
     sizes = []
     for i, spec in enumerate(specs):
-        nbytes = spec.nbytes
-        header = (len(encode_basestring(spec.name).encode()) + _ENTRY_SYNTAX + len(spec.dtype.code)
-                  + len(",".join(map(str, spec.shape))) + offsets)
-        if checksums:
-            header += -(-16 * -(-nbytes // BLOCK_BYTES) // 3)
-        sizes.append((spec.name, nbytes + header + (extra[i] if extra else 0)))
+        key = (spec.dtype.code, spec.shape)
+        rest = kinds.get(key)
+        if rest is None:
+            nbytes = spec.nbytes
+            rest = nbytes + _ENTRY_SYNTAX + len(spec.dtype.code) + len(",".join(map(str, spec.shape))) + offsets
+            if checksums:
+                rest += -(-16 * -(-nbytes // BLOCK_BYTES) // 3)
+            kinds[key] = rest
+        sizes.append((spec.name, len(encode_basestring(spec.name).encode()) + rest + (extra[i] if extra else 0)))
     return sizes
 
 
@@ -278,16 +282,16 @@ def owned_ranges(files: Sequence[FilePlan], boxes: Sequence[tuple[str, Box]],
     one ``Transfers`` (arrays): a strided shard owns a range per row, millions of them
     for a process holding a column block of every layer.
     """
-    location = {t.name: (f, t) for f in files for t in f.tensors}
+    location = {t.name: (f.name, f.data_start, t) for f in files for t in f.tensors}
     by_file: dict[str, tuple[list[Runs], WholeRuns]] = {}  # in the order files first appear
     for index, (name, box) in enumerate(boxes):
-        file, info = location[name]
-        if file.name not in by_file:
-            by_file[file.name] = ([], WholeRuns())
-        runs, whole = by_file[file.name]
-        start = file.data_start + info.begin
+        file, data_start, info = location[name]
+        if file not in by_file:
+            by_file[file] = ([], WholeRuns())
+        runs, whole = by_file[file]
+        start = data_start + info.begin
         if info.dtype.is_packed or box == full_box(info.shape):  # the whole tensor: one run
-            whole.add(start, info.nbytes, index)
+            whole.add(start, info.end - info.begin, index)
             continue
         offsets, length = byte_runs(box, info.shape, info.dtype.bits // 8)
         runs.append(Runs.of(offsets + start, length, index))

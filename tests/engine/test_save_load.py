@@ -305,6 +305,19 @@ def test_edge_shapes_under_multi_device_shardings(tmp_path):
     assert stats.bytes_read == stats.bytes_needed == stored
 
 
+def test_a_sharded_packed_array_is_refused_and_a_replicated_one_saves(tmp_path):
+    """Sub-byte values share bytes, so only a whole (replicated) F4 array has bytes of its own
+    to write; a sharded one is refused before anything is written, naming the leaf."""
+    values = np.arange(16).astype(ml_dtypes.float4_e2m1fn).reshape(4, 4)
+    mesh = _mesh()
+    sharded = jax.device_put(values, NamedSharding(mesh, P("x")))
+    with pytest.raises(ost.ArgumentError, match=r"leaf 'w': F4 packs values below a byte"):
+        ost.save(tmp_path / "c", {"ok": np.zeros(2, np.float32), "w": sharded})
+    assert not (tmp_path / "c").exists() or not os.listdir(tmp_path / "c")
+    ost.save(tmp_path / "d", {"w": jax.device_put(values, NamedSharding(mesh, P()))})
+    np.testing.assert_array_equal(ost.load(tmp_path / "d")["w"], values)
+
+
 def test_a_sharding_that_does_not_fit_names_the_tensor(tmp_path):
     ost.save(tmp_path / "c", {"w": np.zeros((10, 3), np.float32)})
     target = {"w": jax.ShapeDtypeStruct((10, 3), np.float32, sharding=NamedSharding(_mesh(), P("x")))}

@@ -24,7 +24,15 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from orbax_safetensors import SafetensorsError
-from orbax_safetensors.format import DTYPES, METADATA_KEY, parse_file_bytes, parse_header, serialize_header
+from orbax_safetensors.format import (
+    DTYPES,
+    METADATA_KEY,
+    check_names,
+    is_encodable,
+    parse_file_bytes,
+    parse_header,
+    serialize_header,
+)
 from orbax_safetensors.format import header as header_module
 from orbax_safetensors.index import pack_shards, parse_size
 from tests.support.hf_reference import reference_split
@@ -103,6 +111,30 @@ def test_serialize_rejects_unencodable_metadata(metadata, bad, as_key):
     except SafetensorsError:
         return
     raise AssertionError("a lone surrogate reached the header")
+
+
+@SETTINGS
+@given(st.lists(TEXT, min_size=1, max_size=6, unique=True), st.sampled_from(["\ud800", "a\udfff", "\udc00b"]),
+       st.integers(0, 6), st.booleans())
+def test_serialize_and_check_names_reject_a_lone_surrogate_naming_its_tensor(names, bad, at, paired):
+    """A name no UTF-8 reader reads back is refused, by ``serialize_header`` and by
+    ``check_names`` alike, naming it; a high surrogate ending one name and a low one starting
+    the next are still two lone surrogates, not a pair."""
+    names = [n for n in names if n != METADATA_KEY]
+    if paired:
+        names = [*names, "x\ud800", "\udc00y"]
+        bad = "x\ud800"
+    elif bad not in names:
+        names.insert(min(at, len(names)), bad)
+    for check in (lambda: serialize_header([(n, DTYPES["U8"], (1,)) for n in names]),
+                  lambda: check_names(names)):
+        try:
+            check()
+        except SafetensorsError as e:
+            assert repr(bad) in str(e) and "unpaired surrogate" in str(e), str(e)
+            continue
+        raise AssertionError("a lone surrogate reached the header")
+    check_names([n for n in names if is_encodable(n)])
 
 
 # --------------------------------------------------------------------------- (b) fuzz

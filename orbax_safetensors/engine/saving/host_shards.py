@@ -82,6 +82,11 @@ def copy_to_host(
                 peers.meet(f"reshard/{name}")
                 array, resharded = resharding(array.sharding, rows)(array), resharded + 1
             mine = [shard for shard in array.addressable_shards if shard.replica_id == 0]
+            if spec.dtype.is_packed and any(normalize_index(shard.index, spec.shape) != full_box(spec.shape)
+                                            for shard in mine):
+                raise ArgumentError(
+                    f"leaf {name!r}: {spec.dtype.code} packs values below a byte, "
+                    "so it can only be saved from an unsharded (replicated) array")
             left = rows is None and on_accelerator(array)  # copied as the writes near, or in a window
             for shard in () if left else mine:
                 shard.data.copy_to_host_async()
@@ -95,14 +100,10 @@ def copy_to_host(
                 if copy and not ours and on_accelerator(data)]
     landed, peak = _landed([owned[i][2] for i in windowed], budget)
     host = dict(zip(windowed, landed))
-    shards = [HostShard(name, box, host[i] if i in host else data if isinstance(data, OnDevice)
+    shards = [HostShard(name, box, host[i] if i in host else data if type(data) is np.ndarray and not copy
+                        else data if isinstance(data, OnDevice)
                         else np.array(data, copy=True if copy and not ours and _copied(data) else None))
               for i, (name, box, data, ours) in enumerate(owned)]
-    for shard in shards:
-        if specs[shard.name].dtype.is_packed and shard.box != full_box(specs[shard.name].shape):
-            raise ArgumentError(
-                f"leaf {shard.name!r}: {specs[shard.name].dtype.code} packs values below a byte, "
-                "so it can only be saved from an unsharded (replicated) array")
     return (shards if assemblies is None else _map_shards(shards, assemblies, copy=copy)), resharded, peak
 
 

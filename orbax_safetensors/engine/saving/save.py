@@ -44,7 +44,7 @@ from orbax_safetensors.engine.core.tree_names import flatten_with_names
 from orbax_safetensors.engine.core.options import with_shorthand
 from orbax_safetensors.engine.saving.options import SaveKeywords, SaveOptions, files_beside
 from orbax_safetensors.errors import ArgumentError, ArgumentTypeError
-from orbax_safetensors.format import check_name, dtype_for_numpy, to_bytes
+from orbax_safetensors.format import DType, check_names, dtype_for_numpy, to_bytes
 from orbax_safetensors.index import (
     DISTRIBUTED_INDEX_NAME,
     DistributedTensor,
@@ -220,13 +220,22 @@ def check_tree(tree: Any, layout: str = "hf") -> tuple[dict[str, Any], list[Tens
     if layout not in LAYOUTS:
         raise ArgumentError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
     names, leaves, _ = flatten_with_names(tree)
-    for name in names:
-        check_name(name)
+    check_names(names)
     arrays = dict(zip(names, (_checked_array(n, leaf) for n, leaf in zip(names, leaves))))
-    return arrays, [_spec(name, array) for name, array in arrays.items()]
+    kinds: dict[tuple[np.dtype, tuple[int, ...]], tuple[DType, tuple[int, ...]]] = {}  # checked once each
+    specs = []
+    for name, array in arrays.items():
+        key = (array.dtype, array.shape)
+        kind = kinds.get(key)
+        if kind is None:
+            kind = kinds[key] = _kind(name, array)
+        specs.append(TensorSpec(name, *kind))
+    return arrays, specs
 
 
 def _checked_array(name: str, leaf: Any) -> jax.Array | np.ndarray:
+    if type(leaf) is np.ndarray:  # as it is, and the commonest leaf of a host tree
+        return leaf
     if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
         raise ArgumentTypeError(
             f"leaf {name!r} is a typed PRNG key ({leaf.dtype}), which has no safetensors dtype: "
@@ -241,17 +250,18 @@ def _checked_array(name: str, leaf: Any) -> jax.Array | np.ndarray:
         "arrays only (convert scalars with np.asarray, or drop the leaf)")
 
 
-def _spec(name: str, array: jax.Array | np.ndarray) -> TensorSpec:
+def _kind(name: str, array: jax.Array | np.ndarray) -> tuple[DType, tuple[int, ...]]:
+    """The stored dtype and shape of ``array`` (leaf ``name``), or why it cannot be stored."""
     try:
         dtype = dtype_for_numpy(array.dtype)
     except ValueError as e:
         raise ArgumentError(f"leaf {name!r}: {e}") from None
-    spec = TensorSpec(name, dtype, tuple(array.shape))
+    shape = tuple(array.shape)
     try:
-        spec.nbytes
+        dtype.nbytes(shape)
     except ValueError as e:
         raise ArgumentError(f"leaf {name!r}: {e}") from None
-    return spec
+    return dtype, shape
 
 
 @dataclasses.dataclass(frozen=True)
