@@ -1,5 +1,7 @@
 """The reverse of MaxText 0.2.5's own converter: ``to_maxtext.py`` itself
-(``tests/support/maxtext_to_maxtext.py``, ``--save_dtype float32 --lazy_load_tensors``) writes each
+(``tests/support/maxtext_to_maxtext.py``, ``--save_dtype float32 --lazy_load_tensors``, on the 4
+simulated CPU devices MaxText's own runs here take, rather than its default 16: the checkpoint still
+comes in chunks of axis 0, and each conversion compiles for a quarter of the devices) writes each
 family's checkpoint, scanned and unscanned, and ``ost.convert`` takes it back to Hugging Face's form
 through ``ost.mappings.maxtext``: the original tensors byte for byte (float32: MaxText's query scale
 1/sqrt(head_dim) is a power of two here) and transformers' logits. Where ``to_maxtext.py`` itself
@@ -25,6 +27,7 @@ import orbax_safetensors as ost
 from tests.families.test_maxtext_mapping import (  # noqa: F401 -- maxtext_python, hf_checkpoints: fixtures
     CASES,
     CHILD_TIMEOUT,
+    DEVICES,
     KNOWN,
     MAXTEXT_CONVERTER_BUGS,
     MAXTEXT_CONVERTER_FAILS,
@@ -61,8 +64,9 @@ PROCESSES = 2  # to_maxtext.py processes at once: each converts on one core at a
 
 
 def run_to_maxtext(python, jobs, work, **options):
-    """MaxText's own to_maxtext.py on each of ``jobs`` ({key: (case, hf_dir, scan)}), float32
-    (``options``: more of each job's keys, ``tests/support/maxtext_to_maxtext.py``'s), the jobs
+    """MaxText's own to_maxtext.py on each of ``jobs`` ({key: (case, hf_dir, scan)}), float32, on
+    ``DEVICES`` simulated CPU devices (``options``: more of each job's keys or other values for
+    them, ``tests/support/maxtext_to_maxtext.py``'s), the jobs
     dealt out to ``PROCESSES`` processes that run at once (the conversions are independent, and
     each process pays MaxText's import once): {key: (its base_output_directory, None or its
     error)}."""
@@ -73,7 +77,8 @@ def run_to_maxtext(python, jobs, work, **options):
         jobs_path, results_path = (os.path.join(work, f"{what}{k}.json") for what in ("jobs", "results"))
         with open(jobs_path, "w") as f:
             json.dump([dict(hf_dir=jobs[key][1], family=CASES[jobs[key][0]][0], out=outs[key], scan_layers=jobs[key][2],
-                            save_dtype="float32", **options) for key in share], f)
+                            save_dtype="float32", **{"simulated_cpu_devices_count": DEVICES, **options})
+                       for key in share], f)
         process = subprocess.Popen([python, TO_MAXTEXT, jobs_path, results_path], stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True, env=_clean_env())
         started.append((share, results_path, process))
@@ -172,7 +177,7 @@ def one_device_to_maxtext(maxtext_python, hf_checkpoints, tmp_path_factory):
 def test_to_maxtext_saves_lazily_loaded_weights_on_one_device(one_device_to_maxtext):
     """The ``lazy_load_tensors=True`` save (to_maxtext.py's CLI default) that fails with orbax-checkpoint
     0.12.8: only with one simulated device, where the weights are not made JAX arrays; with its
-    default 16, as every other to_maxtext.py run here, it saves."""
+    default 16, or the 4 of every other to_maxtext.py run here, it saves."""
     _, error = one_device_to_maxtext
     if error is not None and "NoEntryError" in error and "TrainState" in error:
         raise NoHandlerForLazyWeights(error.strip().splitlines()[-1][:400])
